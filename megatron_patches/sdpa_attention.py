@@ -1,0 +1,94 @@
+"""A torch-SDPA core attention for Megatron's local (non-Transformer-Engine) layer specs.
+
+Upstream (megatron-core 0.16.1): the local spec's `DotProductAttention` allocates its score
+buffer with `torch.cuda.current_device()` (fails on a CPU build), and it does not accept the
+`k_channels` / `v_channels` arguments that `MLASelfAttention` passes, so Multi-Latent Attention
+(DeepSeek-V3: q/k head dim 192, v head dim 128) cannot run without Transformer Engine at all.
+
+This module is not a monkeypatch: `mrl.models` puts `SDPACoreAttention` into the layer spec's
+`core_attention` slot whenever the local spec is used. It handles MHA, GQA (query groups are
+repeated to the heads, as Megatron's own attention does) and unequal q/k and v head dims, with the
+causal mask built in or an explicit Megatron-style boolean mask (True = masked out).
+
+Drop when: megatron-core's local `DotProductAttention` runs on CPU and accepts MLA's unequal head
+dims (not the case up to 0.16.1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+CPU_ONLY = False
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention: softmax(q k^T * scale + mask) v with torch's scaled_dot_product_attention.
+
+    Shapes (Megatron convention): query [sq, b, np, hk], key [sk, b, ng, hk], value [sk, b, ng, hv]
+    for this TP rank's heads; returns [sq, b, np * hv].
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPACoreAttention does not support context parallelism (CP > 1).")
+        self.attn_mask_type = attn_mask_type
+        head_dim = k_channels if k_channels is not None else config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        if config.apply_query_key_layer_scaling:
+            self.softmax_scale /= max(1, layer_number)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise NotImplementedError("SDPACoreAttention does not support packed sequences (thd).")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention does not support attention_bias.")
+        mask_type = attn_mask_type or self.attn_mask_type
+        sq, batch, heads, _ = query.shape
+        groups = key.shape[2]
+        # [s, b, n, d] -> [b, n, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if groups != heads:
+            k = k.repeat_interleave(heads // groups, dim=1)
+            v = v.repeat_interleave(heads // groups, dim=1)
+        causal = mask_type == AttnMaskType.causal and attention_mask is None
+        mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
+        out = F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=causal,
+            scale=self.softmax_scale,
+        )
+        # [b, n, sq, hv] -> [sq, b, n * hv]
+        return out.permute(2, 0, 1, 3).reshape(sq, batch, -1)

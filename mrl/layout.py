@@ -1,0 +1,97 @@
+"""The parallel layout of a Megatron model, and the arithmetic checks it must pass.
+
+Pure Python: validating a layout needs no megatron, no torch.distributed and no GPU, so every
+error surfaces before a single worker starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot hold the model; the message names the number and the fix."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of the model-parallel dimensions. Data parallelism fills the rest of the world.
+
+    tp: tensor parallel, pp: pipeline parallel, vpp: virtual pipeline chunks per stage,
+    ep: expert parallel, etp: expert tensor parallel (defaults to tp, as in Megatron).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    vpp: int | None = None
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    def min_world_size(self) -> int:
+        """Smallest world that fits both the dense (tp·pp) and the expert (etp·ep·pp) grid."""
+        dense = self.tp * self.pp
+        expert = self.expert_tp * self.ep * self.pp
+        return math.lcm(dense, expert)
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        if self.vpp:
+            parts.append(f"VPP{self.vpp}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        if self.etp is not None:
+            parts.append(f"ETP{self.etp}")
+        return "×".join(parts)
+
+    def validate(self, dims: "ModelDims", world_size: int | None = None) -> None:
+        """Raise LayoutError naming the first number that does not divide."""
+        for name, value in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep), ("etp", self.expert_tp)):
+            if value < 1:
+                raise LayoutError(f"--{name} must be >= 1, got {value}.")
+        if self.vpp is not None and (self.vpp < 1 or (self.vpp > 1 and self.pp == 1)):
+            raise LayoutError(f"--vpp {self.vpp} needs --pp > 1 (virtual stages interleave pipeline stages).")
+        _divides(self.tp, dims.num_attention_heads, "attention heads", "--tp")
+        if dims.num_query_groups % self.tp and self.tp % dims.num_query_groups:
+            raise LayoutError(
+                f"{dims.num_query_groups} KV heads cannot be split over --tp {self.tp}: "
+                "use a TP size that divides the KV heads or is a multiple of them."
+            )
+        _divides(self.tp, dims.ffn_hidden_size, "MLP intermediate size (ffn_hidden_size)", "--tp")
+        chunks = self.pp * (self.vpp or 1)
+        if dims.num_layers % chunks:
+            raise LayoutError(
+                f"{dims.num_layers} layers cannot be split into PP×VPP = {self.pp}×{self.vpp or 1} = "
+                f"{chunks} equal pipeline chunks: choose --pp/--vpp whose product divides {dims.num_layers}."
+            )
+        if dims.num_experts:
+            _divides(self.ep, dims.num_experts, "routed experts", "--ep")
+            _divides(self.expert_tp, dims.moe_ffn_hidden_size, "expert intermediate size", "--etp")
+        elif self.ep > 1 or self.etp is not None:
+            raise LayoutError("--ep/--etp given for a dense model (no routed experts): drop them.")
+        if world_size is not None and world_size % self.min_world_size():
+            raise LayoutError(
+                f"world size {world_size} does not fit layout {self.describe()}: it must be a multiple "
+                f"of {self.min_world_size()} (TP·PP for dense and ETP·EP·PP for expert layers)."
+            )
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The model sizes a layout has to divide."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+
+
+def _divides(size: int, total: int, what: str, flag: str) -> None:
+    if total % size:
+        raise LayoutError(f"{total} {what} are not divisible by {flag} {size}: choose a {flag} that divides {total}.")

@@ -1,0 +1,1 @@
+"""Megatron-core glue: process groups, model building, forward passes."""

@@ -1,0 +1,60 @@
+"""Forward passes through the pipeline: full-vocabulary logits for a batch of token ids.
+
+Used by `mrl verify` (parity with transformers) and later for scoring probe batches. Vocab-parallel
+logits are gathered over TP here because verify needs the whole distribution; RL losses use
+vocab-parallel log-probs instead and never gather the vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mrl.megatron.model import BuiltModel
+
+
+def forward_logits(built: BuiltModel, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Logits [b, s, V] (padding stripped) on the last pipeline stage, None on other stages.
+
+    Runs one micro-batch per sequence through Megatron's pipeline schedule (forward only).
+    The sequence is right-padded to a multiple of TP for sequence parallelism; causal attention
+    keeps the real positions unaffected and their logits are returned.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    batch, seq = tokens.shape
+    tp = built.layout.tp
+    padded = -(-seq // tp) * tp
+    tokens = torch.nn.functional.pad(tokens, (0, padded - seq))
+    positions = torch.arange(padded).unsqueeze(0)
+    micro_batches = [tokens[i : i + 1] for i in range(batch)]
+    chunks = len(built.chunks)
+    # Every virtual chunk calls forward_step; each needs its own pass over the micro-batches.
+    iterators = [iter(micro_batches) for _ in range(chunks)]
+
+    def forward_step(data_iterator, model):
+        ids = next(data_iterator)
+        output = model(ids, positions, None)
+
+        def keep_logits(output_tensor, non_loss_data=True):
+            return gather_from_tensor_model_parallel_region(output_tensor)
+
+        return output, keep_logits
+
+    for chunk in built.chunks:
+        chunk.eval()
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if chunks > 1 else iterators[0],
+            model=built.chunks if chunks > 1 else built.chunks[0],
+            num_microbatches=batch,
+            seq_length=padded,
+            micro_batch_size=1,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
+    if not ps.is_pipeline_last_stage():
+        return None
+    return torch.cat(outputs)[:, :seq, : built.spec.vocab_size].float()

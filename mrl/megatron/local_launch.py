@@ -1,0 +1,85 @@
+"""Run a function on N local processes joined in one torch.distributed group (no torchrun).
+
+Used by `mrl verify` and the distributed tests. Each child sets RANK/WORLD_SIZE/MASTER_* itself and
+calls init_process_group (gloo on CPU). A failure on any rank is raised in the parent with that
+rank's traceback; a rank that neither returns nor fails within `timeout_s` is an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A rank of a local launch failed; the message carries its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(rank: int, world_size: int, port: int, timeout_s: float = 300.0) -> None:
+    """Join the default group; the timeout turns a stuck collective into an error."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    backend = "nccl" if os.environ.get("MRL_DIST_BACKEND") == "nccl" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    try:
+        init_process_group(rank, world_size, port)
+        value = fn(rank, world_size, *args)
+        # Serialised by value: a tensor shared through torch.multiprocessing dies with this process.
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 900.0) -> list[Any]:
+    """Call fn(rank, world_size, *args) on world_size processes; return the values by rank.
+
+    Values must be tensors, numbers, strings, or lists/tuples/dicts of them.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    try:
+        while len(values) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(values))
+                raise WorkerError(f"ranks {missing} gave no result within {timeout_s:.0f}s") from None
+            if not ok:
+                raise WorkerError(f"rank {rank} failed:\n{value}")
+            values[rank] = torch.load(io.BytesIO(value), weights_only=True)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [values[r] for r in range(world_size)]

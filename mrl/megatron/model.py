@@ -1,0 +1,123 @@
+"""Build the Megatron GPTModel chunks of this rank for a ModelSpec and ParallelLayout.
+
+Transformer Engine is an optional accelerator: `transformer_impl="auto"` picks its layer spec when
+it imports and the local spec (with mrl's SDPA core attention) otherwise; "transformer_engine"
+demands it and fails clearly when it is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mrl.layout import ParallelLayout
+from mrl.models.registry import ModelSpec
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+
+
+@dataclass
+class BuiltModel:
+    """This rank's model chunks (one per virtual pipeline stage) and what was chosen to build them."""
+
+    chunks: list[torch.nn.Module]
+    spec: ModelSpec
+    layout: ParallelLayout
+    padded_vocab_size: int
+    use_te: bool
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_transformer_impl(impl: str) -> bool:
+    """Return whether to use Transformer Engine for `impl` ("auto", "local", "transformer_engine")."""
+    if impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"transformer_impl {impl!r} is not one of {TRANSFORMER_IMPLS}.")
+    if impl == "transformer_engine" and not transformer_engine_available():
+        raise RuntimeError(
+            "transformer_impl='transformer_engine' but Transformer Engine is not installed. "
+            "Install the GPU extra (pip install -e '.[gpu]') or set transformer_impl to 'auto' or 'local'."
+        )
+    return impl == "transformer_engine" or (impl == "auto" and transformer_engine_available())
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisor: int = 128) -> int:
+    """Megatron-LM's padding: a multiple of divisor·TP so every TP rank holds equal rows."""
+    multiple = divisor * tp
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+def transformer_config(spec: ModelSpec, layout: ParallelLayout, params_dtype: torch.dtype) -> Any:
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    kwargs = dict(spec.config)
+    kwargs["activation_func"] = ACTIVATIONS[kwargs["activation_func"]]
+    kwargs.update(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp and layout.vpp > 1 else None,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        # Megatron requires sequence parallelism for MoE with TP; dense models gain from it too.
+        sequence_parallel=layout.tp > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+    )
+    return (MLATransformerConfig if spec.mla else TransformerConfig)(**kwargs)
+
+
+def layer_specs(config: Any, use_te: bool, vp_stage: int | None) -> Any:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage)
+    if not use_te:
+        from megatron_patches.sdpa_attention import SDPACoreAttention
+
+        for layer in block.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return block
+
+
+def build_model(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    vocab_divisor: int = 128,
+    transformer_impl: str = "auto",
+) -> BuiltModel:
+    """Build this rank's chunks; Megatron's process groups must already exist (initialize_layout)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    use_te = resolve_transformer_impl(transformer_impl)
+    config = transformer_config(spec, layout, params_dtype)
+    vocab = padded_vocab_size(spec.vocab_size, layout.tp, vocab_divisor)
+    vpp = layout.vpp if layout.vpp and layout.vpp > 1 else None
+    chunks = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        chunks.append(
+            GPTModel(
+                config,
+                layer_specs(config, use_te, vp_stage),
+                vocab_size=vocab,
+                max_sequence_length=spec.max_position_embeddings,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                share_embeddings_and_output_weights=spec.tie_word_embeddings,
+                vp_stage=vp_stage,
+                **spec.rope,
+            )
+        )
+    return BuiltModel(chunks, spec, layout, vocab, use_te)

@@ -1,0 +1,61 @@
+"""Megatron process groups for a ParallelLayout, and where this rank sits in them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from mrl.layout import ParallelLayout
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """This rank's coordinates in the dense and the expert grids."""
+
+    rank: int
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+
+
+def initialize_layout(layout: ParallelLayout, seed: int = 1234) -> RankCoords:
+    """Create Megatron's process groups for `layout` on the already-initialised default group."""
+    import megatron_patches
+
+    megatron_patches.apply()
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp and layout.vpp > 1 else None,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+    )
+    model_parallel_cuda_manual_seed(seed)
+    return rank_coords()
+
+
+def rank_coords() -> RankCoords:
+    from megatron.core import parallel_state as ps
+
+    return RankCoords(
+        rank=dist.get_rank(),
+        tp=ps.get_tensor_model_parallel_rank(),
+        pp=ps.get_pipeline_model_parallel_rank(),
+        dp=ps.get_data_parallel_rank(),
+        ep=ps.get_expert_model_parallel_rank(),
+        etp=ps.get_expert_tensor_parallel_rank(),
+        edp=ps.get_expert_data_parallel_rank(),
+    )
+
+
+def destroy_layout() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
