@@ -73,7 +73,11 @@ class ParallelLayout:
             _divides(self.expert_tp, dims.moe_ffn_hidden_size, "expert intermediate size", "--etp")
         elif self.ep > 1 or self.etp is not None:
             raise LayoutError("--ep/--etp given for a dense model (no routed experts): drop them.")
-        if world_size is not None and world_size % self.min_world_size():
+        if world_size is not None:
+            self.check_world_size(world_size)
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size % self.min_world_size():
             raise LayoutError(
                 f"world size {world_size} does not fit layout {self.describe()}: it must be a multiple "
                 f"of {self.min_world_size()} (TP·PP for dense and ETP·EP·PP for expert layers)."

@@ -21,7 +21,14 @@ import torch.multiprocessing as mp
 
 
 class WorkerError(RuntimeError):
-    """A rank of a local launch failed; the message carries its traceback."""
+    """A rank of a local launch failed; the message carries its traceback.
+
+    `summary` is the failing rank and its exception's last line, for one-line CLI errors.
+    """
+
+    def __init__(self, message: str, summary: str):
+        super().__init__(message)
+        self.summary = summary
 
 
 def free_port() -> int:
@@ -48,8 +55,8 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
         buffer = io.BytesIO()
         torch.save(value, buffer)
         results.put((rank, True, buffer.getvalue()))
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as err:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, (traceback.format_exc(), f"{type(err).__name__}: {err}")))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -73,9 +80,11 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 900.
                 rank, ok, value = results.get(timeout=timeout_s)
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(values))
-                raise WorkerError(f"ranks {missing} gave no result within {timeout_s:.0f}s") from None
+                message = f"ranks {missing} gave no result within {timeout_s:.0f}s"
+                raise WorkerError(message, message) from None
             if not ok:
-                raise WorkerError(f"rank {rank} failed:\n{value}")
+                trace, last_line = value
+                raise WorkerError(f"rank {rank} failed:\n{trace}", f"rank {rank}: {last_line}")
             values[rank] = torch.load(io.BytesIO(value), weights_only=True)
     finally:
         for p in procs:

@@ -8,6 +8,7 @@ demands it and fails clearly when it is missing.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from mrl.layout import ParallelLayout
 from mrl.models.registry import ModelSpec
 
+_log = logging.getLogger(__name__)
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
@@ -46,7 +48,10 @@ def resolve_transformer_impl(impl: str) -> bool:
             "transformer_impl='transformer_engine' but Transformer Engine is not installed. "
             "Install the GPU extra (pip install -e '.[gpu]') or set transformer_impl to 'auto' or 'local'."
         )
-    return impl == "transformer_engine" or (impl == "auto" and transformer_engine_available())
+    use_te = impl == "transformer_engine" or (impl == "auto" and transformer_engine_available())
+    if impl == "auto" and not use_te:
+        _log.info("Transformer Engine not installed: using Megatron's local layer spec with torch SDPA attention.")
+    return use_te
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisor: int = 128) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -22,14 +23,31 @@ class RankCoords:
     edp: int
 
 
+# Third-party warnings that fire on every rank and carry no information for an mrl user; mrl
+# reports the Transformer Engine fallback itself (mrl.megatron.model.resolve_transformer_impl).
+_KNOWN_NOISE = (
+    (UserWarning, r"(Transformer Engine|Apex) (and Apex )?(is|are) not installed"),
+    (UserWarning, r"full scope is deprecated"),
+    (UserWarning, r"When using sequence parallelism it is recommended to set"),
+    (FutureWarning, r"`torch.distributed.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"),
+)
+
+
+def quiet_known_warnings() -> None:
+    for category, message in _KNOWN_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
 def initialize_layout(layout: ParallelLayout, seed: int = 1234) -> RankCoords:
     """Create Megatron's process groups for `layout` on the already-initialised default group."""
+    quiet_known_warnings()
     import megatron_patches
 
     megatron_patches.apply()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    layout.check_world_size(dist.get_world_size())
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -37,7 +55,7 @@ def initialize_layout(layout: ParallelLayout, seed: int = 1234) -> RankCoords:
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
     )
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return rank_coords()
 
 

