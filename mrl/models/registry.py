@@ -56,6 +56,12 @@ class ModelSpec:
 
 def _base(hf: dict) -> dict[str, Any]:
     """Llama-style decoder: RMSNorm, SwiGLU, RoPE, no linear biases."""
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise UnsupportedModelError(
+                f"{flag}=true is not supported (it adds biases Megatron's layers here do not have); "
+                "use a checkpoint without it."
+            )
     heads = hf["num_attention_heads"]
     return dict(
         num_layers=hf["num_hidden_layers"],
@@ -69,7 +75,7 @@ def _base(hf: dict) -> dict[str, Any]:
         gated_linear_unit=True,
         activation_func="silu",
         add_bias_linear=False,
-        add_qkv_bias=bool(hf.get("attention_bias", False)),
+        add_qkv_bias=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # Fusions are CUDA kernels; the plain paths are numerically the reference anyway.
@@ -160,6 +166,11 @@ def deepseek_v3(hf: dict) -> dict[str, Any]:
         )
     if hf.get("scoring_func", "sigmoid") != "sigmoid":
         raise UnsupportedModelError(f"DeepSeek-V3 scoring_func {hf['scoring_func']!r}: only 'sigmoid' is supported.")
+    if not hf.get("rope_interleave", True):
+        raise UnsupportedModelError(
+            "DeepSeek-V3 with rope_interleave=false is not supported: Megatron's MLA expects the "
+            "interleaved rotary layout of the released checkpoints."
+        )
     layers = hf["num_hidden_layers"]
     first_dense = hf.get("first_k_dense_replace", 0)
     scaling = _rope_scaling(hf) or {}

@@ -50,10 +50,10 @@ def _run_layouts(rank: int, world_size: int, hf_dir: str, layouts: dict[str, Par
     for name, layout in layouts.items():
         coords = initialize_layout(layout)
         built = build_model(spec, layout)
-        load_hf_weights(built, coords, hf_dir)
+        bytes_read = load_hf_weights(built, coords, hf_dir)
         logits = forward_logits(built, probe_tokens(spec.vocab_size))
         exported = dict(iter_hf_weights(built, coords, bucket_bytes=256 * 1024))  # many buckets
-        result = {}
+        result = {"bytes_read": bytes_read}
         if logits is not None and coords.tp == 0 and coords.dp == 0:
             result["logits"] = logits
         if rank == 0:
@@ -61,6 +61,7 @@ def _run_layouts(rank: int, world_size: int, hf_dir: str, layouts: dict[str, Par
             result["exported"] = sorted(exported)
             result["mismatches"] = [n for n, t in exported.items() if not torch.equal(t, ckpt.read(n))]
             result["checkpoint"] = sorted(ckpt.names())
+            result["checkpoint_bytes"] = sum(ckpt.read(n).nbytes for n in ckpt.names())
         results[name] = result
         destroy_layout()
     return results
@@ -85,6 +86,11 @@ def test_parity_and_bitwise_round_trip(arch, tiny_model_dir):
         if root["mismatches"]:
             failures.append(f"{name}: {len(root['mismatches'])} tensors differ, first {root['mismatches'][0]}")
     assert not failures, f"{arch}: " + "; ".join(failures)
+    # Each rank reads only its slices: in TP2×PP2 a rank owns about a quarter of the weights.
+    total = per_rank[0]["TP2xPP2"]["checkpoint_bytes"]
+    shares = [r["TP2xPP2"]["bytes_read"] / total for r in per_rank]
+    assert max(shares) < 0.4, f"{arch}: a TP2xPP2 rank read {max(shares):.0%} of the checkpoint"
+    assert sum(shares) >= 1.0  # together they read everything (replicated norms more than once)
 
 
 def _vocab(hf_dir: str) -> int:

@@ -79,3 +79,16 @@ def test_checkpoint_errors_name_the_tensor(tiny_model_dir, tmp_path, capsys, edi
     err = capsys.readouterr().err.strip()
     assert message in err, err
     assert len(err.splitlines()) == 1
+
+
+def test_sharded_bf16_checkpoint_round_trips(tiny_model_dir, tmp_path, capsys):
+    """Hub checkpoints are usually bf16 and sharded with an index: both must verify."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2"), dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="300KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    assert verify_main(["--hf", str(tmp_path / "sharded"), "--tp", "2", "--tol", "1e-4"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["export"]["mismatches"] == [] and summary["export"]["missing"] == []
