@@ -31,6 +31,7 @@ _COMMON = dict(
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=True, rope_theta=500000.0,
+        max_position_embeddings=16384,  # above the Llama-3 scaling's original 8192
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192),
     ),
