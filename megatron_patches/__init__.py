@@ -11,6 +11,7 @@ CPU-only patches never apply when CUDA is available: on a GPU, upstream code pat
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 import torch
@@ -45,9 +46,14 @@ def _patch_module(name: str) -> ModuleType:
 def apply(skip: tuple[str, ...] = (), *, force_cpu: bool = False) -> list[str]:
     """Apply every patch that this machine needs; return the names applied so far.
 
-    skip: patch names to leave out (tests use it to show each patch is needed).
+    skip: patch names to leave out. The environment variable MRL_SKIP_PATCHES (comma-separated)
+    adds to it, so a test can show in spawned workers that each patch is needed.
     force_cpu: apply CPU-only patches even when CUDA is available (tests only).
     """
+    skip = tuple(skip) + tuple(n for n in os.environ.get("MRL_SKIP_PATCHES", "").split(",") if n)
+    unknown = set(skip) - set(PATCH_MODULES)
+    if unknown:
+        raise ValueError(f"unknown patch names {sorted(unknown)}; known: {', '.join(PATCH_MODULES)}")
     version = megatron_version()
     if version not in SUPPORTED_MEGATRON_VERSIONS:
         raise RuntimeError(

@@ -1,7 +1,8 @@
 """Uneven all-gather and reduce-scatter over gloo, for MoE with expert-tensor parallelism.
 
 Upstream (megatron-core 0.16.1, `tensor_parallel/mappings.py`): with MoE + TP (ETP > 1) the
-alltoall dispatcher gathers tokens over the expert-TP group with per-rank sizes
+alltoall dispatcher (EP > 1 with expert TP > 1, e.g. EP2×TP2) gathers tokens over the
+expert-TP group with per-rank sizes
 (`_gather_along_first_dim(..., output_split_sizes)`) and reduce-scatters them back
 (`_reduce_scatter_along_first_dim(..., input_split_sizes)`). Those call the list forms of
 `all_gather` / `reduce_scatter` with unequal tensors, which gloo rejects ("invalid tensor size")
