@@ -32,6 +32,21 @@ class ParallelLayout:
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
 
+    @property
+    def virtual_stages(self) -> int | None:
+        """Virtual pipeline chunks per stage, or None when the pipeline is not interleaved."""
+        return self.vpp if self.vpp and self.vpp > 1 else None
+
+    def megatron_sizes(self) -> dict[str, int | None]:
+        """The sizes under the names both TransformerConfig and initialize_model_parallel use."""
+        return dict(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.virtual_stages,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.expert_tp,
+        )
+
     def min_world_size(self) -> int:
         """Smallest world that fits both the dense (tp·pp) and the expert (etp·ep·pp) grid."""
         dense = self.tp * self.pp

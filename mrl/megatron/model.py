@@ -66,11 +66,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, params_dtype: to
     kwargs = dict(spec.config)
     kwargs["activation_func"] = ACTIVATIONS[kwargs["activation_func"]]
     kwargs.update(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp and layout.vpp > 1 else None,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
+        **layout.megatron_sizes(),
         # Megatron requires sequence parallelism for MoE with TP; dense models gain from it too.
         sequence_parallel=layout.tp > 1,
         params_dtype=params_dtype,
@@ -108,7 +104,7 @@ def build_model(
     use_te = resolve_transformer_impl(transformer_impl)
     config = transformer_config(spec, layout, params_dtype)
     vocab = padded_vocab_size(spec.vocab_size, layout.tp, vocab_divisor)
-    vpp = layout.vpp if layout.vpp and layout.vpp > 1 else None
+    vpp = layout.virtual_stages
     chunks = []
     for stage in range(vpp or 1):
         vp_stage = stage if vpp else None

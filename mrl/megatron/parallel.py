@@ -48,13 +48,7 @@ def initialize_layout(layout: ParallelLayout, seed: int = 1234) -> RankCoords:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     layout.check_world_size(dist.get_world_size())
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp and layout.vpp > 1 else None,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
-    )
+    ps.initialize_model_parallel(**layout.megatron_sizes())
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return rank_coords()
 
