@@ -33,7 +33,7 @@ def probe_tokens(vocab_size: int) -> torch.Tensor:
 def _worker(rank: int, world_size: int, hf_dir: str, layout: ParallelLayout, impl: str, bucket_bytes: int) -> dict:
     from mrl.bridge.export import export_hf_weights
     from mrl.bridge.hf_checkpoint import HFCheckpoint
-    from mrl.bridge.hf_import import load_hf_weights
+    from mrl.bridge.hf_import import ignorable, load_hf_weights
     from mrl.megatron.forward import forward_logits
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import initialize_layout
@@ -59,14 +59,12 @@ def _worker(rank: int, world_size: int, hf_dir: str, layout: ParallelLayout, imp
             if tensor.shape != original.shape or not torch.equal(tensor.to(original.dtype), original):
                 mismatches.append(name)
     if rank == 0:
-        from mrl.bridge.hf_import import ignorable
-
         missing = sorted(n for n in ckpt.files if n not in seen and not ignorable(n, spec))
         result["export"] = {
             "tensors_compared": compared,
             "mismatches": mismatches,
             "missing": missing,
-            "seconds": round(time.perf_counter() - start, 3),
+            "export_and_compare_seconds": round(time.perf_counter() - start, 3),
         }
     return result
 

@@ -4,8 +4,9 @@ Every rank runs the same generator. A plan (which global tensor lives on which r
 order) is gathered once; then, bucket by bucket, the owning ranks send their shards straight to
 the destination, which reassembles HF tensors with the mapping table's segments and yields them.
 Data-parallel replicas stay idle: only data-parallel rank 0 (expert-data-parallel rank 0 for
-experts) sends. Peak extra memory on the destination is one bucket plus the largest tensor;
-senders send their parameters in place.
+experts) sends. Peak extra memory on the destination is one bucket (never less than the largest
+tensor) plus the largest tensor, provided the consumer drops each bucket before asking for the
+next; senders send their parameters in place and allocate nothing.
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ def export_hf_weights(
                     f"rank {rank}: export bucket {index} timed out after {timeout_s:.0f}s exchanging "
                     f"{name!r} with rank {peer}: {err}"
                 ) from err
+        waits.clear()  # finished works still reference their buffers: let the shards go
         if rank == dst:
             yield [pair for item in bucket for pair in _assemble(item, received, dims)]
 

@@ -5,6 +5,11 @@ per-tensor and per-expert keys), generation_config.json and a tokenizer trained 
 `tokenizers`: a complete model directory that transformers and vLLM load, with no download.
 Weights are random and seeded; the same seed writes the same bytes.
 
+config.json is written exactly as `tiny_hf_config(arch)` returns it, in the spelling of hub
+checkpoints (`rope_theta` + `rope_scaling`, Qwen3-MoE `num_experts`), not the one transformers 5
+would re-serialise (`rope_parameters`, `num_local_experts`), so downstream readers meet what they
+will meet on the hub.
+
 Sizes respect what vLLM's CPU kernels accept: attention head sizes of 32/64/…, and for MLA
 kv_lora_rank=512 with qk_rope_head_dim=64.
 """
@@ -12,108 +17,182 @@ kv_lora_rank=512 with qk_rope_head_dim=64.
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
-_COMMON = dict(
-    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=4,
-    intermediate_size=128, max_position_embeddings=2048, rms_norm_eps=1e-6, vocab_size=1000,
-    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32",
+# Special tokens take the first ids, so config/generation ids below are fixed: <pad>=0, <s>=1, </s>=2.
+_SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
+_PAD_ID, _BOS_ID, _EOS_ID = 0, 1, 2
+_TOKENIZER_VOCAB = 512
+
+_COMMON: dict[str, Any] = dict(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, intermediate_size=128,
+    max_position_embeddings=2048, rms_norm_eps=1e-6, vocab_size=1000, tie_word_embeddings=False,
+    hidden_act="silu", bos_token_id=_BOS_ID, eos_token_id=_EOS_ID, pad_token_id=_PAD_ID,
+    # float32 on disk and in config: parity tests compare frameworks exactly, without a bf16 cast.
+    torch_dtype="float32",
 )
-# Per architecture: only what differs from _COMMON. Vocab sizes are not multiples of 128·TP, so
-# vocab padding is exercised; qwen2 has one KV head, fewer than TP=2 ranks.
+# Per architecture: only what differs from _COMMON. head_dim is explicit (and 32) wherever the
+# architecture has one, because vLLM's CPU attention accepts only head sizes 32, 64, 80, 96, ….
+# vocab_size 1000 is no multiple of 128 and 896 no multiple of 128·TP=2, so padding is exercised.
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=True, rope_theta=500000.0,
-        max_position_embeddings=16384,  # above the Llama-3 scaling's original 8192
+        architectures=["LlamaForCausalLM"], model_type="llama", head_dim=32, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, rope_theta=500000.0, attention_bias=False, mlp_bias=False,
+        # Must exceed the Llama-3 scaling's original 8192, or transformers warns on every load.
+        max_position_embeddings=16384,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192),
     ),
     "qwen2": dict(
-        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=128, num_key_value_heads=1,
-        intermediate_size=256, rope_theta=1000000.0, vocab_size=896,
+        # One KV head: fewer KV heads than TP=2 ranks. Qwen2 always has q/k/v biases.
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=128, head_dim=32,
+        num_key_value_heads=1, intermediate_size=256, rope_theta=1000000.0, vocab_size=896,
+        use_sliding_window=False,
     ),
-    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", rope_theta=1000000.0),
+    "qwen3": dict(
+        # head_dim·heads = 128 ≠ hidden_size 64: catches code that assumes hidden_size // heads.
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32, rope_theta=1000000.0,
+        attention_bias=False, use_sliding_window=False,
+    ),
     "qwen3_moe": dict(
-        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=32, rope_theta=1000000.0,
+        attention_bias=False, use_sliding_window=False, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
     ),
     "deepseek_v3": dict(
+        # MLA: num_key_value_heads = heads as on the hub; no head_dim (transformers derives it).
         architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_key_value_heads=4,
-        first_k_dense_replace=1, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-        n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        scoring_func="sigmoid", topk_method="noaux_tc",  # vLLM needs noaux_tc for DeepSeek-V3
         q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
-        rope_interleave=True, num_nextn_predict_layers=0,
-        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=512, beta_fast=32,
+        first_k_dense_replace=1, moe_layer_freq=1,  # vLLM reads moe_layer_freq (default 1); pinned
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        scoring_func="sigmoid", topk_method="noaux_tc",  # else vLLM drops e_score_correction_bias
+        rope_interleave=True,  # the released checkpoints' layout (transformers' default, pinned)
+        num_nextn_predict_layers=0, attention_bias=False, rope_theta=10000.0,
+        # yarn factor 4 = max_position_embeddings 2048 / original 512, as transformers checks.
+        rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=512, beta_fast=32,
                           beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
     ),
 }
-_SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
 _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Matrices N(0, 0.05²): a little wider than the usual 0.02 so a 64-wide model's logits spread
+# (std ≈ 0.5), which keeps greedy choices away from near-ties when frameworks are compared.
+_WEIGHT_STD, _NORM_NOISE, _ROUTER_BIAS_STD = 0.05, 0.1, 0.1
 
 
 def tiny_hf_config(arch: str) -> dict[str, Any]:
-    """The config.json contents of the tiny model of `arch`."""
+    """The config.json contents of the tiny model of `arch` (a fresh copy each call)."""
     if arch not in TINY_CONFIGS:
         raise ValueError(f"unknown tiny architecture {arch!r}; supported: {', '.join(TINY_ARCHS)}")
-    config = _COMMON | TINY_CONFIGS[arch]
-    if arch == "deepseek_v3":
-        config.pop("head_dim")  # MLA head dims come from qk_*_head_dim and v_head_dim
-    return config
+    # Deep copy: transformers edits nested dicts (rope_scaling) it is given.
+    return copy.deepcopy(_COMMON | TINY_CONFIGS[arch])
 
 
 def _corpus() -> list[str]:
-    """A small deterministic corpus: arithmetic and a few English words, enough for a BPE."""
-    words = "the answer is what plus minus times equals number question compute sum result".split()
-    lines = [f"{a}+{b}={a + b}" for a in range(40) for b in range(0, 40, 3)]
-    lines += [f"what is {a} plus {b}? the answer is {a + b}." for a in range(20) for b in range(20)]
-    lines += [" ".join(words[i:] + words[:i]) for i in range(len(words))]
-    return lines
+    """A small deterministic corpus of plain English and arithmetic, enough for a 512-token BPE."""
+    sentences = [
+        "the quick brown fox jumps over the lazy dog.",
+        "what is the answer to this question? the answer is a number.",
+        "we compute the sum of two numbers and write the result.",
+        "a model reads the prompt and then writes one token at a time.",
+        "please add these numbers together and show your work step by step.",
+        "the result of the addition is shown after the equals sign.",
+        "every answer should be checked twice before it is written down.",
+        "hello world, this is a tiny model with a tiny vocabulary.",
+        "numbers can be added, subtracted, multiplied or divided.",
+        "the user asks a question and the assistant gives an answer.",
+        "small language models learn simple patterns from short examples.",
+        "training with rewards teaches the policy which answers are correct.",
+        "if the final answer matches the reference, the reward is one; otherwise it is zero.",
+        "think carefully, then give the final answer inside a box.",
+    ]
+    lines = [f"{a}+{b}={a + b}" for a in range(30) for b in range(0, 30, 3)]
+    lines += [f"{a}-{b}={a - b}" for a in range(30) for b in range(0, a + 1, 4)]
+    lines += [f"{a}*{b}={a * b}" for a in range(10) for b in range(10)]
+    lines += [f"what is {a} plus {b}? the answer is {a + b}." for a in range(10) for b in range(10)]
+    return lines + sentences * 3
 
 
-def build_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE trained in-process, wrapped as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+def build_tokenizer(vocab_size: int = _TOKENIZER_VOCAB) -> Tokenizer:
+    """A byte-level BPE (`tokenizers.Tokenizer`) trained in-process on `_corpus()`; deterministic.
 
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    The pipeline is Qwen2's (NFC; split into letter runs, single digits, punctuation runs; byte-level)
+    for every architecture: transformers 5 forces its Qwen2Tokenizer on model_type "qwen2", which
+    rebuilds exactly this pipeline whatever tokenizer.json says. Using it everywhere keeps
+    tokenizer.json, AutoTokenizer and vLLM tokenising identically for all five architectures.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tokenizer = Tokenizer(models.BPE())  # byte-level: every input is covered, no unknown token needed
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=_SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(), trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-        chat_template=_CHAT_TEMPLATE,
+    return tokenizer
+
+
+def _write_tokenizer(directory: Path, model_max_length: int) -> None:
+    """tokenizer.json plus a hub-style tokenizer_config.json (special tokens, chat template)."""
+    build_tokenizer().save(str(directory / "tokenizer.json"))
+    tokenizer_config = dict(
+        # The class name every transformers version knows (v5 aliases it to TokenizersBackend).
+        tokenizer_class="PreTrainedTokenizerFast",
+        bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        add_bos_token=False, add_eos_token=False, clean_up_tokenization_spaces=False,
+        model_max_length=model_max_length, chat_template=_CHAT_TEMPLATE,
     )
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Seeded weights: matrices N(0, 0.05²), norms 1 + N(0, 0.1²), router bias N(0, 0.1²) in fp32."""
+    """Seeded weights: matrices and biases N(0, std²), norms 1 + N(0, 0.1²), router bias N(0, 0.1²).
+
+    Norm weights are not exactly 1 so that a misplaced or missing norm shows up in parity tests;
+    DeepSeek-V3's e_score_correction_bias (an fp32 buffer) is non-zero so biased routing is tested.
+    Parameters are visited in name order, so the draw does not depend on module registration order.
+    """
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
+        for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=generator)
-            param.copy_(noise * 0.05 if param.dim() > 1 else 1 + 0.1 * noise)
+            module = name.rsplit(".", 2)[-2]  # "input_layernorm", "q_norm", "norm", "q_proj", …
+            param.copy_(1 + _NORM_NOISE * noise if "norm" in module else _WEIGHT_STD * noise)
         for name, buffer in sorted(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+                buffer.copy_(_ROUTER_BIAS_STD * torch.randn(buffer.shape, generator=generator))
 
 
 def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, force: bool = False) -> Path:
-    """Write the tiny `arch` model to out_dir (atomically: a temporary directory, then a rename)."""
+    """Write the tiny `arch` model directory to out_dir and return its path.
+
+    The directory is assembled in a temporary sibling and renamed into place, so readers never see
+    a partial model. An existing out_dir is an error unless force=True, which replaces it.
+    Files: config.json, model.safetensors (fp32, hub-style per-expert keys), generation_config.json,
+    tokenizer.json, tokenizer_config.json.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config_dict = tiny_hf_config(arch)
@@ -121,26 +200,49 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, force: bool 
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists: pass force=True (--force) to replace it.")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fields = {k: v for k, v in config_dict.items() if k != "model_type"}
+    fields = {k: v for k, v in tiny_hf_config(arch).items() if k != "model_type"}
     config = AutoConfig.for_model(config_dict["model_type"], **fields)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # from_config's own init draws from the global RNG; fork it so callers' RNG state is untouched
+    # (every value is overwritten by _randomize anyway).
+    with torch.random.fork_rng():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        # transformers 5 holds MoE experts fused in memory (experts.gate_up_proj [E, 2I, H]) but
+        # save_pretrained converts back to the hub's per-expert keys (experts.E.gate_proj.weight).
         model.save_pretrained(staging)
-        GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, do_sample=False).save_pretrained(staging)
-        build_tokenizer().save_pretrained(staging)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
+        # save_pretrained re-serialises config.json in transformers-5 spelling; write the hub one.
+        (staging / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+        GenerationConfig(
+            bos_token_id=_BOS_ID, eos_token_id=_EOS_ID, pad_token_id=_PAD_ID, do_sample=False
+        ).save_pretrained(staging)
+        _write_tokenizer(staging, config_dict["max_position_embeddings"])
+        # mkdtemp makes the directory 0700 and transformers writes the safetensors 0600; a model
+        # directory should be readable by others (a vLLM server under another user, a container).
+        staging.chmod(0o755)
+        for file in staging.iterdir():
+            file.chmod(0o644)
+        _replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
 
 
+def _replace_dir(new: Path, out: Path) -> None:
+    """Rename `new` to `out`; an existing `out` is moved aside first and deleted after."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+        out.rename(old / out.name)
+    new.rename(out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`mrl tiny-model --arch ARCH --out DIR [--seed N] [--force]`; returns the exit status."""
     parser = argparse.ArgumentParser(prog="mrl tiny-model", description="Write a tiny random HF model.")
     parser.add_argument("--arch", required=True, choices=TINY_ARCHS)
     parser.add_argument("--out", required=True, help="output directory")

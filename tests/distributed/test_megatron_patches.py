@@ -1,81 +1,184 @@
-"""Each patch in megatron_patches is needed: without it, the scenario it exists for fails upstream.
+"""Each fix in megatron_patches is necessary and sufficient for the scenario it exists for.
 
-The parity suite (test_bridge_parity.py) shows the patches are sufficient: every architecture and
-layout runs with all of them. Here each scenario runs with exactly one patch left out (through
-MRL_SKIP_PATCHES, read by the workers' megatron_patches.apply()) and must fail with the upstream
-error the patch's docstring describes, raised from the upstream file it names.
+One spawned world per fix runs the smallest scenario that needs it twice, A/B in the same
+processes:
+
+1. without the fix: a megatron_patches patch is left out through MRL_SKIP_PATCHES, which the
+   worker sets for itself and which every later `megatron_patches.apply()` honours (including the
+   one inside `initialize_layout`); for `sdpa_attention` the local layer spec keeps upstream's own
+   core attention. Every rank must fail with the upstream error the fix's docstring names, raised
+   from the upstream code it names.
+2. with the fix: the worker clears the skip and calls `megatron_patches.apply()` again, which now
+   applies the missing patch (all of them are applied then), rebuilds Megatron's process groups and
+   the model, loads the HF weights and runs the same forward, whose logits must match transformers.
+
+Re-running in the same processes is safe because every rank fails at the same point, before any
+collective could pair up with a rank that went on. The parity suite (test_bridge_parity.py) runs
+every architecture and layout with all patches applied from the start.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import pytest
+import torch
 
 from mrl.layout import ParallelLayout
-from mrl.megatron.local_launch import WorkerError, run_local
+from mrl.megatron.local_launch import run_local
+from mrl.verify import probe_tokens, reference_logits
+
+TOLERANCE = 1e-4  # max |logit difference| to transformers, as in the parity suite
 
 
-def _build_and_forward(rank: int, world_size: int, hf_dir: str, layout: ParallelLayout) -> bool:
-    from mrl.bridge.hf_import import load_hf_weights
-    from mrl.megatron.forward import forward_logits
-    from mrl.megatron.model import build_model
-    from mrl.megatron.parallel import initialize_layout
-    from mrl.models.registry import model_spec_from_hf
-    from mrl.verify import probe_tokens
-
-    coords = initialize_layout(layout)
-    spec = model_spec_from_hf(hf_dir)
-    built = build_model(spec, layout)
-    load_hf_weights(built, coords, hf_dir)
-    forward_logits(built, probe_tokens(spec.vocab_size))
-    return True
+@dataclass(frozen=True)
+class Scenario:
+    arch: str
+    layout: ParallelLayout
+    error: str  # upstream's error text, present in every rank's traceback
+    where: tuple[str, ...]  # where upstream raises it: file paths / functions in the traceback
 
 
-# patch → (architecture, layout, upstream error text, upstream file it comes from)
 SCENARIOS = {
-    "cpu_rng_tracker": ("llama", ParallelLayout(), "Torch not compiled with CUDA enabled", "tensor_parallel/random.py"),
-    "cuda_calls_on_cpu": ("llama", ParallelLayout(), "Torch not compiled with CUDA enabled", "pipeline_parallel/schedules.py"),
-    "tensor_cuda_method": ("llama", ParallelLayout(pp=2), "Torch not compiled with CUDA enabled", "weight.data.cuda()"),
-    "torch_norm_sequence_parallel": ("llama", ParallelLayout(tp=2), "sequence parallel not supported by torch LayerNorm", "torch_norm.py"),
-    "te_general_gemm_undefined": ("qwen3_moe", ParallelLayout(), "name 'te_general_gemm' is not defined", "moe_utils.py"),
-    "all_to_all_split_sizes": ("qwen3_moe", ParallelLayout(ep=2), "incompatible function arguments", "mappings.py"),
-    "uneven_sequence_collectives": ("qwen3_moe", ParallelLayout(ep=2, tp=2), "invalid tensor size", "mappings.py"),
-    "te_placeholders": ("deepseek_v3", ParallelLayout(), "isinstance() arg 2 must be a type", "multi_latent_attention.py"),
+    # model_parallel_cuda_manual_seed (inside initialize_layout) adds CUDA RNG states.
+    "cpu_rng_tracker": Scenario(
+        "llama", ParallelLayout(), "Torch not compiled with CUDA enabled",
+        ("megatron/core/tensor_parallel/random.py", "model_parallel_cuda_manual_seed"),
+    ),
+    # The first literal CUDA call on the way is the pipeline schedule's token counter.
+    "cuda_calls_on_cpu": Scenario(
+        "llama", ParallelLayout(), "Torch not compiled with CUDA enabled",
+        ("megatron/core/pipeline_parallel/schedules.py", "forward_backward_no_pipelining"),
+    ),
+    # Tied embeddings with PP2: the embedding copy is moved with weight.data.cuda() at build time.
+    "tensor_cuda_method": Scenario(
+        "llama", ParallelLayout(pp=2), "Torch not compiled with CUDA enabled",
+        ("language_module.py", "setup_embeddings_and_output_layer", "weight.data.cuda()"),
+    ),
+    # TP2 turns on sequence parallelism, which WrappedTorchNorm refuses.
+    "torch_norm_sequence_parallel": Scenario(
+        "llama", ParallelLayout(tp=2), "sequence parallel not supported by torch LayerNorm",
+        ("megatron/core/transformer/torch_norm.py",),
+    ),
+    # Any MoE forward: the fp32 router GEMM tests the never-bound te_general_gemm.
+    "te_general_gemm_undefined": Scenario(
+        "qwen3_moe", ParallelLayout(), "name 'te_general_gemm' is not defined",
+        ("megatron/core/transformer/moe/moe_utils.py", "router_gating_linear"),
+    ),
+    # EP2: the alltoall dispatcher hands tensor split sizes to gloo's all_to_all_single.
+    "all_to_all_split_sizes": Scenario(
+        "qwen3_moe", ParallelLayout(ep=2), "all_to_all_single(): incompatible function arguments",
+        ("megatron/core/tensor_parallel/mappings.py",),
+    ),
+    # EP2×TP2 (expert TP 2): uneven all-gather over the expert-TP group. The ranks of an expert-TP
+    # group must route different tokens for the sizes to differ; the probe batch is the same on
+    # every rank, so only sequence parallelism (dense TP2) makes them differ: ETP2 or EP2×ETP2 with
+    # TP1 run fine without the patch here.
+    "uneven_sequence_collectives": Scenario(
+        "qwen3_moe", ParallelLayout(ep=2, tp=2), "ProcessGroupGloo::allgather: invalid tensor size",
+        ("megatron/core/tensor_parallel/mappings.py", "_gather_along_first_dim"),
+    ),
+    # MLA build: isinstance(x, TELinear) with TELinear a MagicMock placeholder.
+    "te_placeholders": Scenario(
+        "deepseek_v3", ParallelLayout(), "isinstance() arg 2 must be a type",
+        ("megatron/core/transformer/multi_latent_attention.py",),
+    ),
+    # Not a monkeypatch: without SDPACoreAttention the local spec keeps upstream's
+    # DotProductAttention, which does not take MLA's k_channels/v_channels.
+    "sdpa_attention": Scenario(
+        "deepseek_v3", ParallelLayout(),
+        "DotProductAttention.__init__() got an unexpected keyword argument 'k_channels'",
+        ("megatron/core/transformer/multi_latent_attention.py", "MLASelfAttention"),
+    ),
 }
 
 
-@pytest.mark.parametrize("patch", list(SCENARIOS))
-def test_patch_is_needed(patch, tiny_model_dir, monkeypatch):
-    arch, layout, error, where = SCENARIOS[patch]
-    monkeypatch.setenv("MRL_SKIP_PATCHES", patch)
-    with pytest.raises(WorkerError) as failure:
-        run_local(_build_and_forward, layout.min_world_size(), str(tiny_model_dir(arch)), layout, timeout_s=120)
-    assert error in str(failure.value) and where in str(failure.value), str(failure.value)[-2000:]
-
-
-def _build_mla_with(rank: int, world_size: int, hf_dir: str, core_attention: str) -> bool:
-    """Build DeepSeek-V3 with the local spec and the given core attention module."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    from megatron_patches.sdpa_attention import SDPACoreAttention
-    from mrl.megatron.model import layer_specs, transformer_config
-    from mrl.megatron.parallel import initialize_layout
+def _build_and_forward(hf_dir: str, layout: ParallelLayout) -> torch.Tensor | None:
+    from mrl.bridge.hf_import import load_hf_weights
+    from mrl.megatron.forward import forward_logits
+    from mrl.megatron.model import build_model
+    from mrl.megatron.parallel import destroy_layout, initialize_layout
     from mrl.models.registry import model_spec_from_hf
 
-    layout = ParallelLayout()
-    initialize_layout(layout)
-    spec = model_spec_from_hf(hf_dir)
-    config = transformer_config(spec, layout, params_dtype=__import__("torch").float32)
-    block = layer_specs(config, use_te=False, vp_stage=None)
-    module = {"sdpa": SDPACoreAttention, "megatron": DotProductAttention}[core_attention]
-    for layer in block.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = module
-    GPTModel(config, block, vocab_size=1024, max_sequence_length=64, **spec.rope)
-    return True
+    try:
+        coords = initialize_layout(layout)
+        spec = model_spec_from_hf(hf_dir)
+        built = build_model(spec, layout)
+        load_hf_weights(built, coords, hf_dir)
+        logits = forward_logits(built, probe_tokens(spec.vocab_size))
+        return logits if coords.tp == 0 and coords.dp == 0 else None
+    finally:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            destroy_layout()
 
 
-def test_sdpa_core_attention_is_what_lets_mla_build_without_te(tiny_model_dir):
-    hf_dir = str(tiny_model_dir("deepseek_v3"))
-    assert run_local(_build_mla_with, 1, hf_dir, "sdpa") == [True]
-    with pytest.raises(WorkerError, match="k_channels"):
-        run_local(_build_mla_with, 1, hf_dir, "megatron")
+def _without_then_with(rank: int, world_size: int, fix: str, hf_dir: str, layout: ParallelLayout) -> dict:
+    """Run the scenario without `fix` (expect a failure), then with every fix; report both."""
+    import os
+    import traceback
+
+    import megatron_patches
+    from megatron.core.models.backends import LocalSpecProvider
+
+    from megatron_patches import sdpa_attention
+
+    if fix in megatron_patches.PATCH_MODULES:
+        os.environ["MRL_SKIP_PATCHES"] = fix  # honoured by initialize_layout's apply() too
+    sdpa = sdpa_attention.SDPACoreAttention
+    if fix == "sdpa_attention":  # mrl.megatron.model.layer_specs imports the name at each call
+        sdpa_attention.SDPACoreAttention = LocalSpecProvider().core_attention()
+    try:
+        _build_and_forward(hf_dir, layout)
+        failure = None
+    except Exception:  # noqa: BLE001 - the failure is the result
+        failure = traceback.format_exc()
+    without = megatron_patches.applied()
+
+    os.environ.pop("MRL_SKIP_PATCHES", None)
+    sdpa_attention.SDPACoreAttention = sdpa
+    megatron_patches.apply()
+    return {
+        "failure": failure,
+        "applied_without": without,
+        "applied_with": megatron_patches.applied(),
+        "logits": _build_and_forward(hf_dir, layout),
+    }
+
+
+@functools.cache
+def _reference(hf_dir: str) -> torch.Tensor:
+    from mrl.models.registry import model_spec_from_hf
+
+    return reference_logits(hf_dir, probe_tokens(model_spec_from_hf(hf_dir).vocab_size))
+
+
+@pytest.mark.parametrize("fix", list(SCENARIOS))
+def test_fix_is_necessary_and_sufficient(fix, tiny_model_dir):
+    import megatron_patches
+
+    scenario = SCENARIOS[fix]
+    hf_dir = str(tiny_model_dir(scenario.arch))
+    per_rank = run_local(
+        _without_then_with, scenario.layout.min_world_size(), fix, hf_dir, scenario.layout, timeout_s=180
+    )
+    every_patch = sorted(megatron_patches.PATCH_MODULES)
+    for rank, result in enumerate(per_rank):
+        # Necessary: without the fix, this rank fails with upstream's error, raised where expected.
+        failure = result["failure"]
+        assert failure is not None, f"rank {rank}: the scenario ran without {fix}: is the patch still needed?"
+        assert scenario.error in failure, f"rank {rank}: expected {scenario.error!r}, got:\n{failure[-3000:]}"
+        for where in scenario.where:
+            assert where in failure, f"rank {rank}: {where!r} not in the traceback:\n{failure[-3000:]}"
+        if fix in megatron_patches.PATCH_MODULES:
+            assert result["applied_without"] == [p for p in every_patch if p != fix]
+        else:
+            assert result["applied_without"] == every_patch
+        # Sufficient: with it (and every other patch), the same processes run the scenario.
+        assert result["applied_with"] == every_patch
+    logits = [r["logits"] for r in per_rank if r["logits"] is not None]
+    assert logits, f"{fix}: no rank returned logits"
+    diff = (logits[0] - _reference(hf_dir)).abs().max().item()
+    assert diff <= TOLERANCE, f"{fix}: max |logit diff| to transformers {diff:.3g} > {TOLERANCE}"
