@@ -1,9 +1,9 @@
 """A torch-SDPA core attention for Megatron's local (non-Transformer-Engine) layer specs.
 
-Upstream (megatron-core 0.16.1): the local spec's `DotProductAttention` allocates its score
-buffer with `torch.cuda.current_device()` (fails on a CPU build), and it does not accept the
+Upstream (megatron-core 0.16.1): the local spec's `DotProductAttention` does not accept the
 `k_channels` / `v_channels` arguments that `MLASelfAttention` passes, so Multi-Latent Attention
 (DeepSeek-V3: q/k head dim 192, v head dim 128) cannot run without Transformer Engine at all.
+(Its CUDA-only score buffer is handled by `cuda_calls_on_cpu`; dense models run with it too.)
 
 This module is not a monkeypatch: `mrl.models` puts `SDPACoreAttention` into the layer spec's
 `core_attention` slot whenever the local spec is used. It handles MHA, GQA (query groups are
