@@ -1,0 +1,70 @@
+"""The rollout engine protocol: what the trainer asks of any inference backend.
+
+Weights arrive as a stream of buckets between `begin_weight_update` and `finish_weight_update`;
+the engine never needs the whole model in one piece. Prompt scoring (`score`) is the parity gate's
+view of the engine: the log-probability the engine assigns to each given token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+Bucket = list[tuple[str, torch.Tensor]]  # (HF name, full tensor) pairs
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Sampling knobs passed through to the backend unchanged (defaults: greedy, 64 tokens)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    max_tokens: int = 64
+    n: int = 1  # samples per prompt
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass
+class Generation:
+    """One sampled response: token ids, text, and the log-probability of each sampled token."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str | None = None
+
+
+@dataclass
+class WeightUpdateReport:
+    """What the engine received in one update: per-tensor checksums and parameters left stale."""
+
+    tensors: int = 0
+    bytes: int = 0
+    checksums: dict[str, tuple[float, float]] = field(default_factory=dict)
+    not_updated: list[str] = field(default_factory=list)  # engine parameters no tensor reached
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
+        """Per prompt, `sampling.n` generations."""
+
+    def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
+        """Log-probability of tokens 1..n-1 of each sequence given its prefix (teacher forcing)."""
+
+    def begin_weight_update(self) -> None: ...
+
+    def load_weights(self, bucket: Bucket) -> None: ...
+
+    def finish_weight_update(self) -> WeightUpdateReport:
+        """Post-load processing (e.g. MLA's derived matrices), prefix-cache reset, the report."""
+
+    def sleep(self) -> None:
+        """Release accelerator memory between rollouts where the backend allows it."""
+
+    def wake_up(self) -> None: ...

