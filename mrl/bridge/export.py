@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -65,17 +65,17 @@ def _order(name: str) -> tuple[int, str]:
     return (-1, "") if name.startswith("embedding.") else (1 << 30, name)
 
 
-def build_plan(tensors: list[LocalTensor], coords: RankCoords) -> list[PlanItem]:
-    """Gather every rank's owned tensors into one ordered plan (identical on all ranks)."""
-    mine = [
+def build_plan(tensors: list[LocalTensor], coords: RankCoords, group: Any = None) -> list[PlanItem]:
+    """Gather every rank's owned tensors into one ordered plan (identical on all ranks of `group`)."""
+    mine = coords.rank, [
         (t.name, t.split, t.hf_names, t.global_shape, tuple(t.tensor.shape), t.tensor.dtype, t.shard, t.shards)
         for t in tensors
         if _owns(t, coords)
     ]
-    gathered: list[list] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(gathered, mine)
+    gathered: list[tuple] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
+    dist.all_gather_object(gathered, mine, group=group)
     items: dict[str, PlanItem] = {}
-    for rank, entries in enumerate(gathered):
+    for rank, entries in gathered:
         for name, split, hf_names, gshape, lshape, dtype, shard, shards in entries:
             item = items.setdefault(name, PlanItem(name, split, hf_names, gshape, lshape, dtype, shards, []))
             if shard not in {s for _, s in item.sources}:
@@ -102,10 +102,13 @@ def export_hf_weights(
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dst: int = 0,
+    group: Any = None,
     timeout_s: float = 300.0,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield buckets of (hf_name, tensor) on rank `dst`; drive the sends on every other rank.
 
+    With `group` (e.g. one pipeline stage's ranks), only that group's tensors are exported, to `dst`
+    (a global rank inside the group); every rank of the group must call this.
     Vocab padding is stripped, tied copies are skipped, experts come one expert at a time.
     """
     tensors = local_tensors(built, coords)
@@ -113,7 +116,7 @@ def export_hf_weights(
     dims = SplitDims.of(built.spec)
     timeout = timedelta(seconds=timeout_s)
     rank = coords.rank
-    for index, bucket in enumerate(_buckets(build_plan(tensors, coords), bucket_bytes)):
+    for index, bucket in enumerate(_buckets(build_plan(tensors, coords, group), bucket_bytes)):
         received: dict[tuple[str, int], torch.Tensor] = {}
         waits = []
         for item in bucket:
@@ -123,9 +126,9 @@ def export_hf_weights(
                 elif rank == dst:
                     buffer = torch.empty(item.local_shape, dtype=item.dtype)
                     received[item.name, shard] = buffer
-                    waits.append((dist.irecv(buffer, src=source), item.name, source))
+                    waits.append((dist.irecv(buffer, src=source, group=group), item.name, source))
                 elif source == rank:
-                    waits.append((dist.isend(by_name[item.name].tensor.detach().contiguous(), dst), item.name, dst))
+                    waits.append((dist.isend(by_name[item.name].tensor.detach().contiguous(), dst, group=group), item.name, dst))
         for work, name, peer in waits:
             try:
                 work.wait(timeout)

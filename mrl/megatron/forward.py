@@ -58,3 +58,17 @@ def forward_logits(built: BuiltModel, tokens: torch.Tensor) -> torch.Tensor | No
     if not ps.is_pipeline_last_stage():
         return None
     return torch.cat(outputs)[:, :seq, : built.spec.vocab_size].float()
+
+
+def sequence_logprobs(built: BuiltModel, sequences: list[list[int]]) -> list[list[float]] | None:
+    """log p(token_i | tokens_<i) for i ≥ 1 of each equal-length sequence (last stage; None elsewhere).
+
+    The trainer's side of the rollout parity gate; probe batches are small, so gathering the
+    vocabulary here is cheap.
+    """
+    tokens = torch.tensor(sequences)
+    logits = forward_logits(built, tokens)
+    if logits is None:
+        return None
+    logprobs = logits[:, :-1].log_softmax(-1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return logprobs.tolist()

@@ -48,6 +48,7 @@ class WeightUpdateReport:
     bytes: int = 0
     checksums: dict[str, tuple[float, float]] = field(default_factory=dict)
     not_updated: list[str] = field(default_factory=list)  # engine parameters no tensor reached
+    mismatched: list[str] = field(default_factory=list)  # arrived different from what was sent, in order
 
 
 class RolloutEngine(Protocol):

@@ -16,15 +16,10 @@ from typing import Any, Sequence
 import torch
 
 from mrl.rollout.engine import Bucket, Generation, SamplingSettings, WeightUpdateReport
+from mrl.rollout.weight_sync import tensor_checksum, wire_dtype
 
 # The engine lives in the caller's process (one engine per process): no hidden engine core process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-
-def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float]:
-    """(sum, L2 norm) in float64 without a float64 copy: cheap and enough to spot a stale tensor."""
-    flat = tensor.reshape(-1)
-    return (flat.sum(dtype=torch.float64).item(), torch.linalg.vector_norm(flat, dtype=torch.float64).item())
 
 
 # --- functions run inside each vLLM worker through collective_rpc (module level: picklable) ---
@@ -166,7 +161,7 @@ class VLLMEngine:
         self.llm.collective_rpc(_begin_reload)
 
     def load_weights(self, bucket: Bucket) -> None:
-        bucket = [(name, t if t.dtype == self.dtype or _keeps_dtype(name) else t.to(self.dtype)) for name, t in bucket]
+        bucket = [(name, t.to(wire_dtype(name, self.dtype))) for name, t in bucket]  # no-op when sent cast
         for name, tensor in bucket:
             self._report.checksums[name] = tensor_checksum(tensor)
             self._report.bytes += tensor.numel() * tensor.element_size()
@@ -197,8 +192,3 @@ class VLLMEngine:
         if self._sleeping:
             self.llm.wake_up()
             self._sleeping = False
-
-
-def _keeps_dtype(name: str) -> bool:
-    """DeepSeek-V3's routing bias stays fp32 in vLLM whatever the model dtype."""
-    return name.endswith("e_score_correction_bias")

@@ -1,0 +1,1 @@
+"""Ray launch: the only package (with its workers) that imports ray."""

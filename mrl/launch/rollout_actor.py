@@ -1,0 +1,49 @@
+"""The rollout engine in its own Ray actor, with the engine side of the weight sync."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import ray
+
+from mrl.rollout.engine import Generation, SamplingSettings, WeightUpdateReport
+
+
+class RolloutServer:
+    """One vLLM engine and its weight receiver (runs inside a Ray actor process)."""
+
+    def __init__(self, model: str, engine_options: dict[str, Any], sync_timeout_s: float = 300.0):
+        from mrl.rollout.vllm_engine import VLLMEngine
+        from mrl.rollout.weight_sync import WeightReceiver
+
+        self.engine = VLLMEngine(model, **engine_options)
+        self.receiver = WeightReceiver(self.engine, host=ray.util.get_node_ip_address(), timeout_s=sync_timeout_s)
+
+    def endpoint(self):
+        return self.receiver.endpoint
+
+    def receive_weights(self, sync_id: str, channels: int) -> WeightUpdateReport:
+        return self.receiver.receive(sync_id, channels)
+
+    def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
+        return self.engine.generate(prompts, sampling)
+
+    def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
+        return self.engine.score(sequences)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+
+def start_rollout_actor(model: str, engine_options: dict[str, Any], *, num_cpus: float = 1,
+                        num_gpus: float = 0, sync_timeout_s: float = 300.0) -> Any:
+    """Start the actor and wait until its engine is up (an engine that cannot start raises here)."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    actor = ray.remote(RolloutServer).options(
+        num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env}
+    ).remote(model, engine_options, sync_timeout_s)
+    ray.get(actor.endpoint.remote())
+    return actor

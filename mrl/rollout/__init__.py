@@ -1,0 +1,1 @@
+"""Rollout engines (vLLM) and the weight sync that feeds them."""
