@@ -49,6 +49,8 @@ def check_parity(gap: dict[str, float], threshold: float, report: WeightUpdateRe
         cause = (f"The sync never reached engine parameter {report.not_updated[0]!r} "
                  f"({len(report.not_updated)} in all): a mapping-table row is missing for this architecture.")
     else:
-        cause = (f"All {report.tensors} tensors arrived intact and every engine parameter was updated, so the "
-                 "gap is numerical: compare dtypes (e.g. bf16 engine vs fp32 trainer), or raise the threshold.")
+        cause = (f"All {report.tensors} tensors arrived intact and every engine parameter was updated: the gap "
+                 "is either numerical (compare dtypes, e.g. a bf16 engine against an fp32 trainer, and the "
+                 "threshold) or state the engine derives from its weights was left stale by its reload "
+                 "(pre-packed GEMMs, tied heads, MLA matrices: see mrl/rollout/vllm_engine.py).")
     raise ParityError(f"{head} {cause}")

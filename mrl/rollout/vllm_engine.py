@@ -50,6 +50,7 @@ def _finish_reload(worker: Any) -> list[str]:
     model = _model(worker)
     finalize_layerwise_reload(model, worker.model_runner.model_config)
     _prepack_cpu_experts(model)
+    _repack_tied_lm_head(model)
     derived = {
         f"{prefix}.{name}"
         for prefix, module in model.named_modules()
@@ -79,6 +80,21 @@ def _prepack_cpu_experts(model: torch.nn.Module) -> None:
                 f"({config.intermediate_size_per_partition}) to be a multiple of {experts.output_alignment}."
             )
         experts.process_weights_after_loading(module)
+
+
+def _repack_tied_lm_head(model: torch.nn.Module) -> None:
+    """Rebuild a tied LM head's GEMM from the embedding it shares.
+
+    A tied head receives no tensor of its own, so vLLM 0.32's reload leaves its CPU GEMM (pre-packed
+    from the *old* weight at start-up) in place (measured: a tied tiny Llama kept its old logits).
+    """
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        return
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
 
 
 class VLLMEngine:

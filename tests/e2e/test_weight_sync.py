@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 DENSE_CASES = [(ParallelLayout(tp=2), "colocated"), (ParallelLayout(pp=2), "broadcast")]
 MOE_CASES = [(ParallelLayout(ep=2), "broadcast"), (ParallelLayout(tp=2, ep=2), "colocated")]
 CASES = {
-    "llama3": DENSE_CASES, "qwen2": DENSE_CASES, "qwen3": DENSE_CASES,
+    "llama": DENSE_CASES, "qwen2": DENSE_CASES, "qwen3": DENSE_CASES,
     "qwen3_moe": DENSE_CASES + MOE_CASES, "deepseek_v3": [(ParallelLayout(tp=2, pp=2), "broadcast")] + MOE_CASES,
 }
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20)
