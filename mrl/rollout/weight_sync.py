@@ -115,7 +115,10 @@ class Channel:
         self.timeout_s = timeout_s
         self.who = who
         self.member = member
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), member, 2, self.timeout)
+        try:  # the rendezvous itself waits for the peer
+            self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), member, 2, self.timeout)
+        except RuntimeError as err:
+            raise SyncError(f"{who}: the peer did not join channel {prefix!r} within {timeout_s:.0f}s: {err}") from err
 
     def _broadcast(self, tensor: torch.Tensor, what: str, sending: bool) -> None:
         options = dist.BroadcastOptions()

@@ -1,0 +1,145 @@
+"""The weight sync without vLLM: what the engine receives, and how failures surface.
+
+The engine side runs in its own process around a recording fake engine, so these tests need
+neither vLLM nor Ray; the trainer side is the real Megatron export (tiny Qwen3, TP1 or PP2).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+
+import pytest
+import torch
+
+from mrl.layout import ParallelLayout
+from mrl.megatron.local_launch import WorkerError, run_local
+from mrl.rollout.engine import WeightUpdateReport
+from mrl.rollout.parity import ParityError, check_parity, logprob_gap
+from mrl.rollout.weight_sync import SyncEndpoint, WeightReceiver, tensor_checksum
+
+
+class RecordingEngine:
+    """Holds what it is sent. `holds` optionally alters what it keeps; `die_at` exits mid-sync."""
+
+    dtype = torch.float32
+
+    def __init__(self, holds: str = "same", die_at: int | None = None):
+        self.holds, self.die_at, self.buckets = holds, die_at, 0
+
+    def begin_weight_update(self):
+        self.report = WeightUpdateReport()
+
+    def load_weights(self, bucket):
+        if self.buckets == self.die_at:
+            os._exit(3)
+        self.buckets += 1
+        for name, tensor in bucket:
+            kept = tensor.to(torch.bfloat16).float() if self.holds == "bf16" and name.endswith("o_proj.weight") else tensor
+            self.report.checksums[name] = tensor_checksum(kept)
+            self.report.tensors += 1
+
+    def finish_weight_update(self):
+        return self.report
+
+
+def _engine_process(endpoints, results, engine_kwargs, channels, delay_s):
+    receiver = WeightReceiver(RecordingEngine(**engine_kwargs), timeout_s=20)
+    endpoints.put(receiver.endpoint)
+    time.sleep(delay_s)
+    try:
+        report = receiver.receive("sync0", channels)
+        results.put(("ok", report.tensors, report.mismatched, report.checksums))
+    except Exception as err:  # noqa: BLE001
+        results.put(("error", str(err)))
+
+
+def _start_engine(channels=1, delay_s=0.0, **engine_kwargs):
+    ctx = mp.get_context("spawn")
+    endpoints, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_engine_process, args=(endpoints, results, engine_kwargs, channels, delay_s))
+    proc.start()
+    return proc, endpoints.get(timeout=60), results
+
+
+def _push(rank, world, hf_dir, layout, endpoint, transport, timeout_s):
+    from mrl.bridge.hf_import import load_hf_weights
+    from mrl.megatron.model import build_model
+    from mrl.megatron.parallel import initialize_layout
+    from mrl.models.registry import model_spec_from_hf
+    from mrl.rollout.weight_sync import WeightSender
+
+    coords = initialize_layout(layout)
+    built = build_model(model_spec_from_hf(hf_dir), layout)
+    load_hf_weights(built, coords, hf_dir)
+    sender = WeightSender(endpoint, built, coords, transport=transport, bucket_bytes=256 << 10, timeout_s=timeout_s)
+    sent = sender.push("sync0")
+    return None if sent is None else sent.checksums
+
+
+@pytest.mark.parametrize("transport,layout", [("colocated", ParallelLayout()), ("broadcast", ParallelLayout(pp=2))])
+def test_engine_receives_every_tensor_intact(tiny_model_dir, transport, layout):
+    from mrl.bridge.hf_checkpoint import HFCheckpoint
+
+    hf_dir = tiny_model_dir("qwen3")
+    proc, endpoint, results = _start_engine(channels=layout.pp)
+    sent = run_local(_push, layout.min_world_size(), str(hf_dir), layout, endpoint, transport, 60)
+    status, tensors, mismatched, held = results.get(timeout=60)
+    proc.join(timeout=10)
+    assert status == "ok" and not mismatched
+    sent_all = {k: v for s in sent if s for k, v in s.items()}
+    ckpt = HFCheckpoint(hf_dir)
+    assert set(held) == set(sent_all) == set(ckpt.names())  # tied/padded rows never travel twice
+    for name in ckpt.names():  # what arrived is the checkpoint, bit for bit
+        assert held[name] == tensor_checksum(ckpt.read(name).float()), name
+
+
+def test_engine_holding_other_values_is_named(tiny_model_dir):
+    proc, endpoint, results = _start_engine(holds="bf16")
+    run_local(_push, 1, str(tiny_model_dir("qwen3")), ParallelLayout(), endpoint, "broadcast", 60)
+    status, _, mismatched, _ = results.get(timeout=60)
+    proc.join(timeout=10)
+    assert status == "ok"
+    assert mismatched and mismatched[0] == "model.layers.0.self_attn.o_proj.weight"
+    report = WeightUpdateReport(tensors=10, mismatched=mismatched)
+    with pytest.raises(ParityError, match=r"first tensor that arrived different .* 'model\.layers\.0\.self_attn\.o_proj\.weight'"):
+        check_parity({"rollout/logprob_abs_diff_mean": 0.1, "rollout/logprob_abs_diff_max": 0.5}, 1e-3, report, step=7)
+
+
+def test_dead_engine_is_an_error_not_a_hang(tiny_model_dir):
+    proc, endpoint, _ = _start_engine(die_at=1)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 0 \(PP stage 0\) .*(bucket \d+|end marker|finish loading)"):
+        run_local(_push, 1, str(tiny_model_dir("qwen3")), ParallelLayout(), endpoint, "broadcast", 30)
+    assert time.monotonic() - start < 60
+    proc.join(timeout=10)
+    assert proc.exitcode == 3
+
+
+def test_engine_that_never_listens_times_out_naming_the_channel(tiny_model_dir):
+    proc, endpoint, results = _start_engine(delay_s=40)  # receives only after the sender's timeout
+    try:
+        with pytest.raises(WorkerError, match=r"rank 0 \(PP stage 0\).* did not join channel 'sync0/channel0' within 5s"):
+            run_local(_push, 1, str(tiny_model_dir("qwen3")), ParallelLayout(), endpoint, "broadcast", 5)
+    finally:
+        proc.kill()
+
+
+def test_unreachable_engine(tiny_model_dir):
+    endpoint = SyncEndpoint("127.0.0.1", 1, "torch.float32")  # nothing listens on port 1
+    with pytest.raises(WorkerError, match="cannot reach the engine's weight-sync store"):
+        run_local(_push, 1, str(tiny_model_dir("qwen3")), ParallelLayout(), endpoint, "broadcast", 3)
+
+
+def test_parity_gate():
+    gap = logprob_gap([[-1.0, -2.0]], [[-1.0, -2.5]])
+    assert gap == {"rollout/logprob_abs_diff_mean": 0.25, "rollout/logprob_abs_diff_max": 0.5}
+    check_parity(gap, 0.5, WeightUpdateReport(tensors=3), step=1)  # at the threshold: passes
+    with pytest.raises(ParityError, match="never reached engine parameter 'lm_head.weight'"):
+        check_parity(gap, 0.1, WeightUpdateReport(tensors=3, not_updated=["lm_head.weight"]), step=1)
+    with pytest.raises(ParityError, match="All 3 tensors arrived intact"):
+        check_parity(gap, 0.1, WeightUpdateReport(tensors=3), step=1)
+    with pytest.raises(ValueError, match="probe batches differ"):
+        logprob_gap([[-1.0]], [[-1.0, -2.0]])
