@@ -45,13 +45,6 @@ def _push(rank, world, hf_dir, layout, endpoint, transport, sync_id, probe):
             "channels": sender.channels}
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("arch", list(CASES))
 def test_sync_makes_vllm_match_megatron(arch, tiny_model_dir, tmp_path, ray_local):
     from mrl.launch.rollout_actor import start_rollout_actor

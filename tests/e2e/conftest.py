@@ -1,0 +1,11 @@
+"""A local Ray instance shared by the end-to-end tests that start actors."""
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
