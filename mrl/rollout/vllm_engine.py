@@ -11,6 +11,7 @@ quantisation), and a plain `load_weights` after start-up would leave those stale
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Sequence
 
 import torch
@@ -182,12 +183,16 @@ class VLLMEngine:
             self._report.checksums[name] = tensor_checksum(tensor)
             self._report.bytes += tensor.numel() * tensor.element_size()
         self._report.tensors += len(bucket)
+        start = time.perf_counter()
         for loaded in self.llm.collective_rpc(_load, args=(bucket,)):
             self._loaded.update(loaded)
+        self._report.load_seconds += time.perf_counter() - start
 
     def finish_weight_update(self) -> WeightUpdateReport:
+        start = time.perf_counter()
         params = self.llm.collective_rpc(_finish_reload)[0]
         self.llm.reset_prefix_cache()
+        self._report.finish_seconds = time.perf_counter() - start
         self._report.not_updated = [p for p in params if p not in self._loaded]
         return self._report
 
