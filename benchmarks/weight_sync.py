@@ -53,7 +53,7 @@ def copy_gbps(nbytes: int) -> float:
     return nbytes / best / 1e9
 
 
-def _trainer(rank, world, hf_dir, layout, endpoint, transport, cases):
+def _trainer(rank, world, hf_dir, key, layout, endpoint, transport, cases):
     from mrl.bridge.hf_import import load_hf_weights
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import initialize_layout
@@ -69,7 +69,7 @@ def _trainer(rank, world, hf_dir, layout, endpoint, transport, cases):
         torch.distributed.barrier()
         rss: dict = {}
         with peak_rss(rss, "mb"):
-            sent = sender.push(f"{transport}-{name}")
+            sent = sender.push(f"{key}-{transport}-{name}")
         torch.distributed.barrier()
         out[name] = {"started_at": sent.started_at if sent else None, "bytes": sent.bytes if sent else 0,
                      "rss_mb": rss["mb"]}
@@ -116,9 +116,9 @@ def run(hf_dir: Path, layouts: list[str]) -> list[dict]:
             queued = {}
             for name, _ in cases:
                 actor.__ray_call__.remote(_engine_rss_start)
-                receipt = actor.receive_weights.remote(f"{transport}-{name}", channels)
+                receipt = actor.receive_weights.remote(f"{key}-{transport}-{name}", channels)
                 queued[name] = (receipt, actor.__ray_call__.remote(_engine_rss_stop))
-            results = run_local(_trainer, layout.min_world_size(), str(hf_dir), layout, endpoint, transport, cases,
+            results = run_local(_trainer, layout.min_world_size(), str(hf_dir), key, layout, endpoint, transport, cases,
                                 timeout_s=1800)
             row = {"layout": key, "transport": transport, "copy_gbps": round(results[0]["copy_gbps"], 2)}
             for name, _ in cases:

@@ -1,5 +1,7 @@
 """`mrl verify`: prove that a HuggingFace checkpoint means the same thing in a Megatron layout.
 
+With `--rollout vllm` it proves the weight sync instead (mrl/launch/verify_rollout.py).
+
 1. Load the checkpoint into Megatron in the requested layout (local processes, gloo on CPU).
 2. Run probe token ids through the pipeline and compare logits with transformers in fp32.
 3. Export the Megatron shards back to HF tensors and compare each with the file, bitwise.
@@ -119,14 +121,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mrl verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf", required=True, help="HuggingFace model directory (config.json + safetensors)")
     add_layout_arguments(parser)
-    parser.add_argument("--tol", type=float, default=1e-4, help="max |logit difference| allowed (fp32)")
+    parser.add_argument("--tol", type=float, default=None,
+                        help="max |logit diff| vs transformers (default 1e-4, fp32); with --rollout, max "
+                             "|logprob diff| vLLM vs Megatron after the sync (default 2e-2, bf16-safe)")
+    parser.add_argument("--rollout", choices=("vllm",), default=None,
+                        help="instead: train one step, sync to a vLLM engine, check it matches Megatron")
+    parser.add_argument("--transport", choices=("broadcast", "colocated"), default="broadcast",
+                        help="weight-sync transport for --rollout")
+    parser.add_argument("--engine-dtype", default="auto", help="vLLM dtype for --rollout (auto: the checkpoint's)")
     parser.add_argument("--transformer-impl", default="auto", choices=("auto", "local", "transformer_engine"))
     parser.add_argument("--bucket-mb", type=int, default=512, help="export bucket size")
     parser.add_argument("--debug", action="store_true", help="print full worker tracebacks")
     args = parser.parse_args(argv)
     try:
-        summary = verify(args.hf, parse_layout(args), tol=args.tol, transformer_impl=args.transformer_impl,
-                         bucket_bytes=args.bucket_mb * 1024**2)
+        if args.rollout:
+            from mrl.launch.verify_rollout import verify_rollout
+
+            summary = verify_rollout(args.hf, parse_layout(args), transport=args.transport,
+                                     tol=2e-2 if args.tol is None else args.tol, engine_dtype=args.engine_dtype,
+                                     bucket_bytes=args.bucket_mb * 1024**2)
+        else:
+            summary = verify(args.hf, parse_layout(args), tol=1e-4 if args.tol is None else args.tol,
+                             transformer_impl=args.transformer_impl, bucket_bytes=args.bucket_mb * 1024**2)
     except (LayoutError, UnsupportedModelError) as err:
         print(f"mrl verify: {err}", file=sys.stderr)
         return 2

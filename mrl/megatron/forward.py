@@ -72,3 +72,29 @@ def sequence_logprobs(built: BuiltModel, sequences: list[list[int]]) -> list[lis
         return None
     logprobs = logits[:, :-1].log_softmax(-1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
     return logprobs.tolist()
+
+
+def greedy_decode(built: BuiltModel, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[list[float]]] | None:
+    """Argmax continuation of equal-length prompts and each chosen token's logprob.
+
+    One full forward per token (probe batches are tiny). The last stage's choice is broadcast over
+    the pipeline group so every stage extends the sequence alike. Results on the last stage only.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tokens, logprobs = torch.tensor(prompts), []
+    for _ in range(steps):
+        logits = forward_logits(built, tokens)
+        choice = torch.zeros(tokens.shape[0], dtype=torch.long)
+        if logits is not None:
+            last = logits[:, -1].log_softmax(-1)
+            choice = last.argmax(-1)
+            logprobs.append(last.gather(-1, choice.unsqueeze(-1)).squeeze(-1))
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(choice, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        tokens = torch.cat([tokens, choice.unsqueeze(-1)], dim=1)
+    if not logprobs:
+        return None
+    return tokens[:, len(prompts[0]):].tolist(), torch.stack(logprobs, dim=1).tolist()

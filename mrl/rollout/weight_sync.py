@@ -265,9 +265,17 @@ class WeightReceiver:
                                    wait_for_workers=False)
         self.endpoint = SyncEndpoint(host, port, str(engine.dtype))
         self._lock = threading.Lock()
+        self._used_ids: set[str] = set()
 
     def receive(self, sync_id: str, channels: int) -> WeightUpdateReport:
-        """Receive one complete update from `channels` senders (in parallel) and finish it."""
+        """Receive one complete update from `channels` senders (in parallel) and finish it.
+
+        `sync_id` (e.g. the training step) names this update's channels in the store, so it must be
+        new each time: a reused id would make the senders meet the previous update's stale addresses.
+        """
+        if sync_id in self._used_ids:
+            raise ValueError(f"weight sync id {sync_id!r} was already used; give each sync a new id (e.g. the step)")
+        self._used_ids.add(sync_id)
         self.engine.begin_weight_update()
         sent: dict[str, tuple[float, float]] = {}
         errors: list[BaseException] = []

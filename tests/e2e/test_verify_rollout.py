@@ -1,0 +1,33 @@
+"""`mrl verify --rollout vllm` end to end: one optimizer step in Megatron, a sync, vLLM agrees.
+
+One layout per architecture here (the sync test covers every layout per architecture); the
+engine runs in fp32 so the tolerance can be tight, and once in its default dtype (bf16 for these
+fp32 checkpoints) with the default bf16 tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mrl.verify import main as verify_main
+
+CASES = [
+    ("llama", ["--tp", "2"], "colocated", "float32"),
+    ("qwen2", ["--pp", "2"], "broadcast", "float32"),
+    ("qwen3", ["--tp", "2"], "broadcast", "auto"),
+    ("qwen3_moe", ["--ep", "2", "--tp", "2"], "broadcast", "float32"),
+    ("deepseek_v3", ["--ep", "2"], "colocated", "float32"),
+]
+
+
+@pytest.mark.parametrize("arch,layout,transport,dtype", CASES, ids=[c[0] for c in CASES])
+def test_verify_rollout(arch, layout, transport, dtype, tiny_model_dir, capsys):
+    tol = ["--tol", "1e-4"] if dtype == "float32" else []
+    code = verify_main(["--hf", str(tiny_model_dir(arch)), *layout, "--rollout", "vllm", "--transport", transport,
+                        "--engine-dtype", dtype, *tol])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0, summary
+    assert summary["match"]["tokens_equal"] and summary["changed"]["ok"] and summary["sync"]["ok"]
+    assert summary["engine_dtype"] == ("torch.float32" if dtype == "float32" else "torch.bfloat16")
