@@ -1,0 +1,18 @@
+"""Entropy bonus: a loss term that rewards keeping the policy's per-token entropy up.
+
+Shapes: entropy, mask [B, T] (B sequences, T response positions).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mrl.algo.aggregation import aggregate
+
+
+def entropy_bonus(
+    entropy: torch.Tensor, mask: torch.Tensor, coef: float, aggregation: str = "token-mean"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (loss term to add, aggregated entropy): the term is -coef · aggregate(entropy)."""
+    mean_entropy = aggregate(entropy, mask, aggregation)
+    return -coef * mean_entropy, mean_entropy.detach()

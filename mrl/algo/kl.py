@@ -1,0 +1,70 @@
+"""KL estimators between the policy and a reference policy, per token (Schulman's k1/k2/k3).
+
+Shapes: B sequences, T response positions.
+  logp, ref_logp : [B, T] log-probabilities of the sampled tokens under the policy / the reference
+  returns        : [B, T] per-token KL estimate (apply the response mask when aggregating)
+
+Use them in the loss (KL_ESTIMATORS + an aggregation) or in the reward (`kl_penalized_rewards`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mrl.registry import Registry
+
+KL_ESTIMATORS: Registry = Registry("KL estimator")
+
+# exp() of a log-ratio beyond this overflows fp32/bf16 into inf; beyond it the estimate is noise anyway.
+_LOG_RATIO_CLAMP = 20.0
+# The k3 value is clamped as verl does: one token with a wild ratio must not dominate the batch.
+_K3_CLAMP = 10.0
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = log p - log p_ref: unbiased, high variance, can be negative per token."""
+    return logp - ref_logp
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k2 = ½ (log p - log p_ref)²: biased, low variance, never negative."""
+    return 0.5 * (logp - ref_logp).square()
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 (low_var_kl) = r - log r - 1 with r = p_ref / p: unbiased, low variance, never negative.
+
+    The log-ratio is clamped to ±20 before exp and the result to [-10, 10].
+    """
+    log_ratio = (ref_logp - logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return (log_ratio.exp() - log_ratio - 1).clamp(-_K3_CLAMP, _K3_CLAMP)
+
+
+KL_ESTIMATORS.register("low_var_kl")(kl_k3)
+
+
+def kl_penalized_rewards(
+    scores: torch.Tensor, response_mask: torch.Tensor, kl: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
+    """Token-level rewards with the KL in the reward: -kl_coef·kl on every response token, plus the
+    sequence score on its last response token.
+
+    scores: [B]; response_mask, kl: [B, T]; returns [B, T]. A row with no response token gets 0.
+    """
+    mask = response_mask.to(kl.dtype)
+    rewards = -kl_coef * kl * mask
+    lengths = response_mask.sum(-1).long()
+    has_tokens = lengths > 0
+    rows = torch.arange(scores.shape[0], device=scores.device)[has_tokens]
+    last = _last_token_index(response_mask)[has_tokens]
+    rewards[rows, last] += scores[has_tokens].to(rewards.dtype)
+    return rewards
+
+
+def _last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """Position of the last 1 in each row of the mask (0 for an empty row)."""
+    positions = torch.arange(response_mask.shape[-1], device=response_mask.device)
+    return (positions * response_mask.bool()).amax(-1)

@@ -1,0 +1,137 @@
+"""Policy-gradient losses, registered by name in POLICY_LOSSES.
+
+Shapes: B sequences, T response positions.
+  logp, old_logp : [B, T] log-probabilities of the sampled tokens under the current policy and the
+                   policy that generated them (old_logp is a constant: no gradient flows into it)
+  advantages     : [B, T]
+  response_mask  : [B, T] 1 on response tokens, 0 on padding
+Each loss returns (scalar loss, metrics) with metrics as detached 0-d tensors:
+  ppo_kl      mean over response tokens of old_logp - logp
+  pg_clipfrac fraction of response tokens whose clipped objective was the one used
+  ratio_mean, ratio_max  importance ratio statistics over response tokens
+On the first step (logp == old_logp) the ratio is exactly 1, ppo_kl exactly 0 and pg_clipfrac 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mrl.algo.aggregation import aggregate
+from mrl.algo.masked import masked_max, masked_mean
+from mrl.registry import Registry
+
+POLICY_LOSSES: Registry = Registry("policy loss")
+
+# exp() of a log-ratio past this overflows; a ratio of e^20 is clipped anyway.
+_LOG_RATIO_CLAMP = 20.0
+# GSPO's sequence log-ratio is clamped tighter, as its ratio multiplies every token of the sequence.
+_SEQ_LOG_RATIO_MAX = 10.0
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    aggregation: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip: max(-A·r, -A·clip(r, 1-clip_low, 1+clip_high)) per token, then aggregated.
+
+    clip_ratio_c (> 1) adds dual clip: for negative advantages the loss is capped at -A·c, so a huge
+    ratio on a bad token cannot blow up the update.
+    """
+    log_ratio = (logp - old_logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    return _clipped_objective(
+        ratio, log_ratio, advantages, response_mask, clip_low, clip_high, clip_ratio_c, aggregation
+    )
+
+
+@POLICY_LOSSES.register("dapo")
+def dapo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    clip_ratio_c: float | None = None,
+    aggregation: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DAPO: PPO-clip with clip-higher (clip_high > clip_low lets unlikely tokens grow, keeping
+    entropy up) and token-level aggregation (every token weighs the same however long its answer).
+    """
+    if aggregation != "token-mean":
+        raise ValueError(f"DAPO aggregates per token: aggregation must be 'token-mean', got {aggregation!r}.")
+    return ppo_clip_loss(
+        logp, old_logp, advantages, response_mask,
+        clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, aggregation=aggregation,
+    )
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    clip_ratio_c: float | None = None,
+    aggregation: str = "seq-mean-token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: a sequence-level importance ratio s = exp(mean_t(logp - old_logp)), the geometric mean
+    of the token ratios, clipped per sequence (hence the small default clip range).
+
+    Every token of a sequence carries the value s; its gradient is s·∇logp_t / |y| summed over the
+    sequence, written as s.detach() · exp(logp_t - logp_t.detach()).
+    """
+    mask = response_mask.to(logp.dtype)
+    seq_log_ratio = masked_mean(logp - old_logp, mask, dim=-1)
+    token_log_ratio = logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    token_log_ratio = token_log_ratio.clamp(max=_SEQ_LOG_RATIO_MAX)
+    ratio = torch.exp(token_log_ratio)
+    return _clipped_objective(
+        ratio, logp - old_logp, advantages, response_mask, clip_low, clip_high, clip_ratio_c, aggregation
+    )
+
+
+def _clipped_objective(
+    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float | None,
+    aggregation: str,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    metrics = {
+        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
+        "pg_clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask).detach(),
+        "ratio_mean": masked_mean(ratio, mask).detach(),
+        "ratio_max": masked_max(ratio, mask).detach(),
+    }
+    if clip_ratio_c is not None:
+        if clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1 for dual clip, got {clip_ratio_c}.")
+        capped = torch.minimum(loss, -advantages * clip_ratio_c)
+        lower_clipped = (advantages < 0) & (capped < loss)
+        metrics["pg_clipfrac_lower"] = masked_mean(lower_clipped.to(ratio.dtype), mask).detach()
+        loss = torch.where(advantages < 0, capped, loss)
+    return aggregate(loss, mask, aggregation), metrics
+
+
+def policy_loss(name: str, *args: torch.Tensor, **kwargs: float | str | None) -> tuple[torch.Tensor, dict]:
+    """Run the policy loss called `name` (see the module legend for the arguments)."""
+    return POLICY_LOSSES.get(name)(*args, **kwargs)

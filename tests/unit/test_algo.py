@@ -1,0 +1,243 @@
+"""mrl.algo against values worked out by hand, edge cases, and the first-step identity."""
+
+import math
+
+import pytest
+import torch
+
+from mrl.algo import (
+    ADVANTAGE_ESTIMATORS,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    aggregate,
+    compute_advantages,
+    entropy_bonus,
+    informative_groups,
+    kl_penalized_rewards,
+    overlong_penalty,
+    policy_loss,
+)
+from mrl.registry import UnknownNameError
+
+t = torch.tensor
+
+
+def close(actual, expected, atol=1e-6):
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
+
+
+# Scores sit on each sequence's last response token; rows have different response lengths.
+# Groups: 0 → scores 1, 0, 1; 1 → scores 0, 1; 2 → a single sample scoring 5.
+SCORES = [1.0, 0.0, 1.0, 0.0, 1.0, 5.0]
+GROUPS = t([0, 0, 0, 1, 1, 2])
+MASK = t([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 1, 1]], dtype=torch.float32)
+
+
+def outcome_rewards():
+    rewards = torch.zeros(6, 3)
+    for row, score in enumerate(SCORES):
+        rewards[row, int(MASK[row].sum()) - 1] = score
+    return rewards
+
+
+def per_sequence(advantages):
+    """The one advantage value each row carries on all its response tokens."""
+    values = [advantages[row][MASK[row].bool()] for row in range(6)]
+    for row, v in enumerate(values):
+        assert torch.equal(v, v[:1].expand_as(v)), f"row {row} advantage varies over tokens: {v}"
+    assert torch.equal(advantages * (1 - MASK), torch.zeros_like(advantages)), "padding must be 0"
+    return torch.stack([v[0] for v in values])
+
+
+def test_grpo_by_hand():
+    adv, returns = compute_advantages(
+        "grpo", token_level_rewards=outcome_rewards(), response_mask=MASK, group_ids=GROUPS, eps=0.0
+    )
+    std0 = math.sqrt(((1 / 3) ** 2 + (2 / 3) ** 2 + (1 / 3) ** 2) / 2)  # unbiased: n - 1 = 2
+    std1 = math.sqrt((0.5**2 + 0.5**2) / 1)
+    expected = [(1 / 3) / std0, (-2 / 3) / std0, (1 / 3) / std0, -0.5 / std1, 0.5 / std1, 0.0]
+    close(per_sequence(adv), expected)
+    assert torch.equal(adv, returns)
+
+
+def test_grpo_without_std_normalisation_and_eps():
+    adv, _ = compute_advantages(
+        "grpo", token_level_rewards=outcome_rewards(), response_mask=MASK, group_ids=GROUPS, norm_by_std=False
+    )
+    close(per_sequence(adv), [1 / 3, -2 / 3, 1 / 3, -0.5, 0.5, 0.0])
+    # A group whose scores are all equal has std 0: eps keeps the advantage finite (0).
+    same, _ = compute_advantages(
+        "grpo", token_level_rewards=torch.ones(2, 1), response_mask=torch.ones(2, 1), group_ids=t([7, 7])
+    )
+    assert torch.equal(same, torch.zeros(2, 1))
+
+
+def test_rloo_by_hand():
+    adv, _ = compute_advantages("rloo", token_level_rewards=outcome_rewards(), response_mask=MASK, group_ids=GROUPS)
+    # score minus the mean of the other samples of the same prompt; a lone sample gets 0.
+    close(per_sequence(adv), [1 - (0 + 1) / 2, 0 - (1 + 1) / 2, 1 - (1 + 0) / 2, 0 - 1, 1 - 0, 0.0])
+
+
+def test_reinforce_plus_plus_by_hand():
+    rewards = t([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    mask = t([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv, returns = compute_advantages("reinforce_plus_plus", token_level_rewards=rewards, response_mask=mask, gamma=0.5)
+    close(returns, [[0.25, 0.5, 1.0], [0.5, 1.0, 0.0]])
+    valid = [0.25, 0.5, 1.0, 0.5, 1.0]
+    mean = sum(valid) / 5  # 0.65
+    var = sum((v - mean) ** 2 for v in valid) / 5  # 0.09
+    scale = 1 / math.sqrt(var + 1e-8)
+    close(adv, [[(0.25 - mean) * scale, (0.5 - mean) * scale, (1.0 - mean) * scale],
+                [(0.5 - mean) * scale, (1.0 - mean) * scale, 0.0]], atol=1e-5)
+
+
+def test_gae_by_hand_with_padding():
+    rewards = t([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    values = t([[0.5, 0.4, 0.8], [1.0, 1.0, 9.0]])  # 9.0 sits on padding and must be ignored
+    mask = t([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv, returns = compute_advantages(
+        "gae", token_level_rewards=rewards, response_mask=mask, values=values, gamma=1.0, lam=0.5, whiten=False
+    )
+    # row 0: deltas 0+0.4-0.5=-0.1, 0+0.8-0.4=0.4, 1+0-0.8=0.2 → A2=0.2, A1=0.4+0.5·0.2=0.5, A0=-0.1+0.5·0.5=0.15
+    # row 1: deltas 0+1-1=0, 2+0-1=1 → A1=1, A0=0+0.5·1=0.5
+    close(adv, [[0.15, 0.5, 0.2], [0.5, 1.0, 0.0]])
+    close(returns, [[0.65, 0.9, 1.0], [1.5, 2.0, 0.0]])
+    whitened, _ = compute_advantages("gae", token_level_rewards=rewards, response_mask=mask, values=values, lam=0.5)
+    valid = whitened[mask.bool()]
+    close(valid.mean(), 0.0, atol=1e-6)
+    assert whitened[1, 2] == 0
+
+
+def test_kl_estimators_by_hand_and_clamped():
+    logp, ref = t([-1.0, 0.0, -50.0]), t([-2.0, -50.0, 0.0])
+    close(KL_ESTIMATORS.get("k1")(logp, ref), [1.0, 50.0, -50.0])
+    close(KL_ESTIMATORS.get("k2")(logp, ref), [0.5, 1250.0, 1250.0])
+    # k3 = exp(ref-logp) - (ref-logp) - 1; log-ratios clamped to ±20, values to [-10, 10]
+    close(KL_ESTIMATORS.get("k3")(logp, ref), [math.exp(-1) + 1 - 1, 10.0, 10.0])
+    assert KL_ESTIMATORS.get("low_var_kl") is KL_ESTIMATORS.get("k3")
+    same = torch.randn(4, 5)
+    for name in ("k1", "k2", "k3"):
+        assert torch.equal(KL_ESTIMATORS.get(name)(same, same), torch.zeros(4, 5))
+
+
+def test_kl_in_reward():
+    scores = t([1.0, 2.0])
+    mask = t([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # second row has no response token
+    kl = t([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
+    close(kl_penalized_rewards(scores, mask, kl, kl_coef=0.5), [[-0.05, -0.1 + 1.0, 0.0], [0.0, 0.0, 0.0]])
+
+
+def test_aggregations_by_hand():
+    loss = t([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = t([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # last row all padding
+    close(aggregate(loss, mask, "token-mean"), (1 + 2 + 4) / 3)
+    close(aggregate(loss, mask, "seq-mean-token-sum"), ((1 + 2) + 4) / 2)
+    close(aggregate(loss, mask, "seq-mean-token-mean"), ((1 + 2) / 2 + 4) / 2)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_aggregation_of_nothing_is_zero_with_a_graph(mode):
+    loss = torch.randn(2, 3, requires_grad=True)
+    value = aggregate(loss, torch.zeros(2, 3), mode)
+    assert torch.equal(value.detach(), t(0.0))
+    value.backward()
+    assert torch.equal(loss.grad, torch.zeros(2, 3))
+
+
+def test_ppo_clip_by_hand():
+    ratios = t([[1.5, 0.5, 1.1, 0.7]])
+    adv = t([[1.0, 1.0, -1.0, -1.0]])
+    mask = torch.ones(1, 4)
+    loss, m = policy_loss("ppo_clip", ratios.log(), torch.zeros(1, 4), adv, mask, clip_low=0.2, clip_high=0.2)
+    # per token max(-A·r, -A·clip(r, 0.8, 1.2)): max(-1.5,-1.2)=-1.2*, max(-0.5,-0.8)=-0.5,
+    # max(1.1,1.1)=1.1, max(0.7,0.8)=0.8*  (* = the clipped term was used)
+    close(loss, (-1.2 - 0.5 + 1.1 + 0.8) / 4)
+    close(m["pg_clipfrac"], 0.5)
+    close(m["ppo_kl"], -math.log(1.5 * 0.5 * 1.1 * 0.7) / 4)
+    close(m["ratio_mean"], (1.5 + 0.5 + 1.1 + 0.7) / 4)
+    close(m["ratio_max"], 1.5)
+
+
+def test_dapo_clip_higher_by_hand():
+    ratios = t([[1.5, 0.5, 1.1, 0.7]])
+    adv = t([[1.0, 1.0, -1.0, -1.0]])
+    loss, _ = policy_loss("dapo", ratios.log(), torch.zeros(1, 4), adv, torch.ones(1, 4), clip_low=0.2, clip_high=0.28)
+    close(loss, (-1.28 - 0.5 + 1.1 + 0.8) / 4)
+    with pytest.raises(ValueError, match="token-mean"):
+        policy_loss("dapo", ratios.log(), torch.zeros(1, 4), adv, torch.ones(1, 4), aggregation="seq-mean-token-mean")
+
+
+def test_dual_clip_caps_negative_advantages():
+    logp = t([[math.log(5.0), math.log(5.0)]])
+    adv = t([[-1.0, 1.0]])
+    loss, m = policy_loss("ppo_clip", logp, torch.zeros(1, 2), adv, torch.ones(1, 2), clip_ratio_c=3.0)
+    # A=-1, r=5: max(5, 1.2)=5, capped at -A·c = 3.  A=1, r=5: max(-5, -1.2) = -1.2 (no cap for A>0)
+    close(loss, (3.0 - 1.2) / 2)
+    close(m["pg_clipfrac_lower"], 0.5)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        policy_loss("ppo_clip", logp, torch.zeros(1, 2), adv, torch.ones(1, 2), clip_ratio_c=0.5)
+
+
+def test_gspo_sequence_ratio_by_hand():
+    # row 0: token ratios 2 and 0.5 → geometric mean 1; row 1: one token with ratio 1.5 (+ padding)
+    logp = t([[math.log(2.0), math.log(0.5)], [math.log(1.5), 99.0]], requires_grad=True)
+    adv = t([[1.0, 1.0], [1.0, 1.0]])
+    mask = t([[1.0, 1.0], [1.0, 0.0]])
+    loss, m = policy_loss("gspo", logp, torch.zeros(2, 2), adv, mask, clip_low=0.2, clip_high=0.2)
+    # row 0: -A·s = -1 per token; row 1: s = 1.5 clipped to 1.2 → -1.2; seq-mean-token-mean → -1.1
+    close(loss, (-1.0 + -1.2) / 2)
+    close(m["ratio_mean"], (1 + 1 + 1.5) / 3)
+    close(m["ratio_max"], 1.5)
+    close(m["pg_clipfrac"], 1 / 3)
+    close(m["ppo_kl"], -(math.log(2) + math.log(0.5) + math.log(1.5)) / 3)
+    loss.backward()
+    # d/dlogp_t of -s·exp(logp_t - sg(logp_t)) is -s = -1 per token, × 1/2 (token mean) × 1/2 (seq mean)
+    close(logp.grad, [[-0.25, -0.25], [0.0, 0.0]])
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", "dapo", "gspo"])
+def test_first_step_identity(name):
+    torch.manual_seed(0)
+    logp = -torch.rand(4, 6) * 3
+    mask = torch.ones(4, 6)
+    mask[1, 3:] = 0
+    mask[2] = 0  # an all-masked row
+    _, m = policy_loss(name, logp, logp.clone(), torch.randn(4, 6), mask)
+    assert torch.equal(m["ratio_mean"], t(1.0))
+    assert torch.equal(m["ratio_max"], t(1.0))
+    assert torch.equal(m["ppo_kl"], t(0.0))
+    assert torch.equal(m["pg_clipfrac"], t(0.0))
+
+
+def test_entropy_bonus_by_hand():
+    entropy = t([[1.0, 2.0], [3.0, 4.0]])
+    mask = t([[1.0, 0.0], [1.0, 1.0]])
+    term, mean = entropy_bonus(entropy, mask, coef=0.01)
+    close(mean, (1 + 3 + 4) / 3)
+    close(term, -0.01 * (1 + 3 + 4) / 3)
+    term, mean = entropy_bonus(entropy, mask, coef=0.01, aggregation="seq-mean-token-mean")
+    close(mean, (1 + 3.5) / 2)
+
+
+def test_dynamic_sampling_keeps_groups_with_different_rewards():
+    scores = t([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 2.0])
+    groups = t([0, 0, 1, 1, 2, 2, 3])  # group 3 has a single sample
+    assert informative_groups(scores, groups).tolist() == [False, False, True, True, False, False, False]
+
+
+def test_overlong_penalty_by_hand():
+    lengths = t([6, 7, 8, 10, 12])
+    # max 10, buffer 4: free up to 6 tokens, then -1/4 per token, -1 at and past 10
+    close(overlong_penalty(lengths, max_length=10, buffer_length=4), [0.0, -0.25, -0.5, -1.0, -1.0])
+    close(overlong_penalty(lengths, 10, 4, penalty_factor=0.5), [0.0, -0.125, -0.25, -0.5, -0.5])
+    with pytest.raises(ValueError, match="buffer_length"):
+        overlong_penalty(lengths, max_length=10, buffer_length=0)
+
+
+def test_registry_typo_lists_valid_names():
+    with pytest.raises(UnknownNameError, match=r"did you mean 'grpo'\? Valid: gae, grpo, reinforce_plus_plus, rloo"):
+        ADVANTAGE_ESTIMATORS.get("grpoo")
+    for registry in (POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS):
+        with pytest.raises(UnknownNameError, match="Valid:"):
+            registry.get("nope")
