@@ -1,0 +1,185 @@
+"""Custom reward functions given by import path, run in a pool of spawned worker processes.
+
+User reward code is untrusted for liveness: it may raise, hang or kill its own process. Each call
+runs in a worker with a deadline; an exception, a timeout or a dead worker scores 0.0 with the
+reason logged and in RewardResult.error, and a stuck or dead worker is killed and replaced. The
+caller never waits longer than the timeout for any one sample.
+
+Spec forms: "package.module:function" or "path/to/file.py:function".
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import multiprocessing
+import time
+import traceback
+from collections import deque
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Sequence
+
+from mrl.rewards.base import RewardFn, RewardInput, RewardResult, call_reward
+
+log = logging.getLogger(__name__)
+
+
+class RewardLoadError(ValueError):
+    """A custom reward spec that cannot be loaded; the message names the spec and the fix."""
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """Split "module:function" / "file.py:function", checking the form (not importing anything)."""
+    target, sep, function = spec.rpartition(":")
+    if not sep or not target or not function.isidentifier():
+        raise RewardLoadError(
+            f"reward {spec!r} is not an import path: use 'package.module:function' or 'path/to/file.py:function'."
+        )
+    if target.endswith(".py") and not Path(target).is_file():
+        raise RewardLoadError(f"reward file {target} not found (from {spec!r}): check the path.")
+    return target, function
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Import the function a spec names. Runs the user's module: call it inside a worker."""
+    target, function = parse_spec(spec)
+    if target.endswith(".py"):
+        module_spec = importlib.util.spec_from_file_location(f"mrl_user_reward_{Path(target).stem}", target)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise RewardLoadError(f"{target} has no callable {function!r} (from reward {spec!r}).")
+    return fn
+
+
+def _worker_main(spec: str, conn: Connection) -> None:
+    """Worker process: load the function, report ready, then score samples until the pipe closes."""
+    try:
+        fn = load_reward_fn(spec)
+    except BaseException as exc:  # report any import-time failure to the parent, then stop
+        conn.send(("load_error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            index, sample = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            result = call_reward(fn, sample)
+            conn.send((index, result))
+        except BaseException as exc:  # user code: any failure is a scored-0 sample, not a dead worker
+            tb = traceback.format_exc(limit=-3)
+            conn.send((index, RewardResult(0.0, {"traceback": tb}, f"raised {type(exc).__name__}: {exc}")))
+
+
+class _Worker:
+    def __init__(self, spec: str, context: multiprocessing.context.BaseContext, start_timeout_s: float) -> None:
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_worker_main, args=(spec, child), daemon=True, name="mrl-reward")
+        self.process.start()
+        child.close()
+        if not self.conn.poll(start_timeout_s):
+            self.kill()
+            raise RewardLoadError(f"reward worker for {spec!r} did not start within {start_timeout_s:.0f}s.")
+        try:
+            kind, message = self.conn.recv()
+        except EOFError:
+            self.kill()
+            raise RewardLoadError(f"reward worker for {spec!r} died while importing it (exit code {self.process.exitcode}).")
+        if kind == "load_error":
+            self.kill()
+            raise RewardLoadError(f"cannot load reward {spec!r}: {message}")
+
+    def kill(self) -> None:
+        self.conn.close()
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=10)
+
+
+class SandboxedReward:
+    """Scores samples with a custom reward function in `workers` spawned processes.
+
+    Loading is checked at construction (a bad spec raises RewardLoadError before training starts).
+    """
+
+    def __init__(self, spec: str, timeout_s: float = 10.0, workers: int = 2, start_timeout_s: float = 60.0) -> None:
+        parse_spec(spec)
+        if timeout_s <= 0 or workers < 1:
+            raise ValueError(f"reward timeout_s must be > 0 and workers >= 1, got {timeout_s} and {workers}.")
+        self.spec, self.timeout_s, self.start_timeout_s = spec, timeout_s, start_timeout_s
+        # spawn: a fork of a trainer holding threads, process groups or CUDA state is not safe.
+        self._context = multiprocessing.get_context("spawn")
+        self._workers = [self._start_worker() for _ in range(workers)]
+        self.replaced = 0  # workers killed or found dead and replaced (for metrics)
+
+    def _start_worker(self) -> _Worker:
+        return _Worker(self.spec, self._context, self.start_timeout_s)
+
+    def score_batch(self, samples: Sequence[RewardInput]) -> list[RewardResult]:
+        """Score every sample; each takes at most timeout_s of a worker's time."""
+        results: list[RewardResult | None] = [None] * len(samples)
+        pending = deque(enumerate(samples))
+        idle = list(self._workers)
+        busy: dict[Connection, tuple[_Worker, int, float]] = {}
+        while pending or busy:
+            while pending and idle:
+                worker = idle.pop()
+                index, sample = pending.popleft()
+                try:
+                    worker.conn.send((index, sample))
+                except (BrokenPipeError, OSError):  # died while idle: replace it, retry the sample
+                    pending.appendleft((index, sample))
+                    idle.append(self._replace(worker))
+                    continue
+                busy[worker.conn] = (worker, index, time.monotonic() + self.timeout_s)
+            next_deadline = min(deadline for _, _, deadline in busy.values())
+            for conn in wait(list(busy), timeout=max(0.0, next_deadline - time.monotonic())):
+                worker, index, _ = busy.pop(conn)
+                try:
+                    _, result = conn.recv()
+                    idle.append(worker)
+                except (EOFError, OSError):
+                    worker.process.join(timeout=5)
+                    results[index] = self._failed(index, f"reward worker died (exit code {worker.process.exitcode})")
+                    idle.append(self._replace(worker))
+                    continue
+                results[index] = result
+                if result.error:
+                    log.warning("reward %s scored sample %d as 0.0: %s", self.spec, index, result.error)
+            now = time.monotonic()
+            for conn, (worker, index, deadline) in list(busy.items()):
+                if now >= deadline:
+                    del busy[conn]
+                    results[index] = self._failed(index, f"timed out after {self.timeout_s:g}s")
+                    idle.append(self._replace(worker))
+        return results  # type: ignore[return-value]
+
+    def _failed(self, index: int, reason: str) -> RewardResult:
+        log.warning("reward %s scored sample %d as 0.0: %s", self.spec, index, reason)
+        return RewardResult(0.0, {}, reason)
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        worker.kill()
+        fresh = self._start_worker()
+        self._workers[self._workers.index(worker)] = fresh
+        self.replaced += 1
+        return fresh
+
+    def close(self) -> None:
+        """Stop every worker (idempotent)."""
+        for worker in self._workers:
+            worker.kill()
+        self._workers = []
+
+    def __enter__(self) -> "SandboxedReward":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,172 @@
+"""Rewards: rule-based answers, sandboxed custom rewards that fail in every way, a reward model."""
+
+import logging
+import textwrap
+import time
+
+import pytest
+import torch
+
+from mrl.registry import UnknownNameError
+from mrl.rewards import REWARD_FUNCTIONS, RewardInput, RewardLoadError, SandboxedReward, build_reward
+from mrl.rewards.rule_based import answers_equal, boxed_math, exact_answer, last_boxed
+
+
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("12+7=19", "19", 1.0),
+        ("The answer is 19.", "19", 1.0),
+        ("19.0", "19", 1.0),
+        ("first 19, then 20", "19", 0.0),  # the last number counts
+        ("total: 1,019", "1019", 1.0),
+        ("-3", "-3", 1.0),
+        ("3", "-3", 0.0),
+        ("no number here", "19", 0.0),
+        ("  Paris \n", "Paris", 1.0),  # non-numeric truth: the stripped response must equal it
+        ("Paris, France", "Paris", 0.0),
+    ],
+)
+def test_exact_answer(response, truth, score):
+    assert exact_answer("q", response, truth, {})[0] == score
+
+
+def test_last_boxed_balances_braces():
+    assert last_boxed(r"\boxed{1} then \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert last_boxed(r"\boxed{\{a, b\}}") == r"\{a, b\}"  # escaped braces pair up too
+    assert last_boxed(r"x \fbox{7}") == "7"
+    assert last_boxed(r"\boxed{\frac{1}{2}") is None  # cut off: unbalanced
+    assert last_boxed("no box") is None
+
+
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        (r"so \boxed{\frac{1}{2}}", "0.5", 1.0),
+        (r"\boxed{\dfrac{3}{4}}", r"\frac{3}{4}", 1.0),
+        (r"\boxed{0.50}", "1/2", 1.0),
+        (r"\boxed{1,000}", "1000", 1.0),
+        (r"\boxed{ 90^\circ }", "90", 1.0),
+        (r"\boxed{50\%}", "50", 1.0),
+        (r"\boxed{\text{yes}}", "yes", 1.0),
+        (r"\boxed{\left( 1, 2 \right)}", "(1,2)", 1.0),
+        (r"\boxed{x+1}", r"\boxed{x + 1}", 1.0),  # a boxed ground truth is unwrapped
+        (r"\boxed{1} and finally \boxed{2}", "2", 1.0),
+        (r"\boxed{\sqrt{2}}", r"\sqrt{3}", 0.0),
+        (r"\boxed{3}", "4", 0.0),
+        ("19", "19", 0.0),  # no box, no score
+    ],
+)
+def test_boxed_math(response, truth, score):
+    assert boxed_math("q", response, truth, {})[0] == score
+
+
+def test_answers_equal_by_value():
+    assert answers_equal("-0.25", r"-\frac{1}{4}")
+    assert not answers_equal("1/3", "0.33")
+
+
+def test_registry_and_build_reward_errors():
+    assert set(REWARD_FUNCTIONS.names()) >= {"exact_answer", "boxed_math"}
+    scores = build_reward("exact_answer").score_batch([RewardInput("1+1=", "2", "2"), RewardInput("1+1=", "3", "2")])
+    assert [r.score for r in scores] == [1.0, 0.0]
+    with pytest.raises(UnknownNameError, match="did you mean 'exact_answer'.*package.module:function"):
+        build_reward("exact_answr")
+
+
+USER_REWARD = textwrap.dedent(
+    """
+    import os, time
+
+    def score(prompt, response, ground_truth, metadata):
+        if response == "raise":
+            raise RuntimeError("user bug")
+        if response == "sleep":
+            time.sleep(60)
+        if response == "exit":
+            os._exit(3)
+        if response == "bad":
+            return "not a number"
+        return float(len(response)), {"prompt": prompt}
+    """
+)
+
+
+def test_custom_reward_survives_raise_hang_and_exit(tmp_path, caplog):
+    path = tmp_path / "user_reward.py"
+    path.write_text(USER_REWARD)
+    samples = [RewardInput("p", r) for r in ("ab", "raise", "sleep", "exit", "abcd", "bad", "xyz")]
+    with SandboxedReward(f"{path}:score", timeout_s=1.5, workers=2) as reward:
+        with caplog.at_level(logging.WARNING, logger="mrl.rewards.sandbox"):
+            start = time.monotonic()
+            results = reward.score_batch(samples)
+            elapsed = time.monotonic() - start
+        assert [r.score for r in results] == [2.0, 0.0, 0.0, 0.0, 4.0, 0.0, 3.0]
+        assert results[0].info == {"prompt": "p"} and results[0].error is None
+        assert "raised RuntimeError: user bug" in results[1].error
+        assert results[2].error == "timed out after 1.5s"
+        assert results[3].error == "reward worker died (exit code 3)"
+        assert "TypeError" in results[5].error
+        assert elapsed < 10, f"a hung reward stalled the caller for {elapsed:.1f}s"
+        assert reward.replaced == 2  # the hung worker and the dead one
+        logged = caplog.text
+        assert "timed out" in logged and "died" in logged and "user bug" in logged
+        # the pool keeps working after the replacements
+        assert [r.score for r in reward.score_batch([RewardInput("p", "hello")])] == [5.0]
+
+
+def test_custom_reward_by_module_path(tmp_path, monkeypatch):
+    (tmp_path / "mrl_test_user_rewards.py").write_text(USER_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with build_reward("mrl_test_user_rewards:score", timeout_s=5, workers=1) as reward:
+        assert [r.score for r in reward.score_batch([RewardInput("p", "abc")])] == [3.0]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("no_function_here", "is not an import path"),
+        ("missing_file.py:score", "not found"),
+        ("{user}:nope", "has no callable 'nope'"),
+        ("mrl_no_such_module_xyz:score", "ModuleNotFoundError"),
+    ],
+)
+def test_bad_custom_reward_spec_fails_at_construction(tmp_path, spec, message):
+    path = tmp_path / "user_reward.py"
+    path.write_text(USER_REWARD)
+    with pytest.raises(RewardLoadError, match=message):
+        SandboxedReward(spec.format(user=path), workers=1)
+
+
+def _write_reward_model(out):
+    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+    from mrl.models.tiny import build_tokenizer
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), pad_token="<pad>", eos_token="</s>")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config)
+    model.score.weight.data.normal_(0, 1.0)  # a visible spread of scores
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return model.eval(), tokenizer
+
+
+def test_reward_model_scorer_batches_like_single_samples(tmp_path):
+    from mrl.rewards.reward_model import RewardModelScorer
+
+    model, tokenizer = _write_reward_model(tmp_path / "rm")
+    samples = [RewardInput("What is 2+2? ", "4"), RewardInput("Hello ", "a much longer answer than the others"),
+               RewardInput("x", "y")]
+    scorer = RewardModelScorer(tmp_path / "rm", batch_size=2)
+    batched = [r.score for r in scorer.score_batch(samples)]
+    with torch.no_grad():
+        single = [model(**tokenizer(s.prompt + s.response, return_tensors="pt")).logits[0, 0].item() for s in samples]
+    assert batched == pytest.approx(single, abs=1e-5)
+    assert len(set(round(v, 4) for v in batched)) == 3, "different texts should score differently"
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        RewardModelScorer(tmp_path / "nothing")
