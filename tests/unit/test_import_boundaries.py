@@ -32,3 +32,15 @@ def test_only_allowed_packages_import(package):
         if package in _imports(path) and not rel.startswith(MAY_IMPORT[package]):
             offenders.append(rel)
     assert not offenders, f"{package} imported outside {MAY_IMPORT[package]}: {offenders}"
+
+
+# Algorithm math, rewards, data and config are pure: they must not pull in a framework at all.
+PURE_PACKAGES = ("mrl/algo", "mrl/rewards", "mrl/data", "mrl/config")
+
+
+@pytest.mark.parametrize("package", PURE_PACKAGES)
+def test_pure_packages_import_no_framework(package):
+    files = sorted(ROOT.glob(f"{package}/**/*.py"))
+    assert files, f"{package} has no Python files"
+    offenders = {f.relative_to(ROOT).as_posix(): sorted(_imports(f) & {"megatron", "ray", "vllm"}) for f in files}
+    assert not {k: v for k, v in offenders.items() if v}, offenders

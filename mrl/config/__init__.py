@@ -1,0 +1,35 @@
+"""Run configuration: typed sections, YAML recipes with `base:` inheritance, dotted overrides,
+and validation that reports every problem before any worker starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Sequence
+
+from mrl.config.loading import ConfigError, apply_overrides, build, read_recipe
+from mrl.config.schema import RunConfig
+from mrl.config.validation import validate
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = (), check_files: bool = True) -> RunConfig:
+    """Read a recipe, apply "section.key=value" overrides, build and validate the RunConfig.
+
+    Raises ConfigError listing every problem found (unknown keys, bad values, layout, resources,
+    missing files) at once.
+    """
+    errors: list[str] = []
+    tree = apply_overrides(read_recipe(path), list(overrides), errors)
+    cfg = build(RunConfig, tree, errors)
+    errors += validate(cfg, check_files=check_files)
+    if errors:
+        raise ConfigError(errors, str(path))
+    return cfg
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain nested dict of a config (for logs and the checkpointed copy of the run's config)."""
+    return dataclasses.asdict(cfg)
+
+
+__all__ = ["ConfigError", "RunConfig", "config_to_dict", "load_config", "validate"]

@@ -1,0 +1,209 @@
+"""The run configuration: one typed dataclass per component, every field with its default.
+
+configs/base.yaml mirrors these defaults; recipes override only what differs. Field types drive
+the coercion of YAML and CLI values (mrl/config/loading.py); Literal types list the allowed choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class TrainerConfig:
+    """The run itself: how many steps, where outputs go, the seed everything derives from."""
+
+    name: str = "mrl"
+    output_dir: str = "runs/mrl"
+    seed: int = 0
+    total_steps: int = 100
+    sft_steps: int = 0  # supervised warm-start steps before RL (0: none)
+    ppo_epochs: int = 1  # optimizer passes over each rollout batch
+    eval_every: int = 0  # held-out evaluation every N steps (0: only before and after)
+
+
+@dataclass
+class ModelConfig:
+    """The actor (and optional critic) checkpoints, as HuggingFace directories."""
+
+    path: str = ""
+    tiny: str | None = None  # a tiny-zoo architecture: written to `path` at start when missing
+    critic_path: str | None = None  # PPO with GAE: the critic's initial weights
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron layout of the actor. Data parallelism fills the rest of the world."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    vpp: int | None = None
+    first_stage_layers: int | None = None  # uneven pipeline: layers on the first / last stage
+    last_stage_layers: int | None = None
+    world_size: int | None = None  # actor processes; default: every actor GPU (CPU: the layout's minimum)
+
+
+@dataclass
+class RolloutConfig:
+    """The generation engine and its sampling parameters."""
+
+    engine: Literal["vllm"] = "vllm"
+    tensor_parallel_size: int = 1
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    max_model_len: int = 4096
+    kv_cache_memory_mb: int | None = None  # CPU: the KV cache size; GPU: use gpu_memory_utilization
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    max_new_tokens: int = 1024
+    n_samples_per_prompt: int = 8
+    stop: list[str] = field(default_factory=list)
+    seed: int = 0
+
+
+@dataclass
+class SyncConfig:
+    """Per-step weight sync from the Megatron actor to the rollout engine."""
+
+    transport: Literal["colocated", "broadcast", "object_store"] = "colocated"
+    bucket_mb: int = 512
+    timeout_s: float = 300.0
+    parity_threshold: float = 1e-3  # max |logprob difference| engine vs actor allowed at a parity check
+    parity_every: int = 0  # check parity every N syncs (0: only after the first)
+
+
+@dataclass
+class OverlongConfig:
+    """DAPO's soft overlong punishment (see mrl.algo.dapo.overlong_penalty)."""
+
+    enable: bool = False
+    buffer_length: int = 256
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class AlgoConfig:
+    """RL algorithm: names from the mrl.algo registries and their coefficients."""
+
+    advantage_estimator: str = "grpo"
+    policy_loss: str = "ppo_clip"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_ratio_c: float | None = None  # dual clip (> 1), None: off
+    norm_adv_by_std: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    kl_estimator: str = "k3"
+    kl_coef: float = 0.0
+    kl_in_reward: bool = False  # True: KL penalty in the reward; False: KL term in the loss
+    entropy_coef: float = 0.0
+    aggregation: str = "token-mean"
+    dynamic_sampling: bool = False
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+
+
+@dataclass
+class OptimConfig:
+    """Actor optimizer (Megatron distributed Adam) and batching."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    micro_batch_size: int = 1
+    max_tokens_per_micro_batch: int | None = None  # token budget for dynamic batching (None: off)
+
+
+@dataclass
+class RewardConfig:
+    """A built-in reward name, "reward_model", or a custom "module:function" / "file.py:function"."""
+
+    name: str = "exact_answer"
+    timeout_s: float = 10.0
+    workers: int = 2
+    model_path: str | None = None  # for name: reward_model
+
+
+@dataclass
+class ArithmeticConfig:
+    """The synthetic arithmetic task (mrl.data.ArithmeticTask)."""
+
+    ops: list[str] = field(default_factory=lambda: ["+", "-"])
+    min_operand: int = 0
+    max_operand: int = 99
+    heldout_fraction: float = 0.1
+    train_size: int = 2000
+    heldout_size: int = 200
+
+
+@dataclass
+class DataConfig:
+    """Prompts: a .jsonl/.parquet file or the synthetic arithmetic task."""
+
+    path: str | None = None
+    heldout_path: str | None = None
+    synthetic: bool = False
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    template: str = "{prompt}"
+    chat_template: bool = False
+    system_prompt: str | None = None
+    answer_key: str = "answer"
+    batch_size: int = 8  # prompts per step (each sampled n_samples_per_prompt times)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "checkpoints"
+    save_every: int = 0  # steps (0: only at the end)
+    keep_last: int = 2
+    async_save: bool = False
+    resume: str = "auto"  # "auto": latest in dir if any, "never", or a checkpoint path
+
+
+@dataclass
+class LaunchConfig:
+    """Where the workers run: a local Ray instance or an existing cluster."""
+
+    address: str | None = None  # None: start a local Ray instance
+    placement: Literal["colocated", "separate"] = "colocated"
+    num_nodes: int = 1
+    gpus_per_node: int = 0  # 0: a CPU run
+    cpus_per_node: int = 2
+    rollout_gpus: int = 0  # placement: separate — GPUs reserved for the rollout engines
+
+
+@dataclass
+class LoggingConfig:
+    jsonl: bool = True
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "mrl"
+    log_every: int = 1
+
+
+@dataclass
+class RunConfig:
+    """The whole configuration of a training run."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

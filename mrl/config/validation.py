@@ -1,0 +1,288 @@
+"""Checks a RunConfig before any worker starts; returns every problem as a one-line message.
+
+Groups: value ranges (a table), algorithm names and combinations, the parallel layout against the
+model and the resources, files that must exist. Each message names the key and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+from mrl.config.schema import RunConfig
+from mrl.layout import LayoutError, ModelDims, ParallelLayout
+
+# (dotted key, requirement that holds for valid values, the requirement in words)
+_RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("trainer.total_steps", lambda v: v >= 1, ">= 1"),
+    ("trainer.sft_steps", lambda v: v >= 0, ">= 0"),
+    ("trainer.ppo_epochs", lambda v: v >= 1, ">= 1"),
+    ("trainer.eval_every", lambda v: v >= 0, ">= 0"),
+    ("rollout.tensor_parallel_size", lambda v: v >= 1, ">= 1"),
+    ("rollout.max_model_len", lambda v: v >= 2, ">= 2"),
+    ("rollout.kv_cache_memory_mb", lambda v: v is None or v >= 1, ">= 1 (or null)"),
+    ("rollout.gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("rollout.temperature", lambda v: v >= 0, ">= 0"),
+    ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("rollout.top_k", lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
+    ("rollout.max_new_tokens", lambda v: v >= 1, ">= 1"),
+    ("rollout.n_samples_per_prompt", lambda v: v >= 1, ">= 1"),
+    ("sync.bucket_mb", lambda v: v >= 1, ">= 1"),
+    ("sync.timeout_s", lambda v: v > 0, "> 0"),
+    ("sync.parity_threshold", lambda v: v > 0, "> 0"),
+    ("sync.parity_every", lambda v: v >= 0, ">= 0"),
+    ("algo.clip_low", lambda v: 0 < v < 1, "in (0, 1)"),
+    ("algo.clip_high", lambda v: v > 0, "> 0"),
+    ("algo.clip_ratio_c", lambda v: v is None or v > 1, "> 1 (or null to disable dual clip)"),
+    ("algo.gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("algo.lam", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("algo.kl_coef", lambda v: v >= 0, ">= 0"),
+    ("algo.entropy_coef", lambda v: v >= 0, ">= 0"),
+    ("algo.overlong.buffer_length", lambda v: v >= 1, ">= 1"),
+    ("algo.overlong.penalty_factor", lambda v: v >= 0, ">= 0"),
+    ("optim.lr", lambda v: v > 0, "> 0"),
+    ("optim.min_lr", lambda v: v >= 0, ">= 0"),
+    ("optim.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+    ("optim.clip_grad", lambda v: v > 0, "> 0"),
+    ("optim.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("optim.micro_batch_size", lambda v: v >= 1, ">= 1"),
+    ("optim.max_tokens_per_micro_batch", lambda v: v is None or v >= 1, ">= 1 (or null)"),
+    ("reward.timeout_s", lambda v: v > 0, "> 0"),
+    ("reward.workers", lambda v: v >= 1, ">= 1"),
+    ("data.batch_size", lambda v: v >= 1, ">= 1"),
+    ("data.arithmetic.heldout_fraction", lambda v: 0 < v < 1, "in (0, 1)"),
+    ("data.arithmetic.train_size", lambda v: v >= 1, ">= 1"),
+    ("data.arithmetic.heldout_size", lambda v: v >= 1, ">= 1"),
+    ("checkpoint.save_every", lambda v: v >= 0, ">= 0"),
+    ("checkpoint.keep_last", lambda v: v >= 1, ">= 1"),
+    ("launch.num_nodes", lambda v: v >= 1, ">= 1"),
+    ("launch.gpus_per_node", lambda v: v >= 0, ">= 0 (0: CPU)"),
+    ("launch.cpus_per_node", lambda v: v >= 1, ">= 1"),
+    ("launch.rollout_gpus", lambda v: v >= 0, ">= 0"),
+    ("logging.log_every", lambda v: v >= 1, ">= 1"),
+]
+
+
+def validate(cfg: RunConfig, check_files: bool = True) -> list[str]:
+    """Every problem in `cfg`; check_files=False skips what needs files on this machine
+    (model, data, reward files), e.g. to check a cluster recipe on a laptop."""
+    errors = _check_ranges(cfg) + _check_algo(cfg) + _check_data(cfg) + _check_reward(cfg, check_files)
+    dims, model_errors = _model_dims(cfg, check_files)
+    errors += model_errors
+    errors += _check_layout(cfg, dims)
+    if check_files:
+        errors += _check_files(cfg)
+    return errors
+
+
+def _get(cfg: RunConfig, dotted: str) -> Any:
+    value: Any = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _check_ranges(cfg: RunConfig) -> list[str]:
+    errors = []
+    for key, ok, requirement in _RANGES:
+        value = _get(cfg, key)
+        if not ok(value):
+            errors.append(f"{key} must be {requirement}, got {value!r}.")
+    if cfg.rollout.max_new_tokens >= cfg.rollout.max_model_len:
+        errors.append(
+            f"rollout.max_new_tokens {cfg.rollout.max_new_tokens} leaves no room for the prompt in "
+            f"rollout.max_model_len {cfg.rollout.max_model_len}: raise max_model_len or lower max_new_tokens."
+        )
+    if cfg.optim.min_lr > cfg.optim.lr:
+        errors.append(f"optim.min_lr {cfg.optim.min_lr} exceeds optim.lr {cfg.optim.lr}: lower min_lr.")
+    return errors
+
+
+def _check_algo(cfg: RunConfig) -> list[str]:
+    from mrl.algo import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+
+    algo, errors = cfg.algo, []
+    for key, registry in (("advantage_estimator", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES),
+                          ("kl_estimator", KL_ESTIMATORS), ("aggregation", AGGREGATIONS)):
+        name = getattr(algo, key)
+        if name not in registry:
+            errors.append(f"algo.{key}: {registry.unknown_message(name)}")
+    if algo.policy_loss == "dapo" and algo.aggregation != "token-mean":
+        errors.append(f"algo.policy_loss 'dapo' aggregates per token: set algo.aggregation: token-mean (got {algo.aggregation!r}).")
+    grouped = algo.advantage_estimator in ("grpo", "rloo") or algo.dynamic_sampling
+    if grouped and cfg.rollout.n_samples_per_prompt < 2:
+        errors.append(
+            f"{algo.advantage_estimator} compares samples of one prompt: rollout.n_samples_per_prompt must be >= 2, "
+            f"got {cfg.rollout.n_samples_per_prompt}."
+        )
+    if algo.advantage_estimator == "gae" and not cfg.model.critic_path:
+        errors.append("algo.advantage_estimator 'gae' needs a critic: set model.critic_path.")
+    if algo.overlong.enable and algo.overlong.buffer_length > cfg.rollout.max_new_tokens:
+        errors.append(
+            f"algo.overlong.buffer_length {algo.overlong.buffer_length} exceeds rollout.max_new_tokens "
+            f"{cfg.rollout.max_new_tokens}: use a buffer shorter than the longest response."
+        )
+    return errors
+
+
+def _check_data(cfg: RunConfig) -> list[str]:
+    data = cfg.data
+    if data.synthetic and data.path:
+        return ["data.synthetic is true and data.path is set: use one source (unset data.path or synthetic)."]
+    if not data.synthetic and not data.path:
+        return ["no prompts: set data.path to a .jsonl/.parquet file or data.synthetic: true."]
+    if data.synthetic:
+        from mrl.data import ArithmeticTask
+
+        a = data.arithmetic
+        try:
+            ArithmeticTask(tuple(a.ops), a.min_operand, a.max_operand, a.heldout_fraction, cfg.trainer.seed)
+        except ValueError as exc:
+            return [f"data.arithmetic: {exc}"]
+    return []
+
+
+def _check_reward(cfg: RunConfig, check_files: bool) -> list[str]:
+    from mrl.rewards import REWARD_FUNCTIONS
+    from mrl.rewards.sandbox import RewardLoadError, parse_spec
+
+    name = cfg.reward.name
+    if name == "reward_model":
+        path = cfg.reward.model_path
+        if not path:
+            return ["reward.name 'reward_model' needs reward.model_path (an HF sequence-classification model)."]
+        if check_files and not (Path(path) / "config.json").is_file():
+            return [f"reward.model_path {path} has no config.json: point it at an HF model directory."]
+        return []
+    if name in REWARD_FUNCTIONS:
+        return []
+    if ":" not in name:
+        return [f"reward.name: {REWARD_FUNCTIONS.unknown_message(name)} Or 'reward_model', or 'module:function'."]
+    try:
+        target, _ = parse_spec(name)
+        if check_files and not target.endswith(".py") and importlib.util.find_spec(target.split(".")[0]) is None:
+            return [f"reward.name {name!r}: module {target!r} cannot be found: check the import path / PYTHONPATH."]
+    except RewardLoadError as exc:
+        return [f"reward.name: {exc}"]
+    return []
+
+
+def _model_dims(cfg: RunConfig, check_files: bool) -> tuple[ModelDims | None, list[str]]:
+    """The model's sizes (from the tiny zoo or config.json), or None with the reason."""
+    from mrl.models.registry import UnsupportedModelError, model_spec_from_hf
+
+    model = cfg.model
+    if model.tiny is not None:
+        from mrl.models.tiny import TINY_ARCHS, tiny_hf_config
+
+        if model.tiny not in TINY_ARCHS:
+            return None, [f"model.tiny {model.tiny!r} is not a tiny-zoo architecture; use one of {', '.join(TINY_ARCHS)}."]
+        if not model.path:
+            return None, ["model.tiny needs model.path: the directory the tiny model is written to."]
+        return model_spec_from_hf(tiny_hf_config(model.tiny)).dims, []
+    if not model.path:
+        return None, ["model.path is empty: set it to a HuggingFace model directory (or set model.tiny)."]
+    if not check_files:
+        return None, []
+    if not (Path(model.path) / "config.json").is_file():
+        return None, [f"model.path {model.path} has no config.json: point it at a HuggingFace model directory."]
+    try:
+        return model_spec_from_hf(model.path).dims, []
+    except UnsupportedModelError as exc:
+        return None, [f"model.path: {exc}"]
+
+
+def _check_layout(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
+    p = cfg.parallel
+    layout = ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp)
+    if min(p.tp, p.pp, p.ep, layout.expert_tp, p.vpp or 1) < 1:
+        return [f"parallel sizes must be >= 1, got {layout.describe()}."]
+    world, errors = _actor_world(cfg, layout)
+    try:
+        if dims is not None:
+            dims, uneven_errors = _even_part(cfg, dims)
+            errors += uneven_errors
+            layout.validate(dims, world)
+        elif world is not None:
+            layout.check_world_size(world)
+    except LayoutError as exc:
+        errors.append("parallel: " + str(exc).replace("--", "parallel."))
+    return errors
+
+
+def _even_part(cfg: RunConfig, dims: ModelDims) -> tuple[ModelDims, list[str]]:
+    """With an uneven first/last stage, check the layer split here and hand ParallelLayout a layer
+    count it divides, so it checks everything else (it knows only even splits)."""
+    p = cfg.parallel
+    special = [n for n in (p.first_stage_layers, p.last_stage_layers) if n is not None]
+    if not special:
+        return dims, []
+    even = replace(dims, num_layers=p.pp * (p.vpp or 1))  # the layer split is checked here, not twice
+    if p.pp < 2 or p.vpp not in (None, 1):
+        return even, ["parallel.first_stage_layers/last_stage_layers need parallel.pp >= 2 and no vpp."]
+    middle_layers = dims.num_layers - sum(special)
+    middle_stages = p.pp - len(special)
+    if any(n < 1 for n in special) or middle_layers < middle_stages or (middle_stages and middle_layers % middle_stages):
+        return even, [
+            f"{dims.num_layers} layers minus first/last stage layers {special} leave {middle_layers} for "
+            f"{middle_stages} middle stage(s): choose first_stage_layers/last_stage_layers so they divide evenly."
+        ]
+    return even, []
+
+
+def _actor_world(cfg: RunConfig, layout: ParallelLayout) -> tuple[int | None, list[str]]:
+    """The actor's world size and any resource shortfall (GPU runs count GPUs; CPU runs processes)."""
+    launch, need, errors = cfg.launch, layout.min_world_size(), []
+    if cfg.sync.transport == "colocated" and launch.placement == "separate":
+        errors.append("sync.transport 'colocated' needs launch.placement: colocated; use 'broadcast' for separate placement.")
+    if launch.gpus_per_node == 0:
+        world = cfg.parallel.world_size or need
+        if cfg.parallel.world_size is not None and world < need:
+            errors.append(f"parallel.world_size {world} is below the {need} processes layout {layout.describe()} needs.")
+        return world, errors
+    total = launch.num_nodes * launch.gpus_per_node
+    reserved = launch.rollout_gpus if launch.placement == "separate" else 0
+    if launch.placement == "separate" and not 1 <= reserved < total:
+        errors.append(f"launch.placement separate needs 1 <= launch.rollout_gpus < {total} (the cluster's GPUs), got {reserved}.")
+        return None, errors
+    actor_gpus = total - reserved
+    if actor_gpus < need:
+        errors.append(
+            f"resources too few: layout {layout.describe()} needs at least {need} actor GPUs but launch gives "
+            f"{actor_gpus} (num_nodes {launch.num_nodes} × gpus_per_node {launch.gpus_per_node}"
+            + (f" - rollout_gpus {reserved}" if reserved else "") + "): add nodes or shrink the layout."
+        )
+        return None, errors
+    world = cfg.parallel.world_size or actor_gpus
+    if world > actor_gpus:
+        errors.append(f"parallel.world_size {world} exceeds the {actor_gpus} actor GPUs: lower it or add nodes.")
+    rollout_gpus = reserved or total
+    if rollout_gpus % cfg.rollout.tensor_parallel_size:
+        errors.append(
+            f"rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} does not divide the {rollout_gpus} "
+            "rollout GPUs: choose a size that divides them."
+        )
+    return world, errors
+
+
+def _check_files(cfg: RunConfig) -> list[str]:
+    errors = []
+    if cfg.model.critic_path and not (Path(cfg.model.critic_path) / "config.json").is_file():
+        errors.append(f"model.critic_path {cfg.model.critic_path} has no config.json: point it at an HF model directory.")
+    for key in ("path", "heldout_path"):
+        path = getattr(cfg.data, key)
+        if path is None:
+            continue
+        if not Path(path).is_file():
+            errors.append(f"data.{key} {path} not found: fix the path.")
+        elif Path(path).suffix not in (".jsonl", ".parquet"):
+            errors.append(f"data.{key} {path}: use a .jsonl or .parquet file.")
+        elif Path(path).suffix == ".parquet" and importlib.util.find_spec("pyarrow") is None:
+            errors.append(f"data.{key} {path}: reading parquet needs pyarrow: pip install pyarrow (or use .jsonl).")
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "never") and not Path(resume).exists():
+        errors.append(f"checkpoint.resume {resume} not found: give a checkpoint path, 'auto' or 'never'.")
+    return errors

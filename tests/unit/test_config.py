@@ -1,0 +1,220 @@
+"""mrl.config: recipes, inheritance, overrides and every validation error, one message each."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mrl.config import ConfigError, load_config
+from mrl.models.tiny import tiny_hf_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TINY = CONFIGS / "tiny_cpu_grpo.yaml"
+DSV3 = CONFIGS / "dsv3_671b_grpo.yaml"
+
+
+def errors_of(path, *overrides, check_files=True):
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides, check_files=check_files)
+    return info.value.errors
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_tiny_recipe_inherits_the_base():
+    cfg = load_config(TINY)
+    assert (cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.pp) == (2, 2, 1)  # from the recipe
+    assert cfg.algo.clip_low == 0.2 and cfg.sync.bucket_mb == 512  # from the base
+    assert cfg.data.arithmetic.ops == ["+"] and cfg.data.arithmetic.min_operand == 0  # nested merge
+    assert cfg.model.tiny == "deepseek_v3" and cfg.launch.gpus_per_node == 0
+
+
+def test_base_alone_names_what_a_recipe_must_add():
+    assert errors_of(CONFIGS / "base.yaml") == [
+        "no prompts: set data.path to a .jsonl/.parquet file or data.synthetic: true.",
+        "model.path is empty: set it to a HuggingFace model directory (or set model.tiny).",
+    ]
+
+
+def test_inheritance_chain_deep_merges_and_replaces_lists(tmp_path):
+    recipe = write(tmp_path / "mine.yaml", f"base: {TINY}\nalgo:\n  overlong:\n    enable: true\n    buffer_length: 4\n"
+                   "data:\n  arithmetic:\n    ops: ['-', '*']\n")
+    child = write(tmp_path / "child.yaml", "base: mine.yaml\ntrainer:\n  total_steps: 3\n")
+    cfg = load_config(child)
+    assert cfg.trainer.total_steps == 3 and cfg.trainer.sft_steps == 200  # child, then the tiny recipe
+    assert cfg.algo.overlong.enable and cfg.algo.overlong.buffer_length == 4
+    assert cfg.algo.overlong.penalty_factor == 1.0  # untouched key of a merged mapping stays
+    assert cfg.data.arithmetic.ops == ["-", "*"]  # lists replace
+
+
+def test_base_cycle_and_missing_base(tmp_path):
+    write(tmp_path / "a.yaml", "base: b.yaml\n")
+    write(tmp_path / "b.yaml", "base: a.yaml\n")
+    assert "chain loops back" in errors_of(tmp_path / "a.yaml")[0]
+    write(tmp_path / "c.yaml", "base: nowhere.yaml\n")
+    assert "nowhere.yaml not found (base of" in errors_of(tmp_path / "c.yaml")[0]
+    write(tmp_path / "bad.yaml", "algo: [1, 2\n")
+    assert "is not valid YAML" in errors_of(tmp_path / "bad.yaml")[0]
+
+
+def test_overrides_are_coerced_by_field_type():
+    cfg = load_config(TINY, [
+        "algo.kl_coef=0.01", "optim.lr=1e-5", "trainer.total_steps=7", "rollout.enforce_eager=false",
+        'rollout.stop=["</s>", "\\n\\n"]', "model.critic_path=null", "algo.clip_ratio_c=3",
+        "reward.name=exact_answer", "data.arithmetic.ops=[+]", "trainer.name=123",
+    ])
+    assert cfg.algo.kl_coef == 0.01 and cfg.optim.lr == 1e-5 and cfg.trainer.total_steps == 7
+    assert cfg.rollout.enforce_eager is False and cfg.rollout.stop == ["</s>", "\n\n"]
+    assert cfg.model.critic_path is None and cfg.algo.clip_ratio_c == 3.0
+    assert cfg.data.arithmetic.ops == ["+"] and cfg.trainer.name == "123"  # a str field keeps the text
+
+
+def test_unknown_keys_suggest_the_close_match(tmp_path):
+    assert errors_of(TINY, "algo.kl_coeff=0.01") == ["unknown key 'algo.kl_coeff' - did you mean 'algo.kl_coef'?"]
+    assert errors_of(TINY, "algoo.kl_coef=0.01") == ["unknown key 'algoo' - did you mean 'algo'?"]
+    assert errors_of(TINY, "algo.overlong.buffer=3") == [
+        "unknown key 'algo.overlong.buffer' - did you mean 'algo.overlong.buffer_length'?"]
+    (message,) = errors_of(TINY, "sync.zzz=1")
+    assert message.startswith("unknown key 'sync.zzz' Valid keys here: transport, bucket_mb")
+    recipe = write(tmp_path / "r.yaml", f"base: {TINY}\nrollout:\n  temprature: 0.5\n")
+    assert errors_of(recipe) == ["unknown key 'rollout.temprature' - did you mean 'rollout.temperature'?"]
+
+
+def test_malformed_override():
+    assert errors_of(TINY, "algo.kl_coef") == ["override 'algo.kl_coef' must look like section.key=value (e.g. algo.kl_coef=0.01)."]
+
+
+def test_bad_types(tmp_path):
+    assert errors_of(TINY, "parallel.tp=two") == ["parallel.tp: must be an integer, got 'two'"]
+    assert errors_of(TINY, "rollout.enforce_eager=maybe") == ["rollout.enforce_eager: must be true or false, got 'maybe'"]
+    assert errors_of(TINY, "sync.transport=pigeon") == [
+        "sync.transport: must be one of 'colocated', 'broadcast', 'object_store', got 'pigeon'"]
+    assert errors_of(TINY, "algo.overlong=3") == ["algo.overlong must be a mapping of keys, got '3'."]
+    recipe = write(tmp_path / "r.yaml", f"base: {TINY}\ntrainer:\n  name: 5\n  seed: 1.5\noptim:\n  lr: fast\n")
+    assert errors_of(recipe) == [
+        "trainer.name: must be a string, got 5 (int) (quote it in YAML)",
+        "trainer.seed: must be an integer, got 1.5 (float)",
+        "optim.lr: must be a number, got 'fast' (str)",
+    ]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1], got 1.5."),
+        ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c must be > 1 (or null to disable dual clip), got 0.5."),
+        ("optim.betas=[0.9]", "optim.betas must be two numbers in [0, 1), got [0.9]."),
+        ("rollout.max_new_tokens=64", "rollout.max_new_tokens 64 leaves no room for the prompt in rollout.max_model_len 64"),
+        ("algo.advantage_estimator=grpoo", "algo.advantage_estimator: unknown advantage estimator 'grpoo' - did you mean 'grpo'?"),
+        ("algo.aggregation=token_mean", "algo.aggregation: unknown loss aggregation 'token_mean' - did you mean 'token-mean'?"),
+        ("algo.advantage_estimator=gae", "algo.advantage_estimator 'gae' needs a critic: set model.critic_path."),
+        ("rollout.n_samples_per_prompt=1", "grpo compares samples of one prompt: rollout.n_samples_per_prompt must be >= 2"),
+        ("reward.name=exact_answr", "reward.name: unknown reward function 'exact_answr' - did you mean 'exact_answer'?"),
+        ("reward.name=reward_model", "reward.name 'reward_model' needs reward.model_path"),
+        ("data.arithmetic.ops=[/]", "data.arithmetic: arithmetic ops ['/']: each must be one of"),
+        ("model.tiny=gpt2", "model.tiny 'gpt2' is not a tiny-zoo architecture"),
+    ],
+)
+def test_bad_values(override, message):
+    (error,) = errors_of(TINY, override)
+    assert error.startswith(message), error
+
+
+def test_two_data_sources():
+    assert errors_of(TINY, "data.path=x.jsonl") == [
+        "data.synthetic is true and data.path is set: use one source (unset data.path or synthetic).",
+        "data.path x.jsonl not found: fix the path.",
+    ]
+
+
+def test_dapo_needs_token_mean():
+    (error,) = errors_of(TINY, "algo.policy_loss=dapo", "algo.aggregation=seq-mean-token-mean")
+    assert error == "algo.policy_loss 'dapo' aggregates per token: set algo.aggregation: token-mean (got 'seq-mean-token-mean')."
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.tp=3"], "parallel: 4 attention heads are not divisible by parallel.tp 3"),
+        (["parallel.ep=3"], "parallel: 8 routed experts are not divisible by parallel.ep 3"),
+        (["parallel.pp=3"], "parallel: 4 layers cannot be split into PP×VPP = 3×1"),
+        (["parallel.world_size=6"], "parallel: world size 6 does not fit layout TP2×PP1×EP2"),
+        (["parallel.world_size=2"], "parallel.world_size 2 is below the 4 processes layout TP2×PP1×EP2 needs."),
+        (["parallel.vpp=2"], "parallel: parallel.vpp 2 needs parallel.pp > 1"),
+    ],
+)
+def test_layout_arithmetic(overrides, message):
+    errors = errors_of(TINY, *overrides)
+    assert any(e.startswith(message) for e in errors), errors
+
+
+def _dsv3_files(tmp_path):
+    """A DeepSeek-V3 671B config.json (the published sizes) and a data file, for the cluster recipe."""
+    hf = tiny_hf_config("deepseek_v3") | dict(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256, num_experts_per_tok=8,
+        n_shared_experts=1, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=8, topk_group=4,
+        vocab_size=129280, max_position_embeddings=163840,
+    )
+    model = tmp_path / "DeepSeek-V3"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(hf))
+    data = write(tmp_path / "math.jsonl", '{"prompt": "1+1", "label": "2"}\n')
+    return [f"model.path={model}", f"data.path={data}"]
+
+
+def test_dsv3_671b_recipe_validates_with_its_uneven_pipeline(tmp_path):
+    files = _dsv3_files(tmp_path)
+    cfg = load_config(DSV3, files)
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.etp) == (8, 4, 32, 1)
+    (error,) = errors_of(DSV3, *files, "parallel.last_stage_layers=12")
+    assert error.startswith("61 layers minus first/last stage layers [12] leave 49 for 3 middle stage(s)")
+    # without last_stage_layers 61 layers do not split into 4 stages
+    (error,) = errors_of(DSV3, *files, "parallel.last_stage_layers=null")
+    assert error.startswith("parallel: 61 layers cannot be split into PP×VPP = 4×1")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["launch.num_nodes=2"], "resources too few: layout TP8×PP4×EP32×ETP1 needs at least 128 actor GPUs but launch gives 16 (num_nodes 2 × gpus_per_node 8)"),
+        (["launch.placement=separate", "sync.transport=broadcast"], "launch.placement separate needs 1 <= launch.rollout_gpus < 128"),
+        (["launch.placement=separate"], "sync.transport 'colocated' needs launch.placement: colocated"),
+        (["launch.num_nodes=20", "launch.placement=separate", "sync.transport=broadcast", "launch.rollout_gpus=24"],
+         "rollout.tensor_parallel_size 16 does not divide the 24 rollout GPUs"),
+        (["parallel.world_size=256"], "parallel.world_size 256 exceeds the 128 actor GPUs"),
+    ],
+)
+def test_resources(overrides, message):
+    errors = errors_of(DSV3, *overrides, check_files=False)
+    assert any(e.startswith(message) for e in errors), errors
+
+
+def test_missing_files(tmp_path):
+    errors = errors_of(DSV3, "data.heldout_path=/nope/held.parquet", "reward.name=/nope/r.py:score",
+                       "checkpoint.resume=/nope/ckpt", f"model.critic_path={tmp_path}")
+    assert errors == [
+        "reward.name: reward file /nope/r.py not found (from '/nope/r.py:score'): check the path.",
+        "model.path /models/DeepSeek-V3 has no config.json: point it at a HuggingFace model directory.",
+        f"model.critic_path {tmp_path} has no config.json: point it at an HF model directory.",
+        "data.path /data/dapo-math-17k.jsonl not found: fix the path.",
+        "data.heldout_path /nope/held.parquet not found: fix the path.",
+        "checkpoint.resume /nope/ckpt not found: give a checkpoint path, 'auto' or 'never'.",
+    ]
+    assert errors_of(TINY, "reward.name=reward_model", f"reward.model_path={tmp_path}") == [
+        f"reward.model_path {tmp_path} has no config.json: point it at an HF model directory."]
+    assert errors_of(TINY, "reward.name=mrl_nowhere_xyz.mod:score") == [
+        "reward.name 'mrl_nowhere_xyz.mod:score': module 'mrl_nowhere_xyz.mod' cannot be found: check the import path / PYTHONPATH."]
+
+
+def test_all_errors_are_reported_together():
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, ["algo.kl_coeff=1", "parallel.tp=3", "rollout.top_p=0", "data.path=/nope.jsonl"])
+    text = str(info.value)
+    assert text.startswith(f"5 config error(s) in {TINY}:\n  - unknown key 'algo.kl_coeff'")
+    for part in ("rollout.top_p must be", "data.synthetic is true and data.path is set", "parallel.tp 3", "/nope.jsonl not found"):
+        assert part in text
