@@ -46,6 +46,19 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 KL_ESTIMATORS.register("low_var_kl")(kl_k3)
 
 
+def kl_loss(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    response_mask: torch.Tensor,
+    estimator: str = "k3",
+    aggregation: str = "token-mean",
+) -> torch.Tensor:
+    """The KL-in-the-loss term (multiply by kl_coef): the estimator aggregated over response tokens."""
+    from mrl.algo.aggregation import aggregate
+
+    return aggregate(KL_ESTIMATORS.get(estimator)(logp, ref_logp), response_mask, aggregation)
+
+
 def kl_penalized_rewards(
     scores: torch.Tensor, response_mask: torch.Tensor, kl: torch.Tensor, kl_coef: float
 ) -> torch.Tensor:

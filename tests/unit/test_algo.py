@@ -14,6 +14,7 @@ from mrl.algo import (
     compute_advantages,
     entropy_bonus,
     informative_groups,
+    kl_loss,
     kl_penalized_rewards,
     overlong_penalty,
     policy_loss,
@@ -119,6 +120,16 @@ def test_kl_estimators_by_hand_and_clamped():
     same = torch.randn(4, 5)
     for name in ("k1", "k2", "k3"):
         assert torch.equal(KL_ESTIMATORS.get(name)(same, same), torch.zeros(4, 5))
+
+
+def test_kl_in_loss():
+    logp = t([[-1.0, -1.0], [-2.0, 0.0]])
+    ref = t([[-2.0, -1.0], [-1.0, 5.0]])
+    mask = t([[1.0, 1.0], [1.0, 0.0]])
+    # k1 per token: 1, 0, -1 (the masked 0 - 5 is ignored) → token mean 0/3; k2: 0.5, 0, 0.5 → 1/3
+    close(kl_loss(logp, ref, mask, "k1"), 0.0)
+    close(kl_loss(logp, ref, mask, "k2"), 1 / 3)
+    close(kl_loss(logp, ref, mask, "k2", "seq-mean-token-mean"), (0.25 + 0.5) / 2)
 
 
 def test_kl_in_reward():

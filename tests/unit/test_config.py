@@ -218,3 +218,14 @@ def test_all_errors_are_reported_together():
     assert text.startswith(f"5 config error(s) in {TINY}:\n  - unknown key 'algo.kl_coeff'")
     for part in ("rollout.top_p must be", "data.synthetic is true and data.path is set", "parallel.tp 3", "/nope.jsonl not found"):
         assert part in text
+
+
+def test_config_cli(capsys):
+    from mrl.config.check import main
+
+    assert main([str(TINY), "algo.kl_coef=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "kl_coef: 0.5" in out and "tiny: deepseek_v3" in out
+    assert main([str(TINY), "algo.kl_coeff=0.5"]) == 2
+    assert "did you mean 'algo.kl_coef'?" in capsys.readouterr().err
+    assert main([str(DSV3), "--no-file-checks"]) == 0
