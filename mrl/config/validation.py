@@ -162,7 +162,7 @@ def _check_reward(cfg: RunConfig, check_files: bool) -> list[str]:
     if ":" not in name:
         return [f"reward.name: {REWARD_FUNCTIONS.unknown_message(name)} Or 'reward_model', or 'module:function'."]
     try:
-        target, _ = parse_spec(name)
+        target, _ = parse_spec(name, check_file=check_files)
         if check_files and not target.endswith(".py") and importlib.util.find_spec(target.split(".")[0]) is None:
             return [f"reward.name {name!r}: module {target!r} cannot be found: check the import path / PYTHONPATH."]
     except RewardLoadError as exc:

@@ -8,6 +8,7 @@ The optional dict carries details for logs (what was extracted, why it failed).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -46,7 +47,7 @@ def to_result(value: Any) -> RewardResult:
     info: dict = {}
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
         value, info = value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"a reward function must return a float or (float, dict), got {type(value).__name__}")
     if not math.isfinite(value):
         raise ValueError(f"a reward function returned a non-finite score {value}")

@@ -6,6 +6,8 @@ reason logged and in RewardResult.error, and a stuck or dead worker is killed an
 caller never waits longer than the timeout for any one sample.
 
 Spec forms: "package.module:function" or "path/to/file.py:function".
+Workers are spawned, not forked: a script that builds a SandboxedReward must keep its top-level
+code under `if __name__ == "__main__":`, as multiprocessing's spawn re-imports the main module.
 """
 
 from __future__ import annotations
@@ -30,14 +32,15 @@ class RewardLoadError(ValueError):
     """A custom reward spec that cannot be loaded; the message names the spec and the fix."""
 
 
-def parse_spec(spec: str) -> tuple[str, str]:
-    """Split "module:function" / "file.py:function", checking the form (not importing anything)."""
+def parse_spec(spec: str, check_file: bool = True) -> tuple[str, str]:
+    """Split "module:function" / "file.py:function", checking the form and (check_file) that a
+    file target exists; nothing is imported."""
     target, sep, function = spec.rpartition(":")
     if not sep or not target or not function.isidentifier():
         raise RewardLoadError(
             f"reward {spec!r} is not an import path: use 'package.module:function' or 'path/to/file.py:function'."
         )
-    if target.endswith(".py") and not Path(target).is_file():
+    if check_file and target.endswith(".py") and not Path(target).is_file():
         raise RewardLoadError(f"reward file {target} not found (from {spec!r}): check the path.")
     return target, function
 
@@ -123,11 +126,26 @@ class SandboxedReward:
         return _Worker(self.spec, self._context, self.start_timeout_s)
 
     def score_batch(self, samples: Sequence[RewardInput]) -> list[RewardResult]:
-        """Score every sample; each takes at most timeout_s of a worker's time."""
+        """Score every sample; each takes at most timeout_s of a worker's time.
+
+        Failures of the user's code become scores of 0.0; only a replacement worker that cannot
+        start at all (the module stopped importing) raises RewardLoadError.
+        """
         results: list[RewardResult | None] = [None] * len(samples)
         pending = deque(enumerate(samples))
         idle = list(self._workers)
         busy: dict[Connection, tuple[_Worker, int, float]] = {}
+        try:
+            self._run(pending, idle, busy, results)
+        finally:
+            # Interrupted (a replacement failed to start, KeyboardInterrupt): a worker still busy
+            # would answer a request of the next batch with this one's score, so stop it; the
+            # next batch replaces it when its send fails.
+            for worker, _, _ in busy.values():
+                worker.kill()
+        return results  # type: ignore[return-value]
+
+    def _run(self, pending: deque, idle: list[_Worker], busy: dict, results: list) -> None:
         while pending or busy:
             while pending and idle:
                 worker = idle.pop()
@@ -143,13 +161,15 @@ class SandboxedReward:
             for conn in wait(list(busy), timeout=max(0.0, next_deadline - time.monotonic())):
                 worker, index, _ = busy.pop(conn)
                 try:
-                    _, result = conn.recv()
+                    answered, result = conn.recv()
                     idle.append(worker)
                 except (EOFError, OSError):
                     worker.process.join(timeout=5)
                     results[index] = self._failed(index, f"reward worker died (exit code {worker.process.exitcode})")
                     idle.append(self._replace(worker))
                     continue
+                if answered != index:  # cannot happen while interrupted batches stop their workers
+                    raise RuntimeError(f"reward worker answered sample {answered} when asked for {index}")
                 results[index] = result
                 if result.error:
                     log.warning("reward %s scored sample %d as 0.0: %s", self.spec, index, result.error)
@@ -159,7 +179,6 @@ class SandboxedReward:
                     del busy[conn]
                     results[index] = self._failed(index, f"timed out after {self.timeout_s:g}s")
                     idle.append(self._replace(worker))
-        return results  # type: ignore[return-value]
 
     def _failed(self, index: int, reason: str) -> RewardResult:
         log.warning("reward %s scored sample %d as 0.0: %s", self.spec, index, reason)

@@ -229,3 +229,8 @@ def test_config_cli(capsys):
     assert main([str(TINY), "algo.kl_coeff=0.5"]) == 2
     assert "did you mean 'algo.kl_coef'?" in capsys.readouterr().err
     assert main([str(DSV3), "--no-file-checks"]) == 0
+
+
+def test_cluster_recipe_checks_without_local_files():
+    cfg = load_config(DSV3, ["reward.name=/cluster/rewards/math.py:score"], check_files=False)
+    assert cfg.reward.name == "/cluster/rewards/math.py:score" and cfg.launch.num_nodes == 16
