@@ -39,6 +39,7 @@ ENTRY_MODULES = (
     "megatron.core.distributed",
     "megatron.core.optimizer",
     "megatron.core.dist_checkpointing",
+    "megatron.core.dist_checkpointing.strategies.torch",  # torch_dist save: preload_tensors synchronizes
 )
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint", "as_tensor")
 

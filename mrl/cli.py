@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "verify": ("mrl.verify", "check HF ⇄ Megatron parity (logits and bitwise export) in a layout"),
     "tiny-model": ("mrl.models.tiny", "write a tiny random HF model of a supported architecture"),
     "config": ("mrl.config.check", "validate a run config (recipe + overrides) and print it resolved"),
+    "convert": ("checkpoints_tools.convert", "convert a HuggingFace model into an mrl checkpoint in a layout (hf-to-mcore)"),
 }
 
 

@@ -1,0 +1,122 @@
+"""`mrl convert hf-to-mcore`: a HuggingFace directory → an mrl checkpoint (docs/checkpoint-format.md).
+
+Starts the layout's processes locally (gloo on CPU), builds the model, streams each rank's slices
+from the safetensors files (mrl.bridge.hf_import) and saves the model's sharded state dict with
+Megatron dist_checkpointing (torch_dist) as step 0 of a checkpoint root, model only. Training can
+then start from any HF model in any layout, and `mrl-merge` turns the checkpoint back into HF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mrl import checkpoint_dir as cd
+from mrl.layout import LayoutError, ParallelLayout
+from mrl.megatron.local_launch import WorkerError, run_local
+from mrl.models.registry import UnsupportedModelError, model_spec_from_hf
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Everything of an HF directory except the weights: what a merge needs to write a loadable model.
+HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
+HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def copy_hf_metadata(hf_dir: Path, out: Path) -> list[str]:
+    """Copy config, generation config and tokenizer files (everything but weights) into out."""
+    out.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for path in sorted(Path(hf_dir).iterdir()):
+        if path.is_file() and not path.name.endswith(HF_WEIGHT_SUFFIXES) and path.name not in HF_INDEX_FILES:
+            shutil.copy2(path, out / path.name)
+            copied.append(path.name)
+    return copied
+
+
+def model_sharded_state_dict(built) -> dict:
+    """The union of every virtual-pipeline chunk's sharded state dict, under the key `model`."""
+    merged: dict = {}
+    for chunk in built.chunks:
+        merged.update(chunk.sharded_state_dict())
+    return {"model": merged}
+
+
+def _save_worker(rank: int, world_size: int, hf_dir: str, layout: ParallelLayout, dtype: torch.dtype,
+                 tmp_dir: str) -> int:
+    from megatron.core import dist_checkpointing
+
+    from mrl.bridge.hf_import import load_hf_weights
+    from mrl.megatron.model import build_model
+    from mrl.megatron.parallel import initialize_layout
+
+    coords = initialize_layout(layout)
+    built = build_model(model_spec_from_hf(hf_dir), layout, params_dtype=dtype)
+    read = load_hf_weights(built, coords, hf_dir)
+    dist_checkpointing.save(model_sharded_state_dict(built), tmp_dir)  # default strategy: torch_dist
+    return read
+
+
+def convert(hf_dir: str | Path, out: str | Path, layout: ParallelLayout, *, dtype: str = "fp32",
+            force: bool = False) -> dict:
+    """Write step 0 of checkpoint root `out` from `hf_dir` in `layout`; return a summary."""
+    hf_dir, root = Path(hf_dir), Path(out)
+    spec = model_spec_from_hf(hf_dir)
+    world = layout.min_world_size()
+    layout.validate(spec.dims, world)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    target = root / cd.iter_name(0)
+    if root.exists() and any(not p.name.startswith(cd.TMP_PREFIX) for p in root.iterdir()):
+        if not force:
+            raise FileExistsError(f"{root} already exists and is not empty: pass --force to replace it")
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    cd.remove_stale_tmp(root)
+    start = time.perf_counter()
+    manifest = {
+        "step": 0, "arch": spec.arch, "params_dtype": str(DTYPES[dtype]).removeprefix("torch."),
+        "layout": {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp, "vpp": layout.vpp},
+        "contents": ["model"],
+    }
+    with cd.atomic_dir(target, manifest=manifest) as tmp:
+        # dist_checkpointing expects an empty directory, so hf/ is copied after the save.
+        bytes_read = sum(run_local(_save_worker, world, str(hf_dir), layout, DTYPES[dtype], str(tmp)))
+        copy_hf_metadata(hf_dir, tmp / "hf")
+    cd.write_latest(root, target.name)
+    return {"checkpoint": str(target), "arch": spec.arch, "layout": layout.describe(), "world_size": world,
+            "bytes_read": bytes_read, "seconds": round(time.perf_counter() - start, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mrl.verify import add_layout_arguments, parse_layout
+
+    parser = argparse.ArgumentParser(prog="mrl convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("direction", choices=("hf-to-mcore",), help="conversion direction")
+    parser.add_argument("--hf", required=True, help="HuggingFace model directory")
+    parser.add_argument("--out", required=True, help="checkpoint root to write (iter_0000000 + latest)")
+    add_layout_arguments(parser)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter dtype (default fp32)")
+    parser.add_argument("--force", action="store_true", help="replace an existing checkpoint root")
+    parser.add_argument("--debug", action="store_true", help="print full worker tracebacks")
+    args = parser.parse_args(argv)
+    try:
+        summary = convert(args.hf, args.out, parse_layout(args), dtype=args.dtype, force=args.force)
+    except (LayoutError, UnsupportedModelError, FileExistsError, ValueError, OSError) as err:
+        print(f"mrl convert: {err}", file=sys.stderr)
+        return 2
+    except WorkerError as err:
+        print(f"mrl convert: {err if args.debug else err.summary}", file=sys.stderr)
+        return 2
+    import json
+
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
