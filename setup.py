@@ -27,5 +27,5 @@ setup(
         "gpu": ["vllm", "transformer-engine[pytorch]"],
         "test": ["pytest"],
     },
-    entry_points={"console_scripts": ["mrl=mrl.cli:main"]},
+    entry_points={"console_scripts": ["mrl=mrl.cli:main", "mrl-merge=checkpoints_tools.merge:main"]},
 )

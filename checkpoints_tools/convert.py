@@ -46,19 +46,40 @@ def model_sharded_state_dict(built) -> dict:
     return {"model": merged}
 
 
-def _save_worker(rank: int, world_size: int, hf_dir: str, layout: ParallelLayout, dtype: torch.dtype,
-                 tmp_dir: str) -> int:
+def save_model_checkpoint(hf_dir: str, layout: ParallelLayout, dtype: torch.dtype, directory: str) -> int:
+    """On every rank of an initialised world: build `layout`, load HF weights, save torch_dist.
+
+    Returns the bytes this rank read. Megatron's process groups are torn down afterwards, so one
+    world can convert into several layouts in turn.
+    """
     from megatron.core import dist_checkpointing
 
     from mrl.bridge.hf_import import load_hf_weights
     from mrl.megatron.model import build_model
-    from mrl.megatron.parallel import initialize_layout
+    from mrl.megatron.parallel import destroy_layout, initialize_layout
 
     coords = initialize_layout(layout)
-    built = build_model(model_spec_from_hf(hf_dir), layout, params_dtype=dtype)
-    read = load_hf_weights(built, coords, hf_dir)
-    dist_checkpointing.save(model_sharded_state_dict(built), tmp_dir)  # default strategy: torch_dist
+    try:
+        built = build_model(model_spec_from_hf(hf_dir), layout, params_dtype=dtype)
+        read = load_hf_weights(built, coords, hf_dir)
+        dist_checkpointing.save(model_sharded_state_dict(built), directory)  # default strategy: torch_dist
+    finally:
+        destroy_layout()
     return read
+
+
+def _save_worker(rank: int, world_size: int, hf_dir: str, layout: ParallelLayout, dtype: torch.dtype,
+                 tmp_dir: str) -> int:
+    return save_model_checkpoint(hf_dir, layout, dtype, tmp_dir)
+
+
+def checkpoint_manifest(arch: str, layout: ParallelLayout, dtype: torch.dtype) -> dict:
+    """Manifest fields of a model-only step-0 checkpoint (files are added by atomic_dir)."""
+    return {
+        "step": 0, "arch": arch, "params_dtype": str(dtype).removeprefix("torch."),
+        "layout": {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp, "vpp": layout.vpp},
+        "contents": ["model"],
+    }
 
 
 def convert(hf_dir: str | Path, out: str | Path, layout: ParallelLayout, *, dtype: str = "fp32",
@@ -78,11 +99,7 @@ def convert(hf_dir: str | Path, out: str | Path, layout: ParallelLayout, *, dtyp
     root.mkdir(parents=True, exist_ok=True)
     cd.remove_stale_tmp(root)
     start = time.perf_counter()
-    manifest = {
-        "step": 0, "arch": spec.arch, "params_dtype": str(DTYPES[dtype]).removeprefix("torch."),
-        "layout": {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp, "vpp": layout.vpp},
-        "contents": ["model"],
-    }
+    manifest = checkpoint_manifest(spec.arch, layout, DTYPES[dtype])
     with cd.atomic_dir(target, manifest=manifest) as tmp:
         # dist_checkpointing expects an empty directory, so hf/ is copied after the save.
         bytes_read = sum(run_local(_save_worker, world, str(hf_dir), layout, DTYPES[dtype], str(tmp)))
