@@ -28,6 +28,7 @@ PATCH_MODULES = (
     "all_to_all_split_sizes",
     "uneven_sequence_collectives",
     "te_placeholders",
+    "cpu_grad_clipping",
 )
 
 _applied: set[str] = set()

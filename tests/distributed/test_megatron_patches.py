@@ -182,3 +182,50 @@ def test_fix_is_necessary_and_sufficient(fix, tiny_model_dir):
     assert logits, f"{fix}: no rank returned logits"
     diff = (logits[0] - _reference(hf_dir)).abs().max().item()
     assert diff <= TOLERANCE, f"{fix}: max |logit diff| to transformers {diff:.3g} > {TOLERANCE}"
+
+
+def _clip_without_then_with(rank: int, world_size: int, hf_dir: str) -> dict:
+    """A clipped Adam step without cpu_grad_clipping (expect upstream's assert), then with it."""
+    import os
+    import traceback
+
+    import megatron_patches
+    from megatron.core import parallel_state as ps
+
+    from mrl.bridge.hf_import import load_hf_weights
+    from mrl.megatron.model import build_model
+    from mrl.megatron.parallel import destroy_layout, initialize_layout
+    from mrl.megatron.training import OptimConfig, lm_micro_batches, make_trainable, train_step
+    from mrl.models.registry import model_spec_from_hf
+
+    def clipped_step():
+        try:
+            coords = initialize_layout(ParallelLayout())
+            spec = model_spec_from_hf(hf_dir)
+            built = build_model(spec, ParallelLayout())
+            load_hf_weights(built, coords, hf_dir)
+            trainable = make_trainable(built, OptimConfig(lr=1e-3, clip_grad=1e-3))  # always clips
+            tokens = torch.randint(0, spec.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+            return train_step(trainable, lm_micro_batches(tokens, 1))
+        finally:
+            if ps.model_parallel_is_initialized():
+                destroy_layout()
+
+    os.environ["MRL_SKIP_PATCHES"] = "cpu_grad_clipping"
+    try:
+        clipped_step()
+        failure = None
+    except Exception:  # noqa: BLE001 - the failure is the result
+        failure = traceback.format_exc()
+    os.environ.pop("MRL_SKIP_PATCHES", None)
+    megatron_patches.apply()
+    result = clipped_step()
+    return {"failure": failure, "grad_norm": result.grad_norm, "skipped": result.skipped}
+
+
+def test_cpu_grad_clipping_is_necessary_and_sufficient(tiny_model_dir):
+    (result,) = run_local(_clip_without_then_with, 1, str(tiny_model_dir("llama")), timeout_s=120)
+    failure = result["failure"]
+    assert failure is not None, "a clipped step ran without cpu_grad_clipping: is the patch still needed?"
+    assert "megatron/core/optimizer/clip_grads.py" in failure and "AssertionError" in failure, failure[-3000:]
+    assert result["skipped"] is False and result["grad_norm"] > 1e-3, result

@@ -1,0 +1,183 @@
+"""Training state of the Megatron actor: DDP-wrapped chunks, Megatron's optimizer and LR schedule,
+and a generic train step over micro-batches through Megatron's pipeline schedules.
+
+`loss_fn(output, micro_batch) -> (loss, metrics)` receives the model's vocab-parallel logits
+[b, s, V/tp] (Megatron's layout) on the last pipeline stage; policy losses (issue 5) plug in there.
+`lm_loss` is next-token cross-entropy computed vocab-parallel (the vocabulary is never gathered).
+
+The BuiltModel's chunks stay the raw GPTModel modules: DDP wraps them without copying parameters,
+so the bridge (chunk.named_parameters()) reads the trained weights directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from mrl.megatron.model import BuiltModel
+
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+@dataclass
+class OptimConfig:
+    """Adam, LR schedule and gradient clipping of a run."""
+
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    decay_style: str = "constant"  # "constant", "cosine" or "linear"
+    # None: on with CUDA; off on CPU, where megatron 0.16.1's DistributedOptimizer rejects
+    # non-CUDA parameters (a TypeError on `param.type()`); see make_trainable.
+    use_distributed_optimizer: bool | None = None
+
+
+@dataclass
+class Trainable:
+    """DDP-wrapped chunks, optimizer and scheduler over one BuiltModel."""
+
+    built: BuiltModel
+    ddp_chunks: list[torch.nn.Module]
+    optimizer: Any
+    scheduler: Any
+    config: OptimConfig
+    step: int = 0
+
+
+@dataclass
+class StepResult:
+    """One optimizer step: mean loss (last stage, else None), grad norm, lr, skipped, loss metrics."""
+
+    loss: float | None
+    grad_norm: float | None
+    lr: float
+    skipped: bool
+    metrics: dict = field(default_factory=dict)
+
+
+def make_trainable(built: BuiltModel, config: OptimConfig) -> Trainable:
+    """Wrap `built.chunks` in Megatron DDP and build Megatron's optimizer and param scheduler."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if config.decay_style not in ("constant", "cosine", "linear"):
+        raise ValueError(f"decay_style {config.decay_style!r} is not one of constant, cosine, linear")
+    distributed = config.use_distributed_optimizer
+    if distributed is None:
+        distributed = torch.cuda.is_available()
+    if distributed and not torch.cuda.is_available():
+        raise ValueError(
+            "use_distributed_optimizer=True needs CUDA: megatron-core 0.16.1's DistributedOptimizer "
+            "rejects CPU parameters; leave it unset (None) or set it False on CPU"
+        )
+    model_config = built.chunks[0].config
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed)
+    ddp_chunks = [
+        # Only the first chunk's buckets may be overlapped/disabled; none are here (no overlap on CPU).
+        DistributedDataParallel(model_config, ddp_config, chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(built.chunks)
+    ]
+    model_config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
+            adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
+            clip_grad=config.clip_grad, bf16=model_config.bf16, params_dtype=model_config.params_dtype,
+            use_distributed_optimizer=distributed,
+        ),
+        ddp_chunks,
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr, min_lr=config.min_lr,
+        lr_warmup_steps=config.warmup_steps, lr_decay_steps=max(config.total_steps, config.warmup_steps + 1),
+        lr_decay_style=config.decay_style, start_wd=config.weight_decay, end_wd=config.weight_decay,
+        wd_incr_steps=max(config.total_steps, 1), wd_incr_style="constant",
+    )
+    return Trainable(built, ddp_chunks, optimizer, scheduler, config)
+
+
+def lm_loss(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
+    """Mean next-token cross-entropy over `batch["loss_mask"]`, vocab-parallel.
+
+    `logits` [b, s, V/tp] are the model's outputs for `batch["tokens"]`; position t predicts
+    `batch["labels"][:, t]` (the caller shifts, see lm_micro_batches).
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    # Megatron's kernel wants [s, b, V/tp]; it returns the per-token loss [s, b].
+    per_token = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous().float(), batch["labels"].t().contiguous())
+    mask = batch["loss_mask"].t().float()
+    loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.detach()}
+
+
+def lm_micro_batches(tokens: torch.Tensor, tp: int, micro_batch_size: int = 1) -> list[dict]:
+    """Split [b, s] token ids into next-token micro-batches, right-padded to a multiple of TP."""
+    batch, seq = tokens.shape
+    padded = -(-(seq - 1) // tp) * tp  # sequence parallelism wants a TP multiple
+    inputs = torch.nn.functional.pad(tokens[:, :-1], (0, padded - (seq - 1)))
+    labels = torch.nn.functional.pad(tokens[:, 1:], (0, padded - (seq - 1)))
+    mask = torch.zeros(batch, padded)
+    mask[:, : seq - 1] = 1.0
+    return [
+        {"tokens": inputs[i : i + micro_batch_size], "labels": labels[i : i + micro_batch_size],
+         "loss_mask": mask[i : i + micro_batch_size]}
+        for i in range(0, batch, micro_batch_size)
+    ]
+
+
+def train_step(trainable: Trainable, micro_batches: list[dict], loss_fn: LossFn = lm_loss) -> StepResult:
+    """Forward/backward over `micro_batches` (dicts with "tokens" [mb, s]) and one optimizer step.
+
+    Every micro-batch must have the same shape (Megatron's pipeline schedules communicate fixed
+    shapes). The reported loss is the mean of the micro-batch losses on the last pipeline stage.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        raise ValueError("train_step needs at least one micro-batch")
+    mbs, seq = micro_batches[0]["tokens"].shape
+    if seq % trainable.built.layout.tp:
+        raise ValueError(f"sequence length {seq} is not a multiple of TP={trainable.built.layout.tp}: pad it")
+    positions = torch.arange(seq).unsqueeze(0)
+
+    def forward_step(data_iterator, model):
+        micro_batch = next(data_iterator)
+        output = model(micro_batch["tokens"], positions, None)
+        return output, lambda out: loss_fn(out, micro_batch)
+
+    chunks = trainable.ddp_chunks
+    for chunk in chunks:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    trainable.optimizer.zero_grad()
+    iterators = [iter(micro_batches) for _ in chunks]  # every virtual chunk walks the micro-batches
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs, forward_only=False,
+    )
+    updated, grad_norm, _ = trainable.optimizer.step()
+    lr = trainable.optimizer.param_groups[0]["lr"]
+    if updated:
+        trainable.scheduler.step(increment=1)
+        trainable.step += 1
+    loss, metrics = None, {}
+    if ps.is_pipeline_last_stage(ignore_virtual=True) and outputs:
+        # Metrics come back as loss_fn returned them (only the backward loss is scaled by 1/num_microbatches).
+        for key in outputs[0]:
+            metrics[key] = float(torch.stack([m[key].float() for m in outputs]).mean())
+        loss = next(iter(metrics.values()))
+    return StepResult(loss, None if grad_norm is None else float(grad_norm), lr, not updated, metrics)
