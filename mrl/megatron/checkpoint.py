@@ -1,0 +1,274 @@
+"""Training checkpoints of the Megatron actor (docs/checkpoint-format.md), save and resume.
+
+Megatron dist_checkpointing (torch_dist) holds the model and optimizer as sharded tensors with
+global keys, so a checkpoint loads onto any TP/PP/EP layout; the scheduler, step, data position and
+run config are common entries, and every rank's RNG states are a ShardedObject indexed by rank
+(restored only when the world size is unchanged: on another layout the RNG streams differ anyway).
+
+Directory mechanics (temporary directory, fsync, manifest last, rename, `latest`) are those of
+mrl.checkpoint_dir; rank 0 does them, every rank writes its shards. Async saves snapshot the state
+(a copy in CPU memory) before returning, write in a background thread, and publish (manifest,
+rename, `latest`) only in `wait()`, which every rank calls at the same point (it is collective).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mrl import checkpoint_dir as cd
+from mrl.megatron.training import Trainable
+
+CONTENTS = ["model", "optimizer", "scheduler", "rng", "data"]
+WRITE_TIMEOUT_S = 1800.0  # a background write that takes longer than this is reported as hung
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint that does not fit the model it is loaded into."""
+
+
+def model_sharded_state_dict(trainable: Trainable) -> dict:
+    """Union of every virtual-pipeline chunk's sharded state dict (keys are layout-independent)."""
+    merged: dict = {}
+    for chunk in trainable.built.chunks:
+        merged.update(chunk.sharded_state_dict())
+    return merged
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        # As tensors and plain numbers: the checkpoint must load with torch.load(weights_only=True).
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded(state: Any) -> Any:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
+
+
+def _layout_dict(trainable: Trainable) -> dict:
+    layout = trainable.built.layout
+    return {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp, "vpp": layout.vpp}
+
+
+def _broadcast_path(path: Path | None) -> Path:
+    box = [str(path) if path is not None else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+@dataclass
+class PendingSave:
+    """A save whose files may still be in flight; `wait()` publishes it (collective: every rank)."""
+
+    target: Path
+    tmp: Path
+    manifest: dict
+    request: Any
+    hf_dir: str | None
+    thread: threading.Thread | None = None
+    error: list = field(default_factory=list)
+    done: bool = False
+
+    def wait(self, timeout_s: float = WRITE_TIMEOUT_S) -> Path:
+        """Finish writing, finalize Megatron's metadata, then (rank 0) manifest, rename, `latest`."""
+        if self.done:
+            return self.target
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+            if self.thread.is_alive():
+                raise TimeoutError(f"checkpoint write to {self.tmp} did not finish in {timeout_s:.0f}s")
+        failed = torch.tensor([1 if self.error else 0])
+        torch.distributed.all_reduce(failed)  # every rank must agree before anything is published
+        if failed.item():
+            raise RuntimeError(f"checkpoint write to {self.tmp} failed on {failed.item()} rank(s): {self.error[:1]}")
+        for finalize in self.request.finalize_fns:  # Megatron's .metadata, written by rank 0
+            finalize()
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            _publish(self.tmp, self.target, self.manifest, self.hf_dir)
+        torch.distributed.barrier()
+        self.done = True
+        return self.target
+
+
+def _publish(tmp: Path, target: Path, manifest: dict, hf_dir: str | None) -> None:
+    if hf_dir is not None:
+        _copy_hf_metadata(Path(hf_dir), tmp / "hf")
+    cd._fsync_tree(tmp)
+    cd.write_manifest(tmp, **manifest)
+    tmp.rename(target)
+    cd._fsync_path(target.parent)
+    cd.write_latest(target.parent, target.name)
+
+
+def _copy_hf_metadata(hf_dir: Path, out: Path) -> None:
+    """Config, generation config and tokenizer files of the HF model (no weights)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for path in sorted(hf_dir.iterdir()):
+        if path.is_file() and not path.name.endswith((".safetensors", ".bin", ".pt", ".pth")) \
+                and not path.name.endswith(".index.json"):
+            shutil.copy2(path, out / path.name)
+
+
+def _snapshot_buckets(buckets: list) -> list:
+    """Copies of the write buckets' tensors: on CPU Megatron's preload keeps the live tensors."""
+    return [(name, key, (data, [(item, tensor.detach().clone()) for item, tensor in tensors]))
+            for name, key, (data, tensors) in buckets]
+
+
+def save_checkpoint(
+    root: str | Path,
+    trainable: Trainable,
+    *,
+    step: int,
+    data_state: dict | None = None,
+    config: dict | None = None,
+    hf_dir: str | None = None,
+    async_save: bool = False,
+) -> PendingSave:
+    """Save `trainable` as ROOT/iter_<step> (collective). Sync saves return a finished PendingSave;
+    async ones return once the state is snapshotted: call `.wait()` on every rank before the next
+    save and before exit (only then are the manifest and `latest` written)."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    target = root / cd.iter_name(step)
+    tmp = None
+    if torch.distributed.get_rank() == 0:
+        if target.exists():
+            raise FileExistsError(f"{target} already exists: step {step} was saved before")
+        root.mkdir(parents=True, exist_ok=True)
+        cd.remove_stale_tmp(root)
+        tmp = root / f"{cd.TMP_PREFIX}{target.name}-{__import__('os').getpid()}"
+        tmp.mkdir()
+    tmp = _broadcast_path(tmp)
+    model_sd = model_sharded_state_dict(trainable)
+    state = {
+        "model": model_sd,
+        "optimizer": trainable.optimizer.sharded_state_dict(model_sd),
+        "scheduler": trainable.scheduler.state_dict(),
+        "rng": _rng_sharded(_rng_state()),
+        "step": step,
+        "data": data_state or {},
+        "config": config or {},
+    }
+    manifest = {"step": step, "arch": trainable.built.spec.arch, "layout": _layout_dict(trainable),
+                "params_dtype": str(trainable.built.chunks[0].config.params_dtype).removeprefix("torch."),
+                "world_size": torch.distributed.get_world_size(), "contents": CONTENTS}
+    request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
+    args = list(request.async_fn_args)
+    args[1] = _snapshot_buckets(request.preload_fn())  # tensors staged: training may go on
+    pending = PendingSave(target, tmp, manifest, request, hf_dir)
+
+    def write() -> None:
+        try:
+            request.async_fn(*args, **request.async_fn_kwargs)
+        except BaseException as err:  # noqa: BLE001 - reported by wait() on every rank
+            pending.error.append(repr(err))
+
+    if async_save:
+        pending.thread = threading.Thread(target=write, name=f"ckpt-{target.name}", daemon=True)
+        pending.thread.start()
+    else:
+        write()
+        pending.wait()
+    return pending
+
+
+class SavePolicy:
+    """Save every `interval` steps, keep the newest `keep` iterations (older ones pruned by rank 0)."""
+
+    def __init__(self, root: str | Path, interval: int, keep: int | None = None, async_save: bool = False):
+        if interval < 1 or (keep is not None and keep < 1):
+            raise ValueError(f"save interval ({interval}) and keep ({keep}) must be >= 1")
+        self.root, self.interval, self.keep, self.async_save = Path(root), interval, keep, async_save
+        self.pending: PendingSave | None = None
+
+    def maybe_save(self, trainable: Trainable, step: int, **kwargs: Any) -> bool:
+        """Save at multiples of the interval (finishing the previous async save first)."""
+        if step % self.interval:
+            return False
+        self.finish()
+        self.pending = save_checkpoint(self.root, trainable, step=step, async_save=self.async_save, **kwargs)
+        if not self.async_save:
+            self._prune()
+        return True
+
+    def finish(self) -> None:
+        """Publish the in-flight save, if any (collective), then prune."""
+        if self.pending is not None and not self.pending.done:
+            self.pending.wait()
+            self._prune()
+
+    def _prune(self) -> None:
+        if self.keep is not None and torch.distributed.get_rank() == 0:
+            cd.prune(self.root, self.keep)
+        torch.distributed.barrier()
+
+
+def load_checkpoint(path: str | Path, trainable: Trainable, *, load_optimizer: bool = True) -> dict:
+    """Restore model, optimizer, scheduler and (same world size) RNG from a checkpoint (collective).
+
+    `path` is a checkpoint root (follows `latest`) or an iteration directory. Returns
+    {"step", "data", "config", "manifest"}.
+    """
+    from megatron.core import dist_checkpointing
+
+    directory = cd.resolve(path)
+    manifest = cd.read_manifest(directory)
+    arch = trainable.built.spec.arch
+    if manifest.get("arch") != arch:
+        raise CheckpointMismatchError(
+            f"checkpoint {directory} holds a {manifest.get('arch')!r} model but the model being loaded is {arch!r}: "
+            "pass a checkpoint of this architecture or build the matching model"
+        )
+    contents = set(manifest.get("contents", []))
+    model_sd = model_sharded_state_dict(trainable)
+    request: dict = {"model": model_sd}
+    if load_optimizer and "optimizer" in contents:
+        request["optimizer"] = trainable.optimizer.sharded_state_dict(model_sd, is_loading=True)
+    same_world = manifest.get("world_size") == torch.distributed.get_world_size()
+    if "rng" in contents and same_world:
+        request["rng"] = _rng_sharded(_rng_state())
+    loaded = dist_checkpointing.load(request, str(directory))
+    for chunk in trainable.built.chunks:
+        keys = chunk.sharded_state_dict().keys()
+        chunk.load_state_dict({k: loaded["model"][k] for k in keys}, strict=True)
+    if "optimizer" in request:
+        trainable.optimizer.load_state_dict(loaded["optimizer"])
+    if "scheduler" in loaded:
+        trainable.scheduler.load_state_dict(loaded["scheduler"])
+    if "rng" in request:
+        _set_rng_state(loaded["rng"])
+    trainable.step = int(loaded.get("step", manifest["step"]))
+    return {"step": trainable.step, "data": loaded.get("data", {}), "config": loaded.get("config", {}),
+            "manifest": manifest}
