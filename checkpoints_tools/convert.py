@@ -39,10 +39,17 @@ def copy_hf_metadata(hf_dir: Path, out: Path) -> list[str]:
 
 
 def model_sharded_state_dict(built) -> dict:
-    """The union of every virtual-pipeline chunk's sharded state dict, under the key `model`."""
+    """The union of every virtual-pipeline chunk's sharded state dict, under the key `model`.
+
+    Chunks use chunk-local module names (every chunk has a `decoder.layers.0`), so with several
+    chunks each one's entries are prefixed `chunk{i}.`; what is saved is addressed by the sharded
+    tensors' own keys, which are global and the same in every layout.
+    """
+    if len(built.chunks) == 1:
+        return {"model": built.chunks[0].sharded_state_dict()}
     merged: dict = {}
-    for chunk in built.chunks:
-        merged.update(chunk.sharded_state_dict())
+    for i, chunk in enumerate(built.chunks):
+        merged.update({f"chunk{i}.{k}": v for k, v in chunk.sharded_state_dict().items()})
     return {"model": merged}
 
 

@@ -33,8 +33,11 @@ from mrl.models.registry import ModelSpec, UnsupportedModelError, model_spec_fro
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 KEEP_FP32 = re.compile(r"e_score_correction_bias$")  # Megatron's router expert_bias: an fp32 buffer
-# Megatron 0.16.1 stacks a layer's experts along a leading axis under one key.
-_STACKED_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12]\.weight)$")
+# Megatron 0.16.1 keys: a model whose layers are all alike stacks them along a leading axis
+# ("decoder.layers.mlp..." of shape [L, ...]); otherwise keys carry the layer number. A layer's
+# experts are stacked along the next axis under "mlp.experts.experts.linear_fc1.weight".
+_STACKED_LAYERS = re.compile(r"^decoder\.layers\.(?!\d)")
+_STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.experts\.(linear_fc[12]\.weight)$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -77,7 +80,7 @@ class Item:
 
     name: str  # global Megatron name the mapping table knows
     key: str  # dist_checkpointing key
-    expert: int | None  # index along the stacked expert axis, or None
+    index: tuple[int, ...]  # position along the stacked (layer, expert) axes of `key`
     rule: Rule
     hf_names: tuple[str, ...]
 
@@ -94,26 +97,22 @@ class TorchDistReader:
             self.metadata = _MetadataUnpickler(f).load()
         self.tensors = {k: v for k, v in self.metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
 
-    def read(self, key: str, expert: int | None = None) -> torch.Tensor:
-        """The global tensor `key` (or its slice `expert` along axis 0), assembled from its chunks."""
+    def read(self, key: str, index: tuple[int, ...] = ()) -> torch.Tensor:
+        """The global tensor `key`, or its slice at `index` along the leading (stacked) axes."""
         meta = self.tensors[key]
-        shape = tuple(meta.size) if expert is None else tuple(meta.size)[1:]
-        out = torch.empty(shape, dtype=meta.properties.dtype)
+        lead = len(index)
+        out = torch.empty(tuple(meta.size)[lead:], dtype=meta.properties.dtype)
         filled = 0
         for chunk in meta.chunks:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-            if expert is not None:
-                if not offsets[0] <= expert < offsets[0] + sizes[0]:
-                    continue
-                data = self._chunk(key, chunk.offsets)[expert - offsets[0]]
-                offsets = offsets[1:]
-            else:
-                data = self._chunk(key, chunk.offsets)
-            out[tuple(slice(o, o + s) for o, s in zip(offsets, data.shape))] = data
+            if not all(o <= i < o + n for i, o, n in zip(index, offsets, sizes)):
+                continue
+            data = self._chunk(key, chunk.offsets)[tuple(i - o for i, o in zip(index, offsets))]
+            out[tuple(slice(o, o + n) for o, n in zip(offsets[lead:], data.shape))] = data
             filled += data.numel()
         if filled != out.numel():
-            raise MergeError(f"checkpoint tensor {key!r} has chunks covering {filled} of {out.numel()} elements: "
-                             "the checkpoint is incomplete")
+            raise MergeError(f"checkpoint tensor {key!r}{list(index) or ''} has chunks covering {filled} of "
+                             f"{out.numel()} elements: the checkpoint is incomplete")
         return out
 
     def _chunk(self, key: str, offsets: torch.Size) -> torch.Tensor:
@@ -137,23 +136,25 @@ def plan_items(reader: TorchDistReader, spec: ModelSpec) -> list[Item]:
     table = table_for(spec)
     items = []
     for key, meta in reader.tensors.items():
-        if m := _STACKED_EXPERTS.match(key):
-            names = [(f"{m.group(1)}.local_experts.{e}.{m.group(2)}", e) for e in range(meta.size[0])]
-        else:
-            names = [(key, None)]
-        for name, expert in names:
+        names = [(key, ())]
+        if _STACKED_LAYERS.match(key):
+            names = [(f"decoder.layers.{layer}.{key[len('decoder.layers.'):]}", (layer,)) for layer in range(meta.size[0])]
+        if _STACKED_EXPERTS.search(key):
+            names = [(_STACKED_EXPERTS.sub(rf".mlp.experts.local_experts.{e}.\1", name), index + (e,))
+                     for name, index in names for e in range(meta.size[len(index)])]
+        for name, index in names:
             try:
                 rule, hf_names = lookup(table, name, spec.arch)
             except MappingError as err:
                 raise MergeError(f"{err} (is the checkpoint of another architecture than {spec.arch}?)") from None
             if rule.export:
-                items.append(Item(name, key, expert, rule, hf_names))
+                items.append(Item(name, key, index, rule, hf_names))
     return items
 
 
 def convert_item(reader: TorchDistReader, item: Item, dims: SplitDims, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
     """The HF tensors of one Megatron tensor (read, split by the mapping table, cast)."""
-    full = reader.read(item.key, item.expert)
+    full = reader.read(item.key, item.index)
     # The segments list the HF rows that the Megatron tensor's rows hold, in order: segment i
     # starts at Megatron row `offset`, and HF rows of one tensor may come from several segments.
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
