@@ -185,3 +185,16 @@ def test_disk_full_leaves_nothing(checkpoints, tmp_path, capsys, monkeypatch):
            "No space left on device")
     assert len(calls) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def test_metadata_is_never_unpickled_blindly(checkpoints, tmp_path, capsys):
+    import os
+    import pickle
+
+    root = _copy(checkpoints["qwen3", "TP2"], tmp_path)
+    iteration = root / "iter_0000000"
+    manifest = json.loads((iteration / cd.MANIFEST).read_text())
+    (iteration / ".metadata").write_bytes(pickle.dumps(os.getcwd))  # any callable a pickle may smuggle
+    cd.write_manifest(iteration, **{k: v for k, v in manifest.items() if k not in ("format", "version", "files")})
+    _fails(capsys, [str(root), "--out", str(tmp_path / "o")], "refers to posix.getcwd")
+    assert not (tmp_path / "o").exists()
