@@ -37,6 +37,9 @@ KEEP_FP32 = re.compile(r"e_score_correction_bias$")  # Megatron's router expert_
 # ("decoder.layers.mlp..." of shape [L, ...]); otherwise keys carry the layer number. A layer's
 # experts are stacked along the next axis under "mlp.experts.experts.linear_fc1.weight".
 _STACKED_LAYERS = re.compile(r"^decoder\.layers\.(?!\d)")
+# The model's own keys (GPTModel's top-level modules); a training checkpoint also holds optimizer
+# state ("optimizer.state.exp_avg.decoder...") and per-rank objects, which a merge leaves alone.
+_MODEL_KEY = re.compile(r"^(embedding|decoder|output_layer)\.")
 _STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.experts\.(linear_fc[12]\.weight)$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -136,6 +139,8 @@ def plan_items(reader: TorchDistReader, spec: ModelSpec) -> list[Item]:
     table = table_for(spec)
     items = []
     for key, meta in reader.tensors.items():
+        if not _MODEL_KEY.match(key):
+            continue
         names = [(key, ())]
         if _STACKED_LAYERS.match(key):
             names = [(f"decoder.layers.{layer}.{key[len('decoder.layers.'):]}", (layer,)) for layer in range(meta.size[0])]
