@@ -18,6 +18,7 @@ import pickle
 import re
 import shutil
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -99,6 +100,9 @@ class TorchDistReader:
         with open(directory / ".metadata", "rb") as f:
             self.metadata = _MetadataUnpickler(f).load()
         self.tensors = {k: v for k, v in self.metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
+        # One saved chunk often holds several experts (all of one EP rank's): the experts are read
+        # one after another, so each thread keeps the chunk it read last instead of re-reading it.
+        self._last = threading.local()
 
     def read(self, key: str, index: tuple[int, ...] = ()) -> torch.Tensor:
         """The global tensor `key`, or its slice at `index` along the leading (stacked) axes."""
@@ -119,6 +123,15 @@ class TorchDistReader:
         return out
 
     def _chunk(self, key: str, offsets: torch.Size) -> torch.Tensor:
+        last = getattr(self._last, "chunk", None)
+        if last is not None and last[0] == (key, tuple(offsets)):
+            return last[1]
+        self._last.chunk = None  # drop the previous chunk before reading the next
+        data = self._read_chunk(key, offsets)
+        self._last.chunk = ((key, tuple(offsets)), data)
+        return data
+
+    def _read_chunk(self, key: str, offsets: torch.Size) -> torch.Tensor:
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         info = self.metadata.storage_data[MetadataIndex(key, offsets)]
