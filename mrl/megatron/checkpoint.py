@@ -13,6 +13,7 @@ rename, `latest`) only in `wait()`, which every rank calls at the same point (it
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import threading
@@ -168,7 +169,7 @@ def save_checkpoint(
             raise FileExistsError(f"{target} already exists: step {step} was saved before")
         root.mkdir(parents=True, exist_ok=True)
         cd.remove_stale_tmp(root)
-        tmp = root / f"{cd.TMP_PREFIX}{target.name}-{__import__('os').getpid()}"
+        tmp = root / f"{cd.TMP_PREFIX}{target.name}-{os.getpid()}"
         tmp.mkdir()
     tmp = _broadcast_path(tmp)
     model_sd = model_sharded_state_dict(trainable)
