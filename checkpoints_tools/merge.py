@@ -320,7 +320,8 @@ def open_checkpoint(ckpt: str | Path, config: str | Path | None) -> tuple[Path, 
     try:
         spec = model_spec_from_hf(hf_dir)
     except (UnsupportedModelError, FileNotFoundError, KeyError) as err:
-        raise MergeError(f"cannot read the HF config in {hf_dir}: {err}") from None
+        raise MergeError(f"cannot read the HF config in {hf_dir} ({err}); pass --config with the model's "
+                         "HF config directory") from None
     if manifest.get("arch") not in (None, spec.arch):
         raise MergeError(f"{directory} is a {manifest['arch']} checkpoint but the config in {hf_dir} describes a "
                          f"{spec.arch} model: pass the config the checkpoint was trained with")
