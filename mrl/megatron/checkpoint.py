@@ -27,6 +27,11 @@ import torch
 from mrl import checkpoint_dir as cd
 from mrl.megatron.training import Trainable
 
+# Optimizer checkpoint format, for save and load alike: "fully_reshardable" keys every Adam state by
+# its parameter's global key (the distributed optimizer gathers over DP to write it), so optimizer
+# state loads onto any TP/PP/EP/DP layout; without "chained_optim_avoid_prefix" Megatron prefixes
+# keys with the index of the chained (dense/expert) optimizer. Plain Adam ignores the sharding type.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 CONTENTS = ["model", "optimizer", "scheduler", "rng", "data"]
 WRITE_TIMEOUT_S = 1800.0  # a background write that takes longer than this is reported as hung
 
@@ -175,7 +180,7 @@ def save_checkpoint(
     model_sd = model_sharded_state_dict(trainable)
     state = {
         "model": model_sd,
-        "optimizer": trainable.optimizer.sharded_state_dict(model_sd),
+        "optimizer": trainable.optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA),
         "scheduler": trainable.scheduler.state_dict(),
         "rng": _rng_sharded(_rng_state()),
         "step": step,
@@ -256,7 +261,9 @@ def load_checkpoint(path: str | Path, trainable: Trainable, *, load_optimizer: b
     model_sd = model_sharded_state_dict(trainable)
     request: dict = {"model": model_sd}
     if load_optimizer and "optimizer" in contents:
-        request["optimizer"] = trainable.optimizer.sharded_state_dict(model_sd, is_loading=True)
+        request["optimizer"] = trainable.optimizer.sharded_state_dict(
+            model_sd, is_loading=True, metadata=OPTIMIZER_METADATA
+        )
     same_world = manifest.get("world_size") == torch.distributed.get_world_size()
     if "rng" in contents and same_world:
         request["rng"] = _rng_sharded(_rng_state())
