@@ -41,11 +41,16 @@ class CheckpointMismatchError(ValueError):
 
 
 def model_sharded_state_dict(trainable: Trainable) -> dict:
-    """Union of every virtual-pipeline chunk's sharded state dict (keys are layout-independent)."""
-    merged: dict = {}
-    for chunk in trainable.built.chunks:
-        merged.update(chunk.sharded_state_dict())
-    return merged
+    """The model's sharded state dict: one chunk's as is; with VPP, {"chunk<i>": chunk i's}.
+
+    Files index tensors by their global ShardedTensor keys, so this nesting does not reach the
+    checkpoint's contents; it only keeps VPP chunks apart, whose dict keys are local ("decoder.layers.0…"
+    in every chunk) and would overwrite each other in one flat dict.
+    """
+    chunks = trainable.built.chunks
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"chunk{index}": chunk.sharded_state_dict() for index, chunk in enumerate(chunks)}
 
 
 def _rng_state() -> dict:
@@ -268,9 +273,9 @@ def load_checkpoint(path: str | Path, trainable: Trainable, *, load_optimizer: b
     if "rng" in contents and same_world:
         request["rng"] = _rng_sharded(_rng_state())
     loaded = dist_checkpointing.load(request, str(directory))
-    for chunk in trainable.built.chunks:
-        keys = chunk.sharded_state_dict().keys()
-        chunk.load_state_dict({k: loaded["model"][k] for k in keys}, strict=True)
+    chunks = trainable.built.chunks
+    for index, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded["model"] if len(chunks) == 1 else loaded["model"][f"chunk{index}"], strict=True)
     if "optimizer" in request:
         trainable.optimizer.load_state_dict(loaded["optimizer"])
     if "scheduler" in loaded:
