@@ -88,6 +88,11 @@ def make_trainable(built: BuiltModel, config: OptimConfig) -> Trainable:
         for index, chunk in enumerate(built.chunks)
     ]
     model_config.finalize_model_grads_func = finalize_model_grads
+    if not torch.cuda.is_available():
+        # Batched p2p on gloo mismatches the simultaneous forward and backward transfers of the
+        # interleaved (VPP) schedule between the same two ranks: micro-batch losses after the
+        # warm-up come out wrong. Megatron's unbatched p2p orders sends and receives by rank parity.
+        model_config.batch_p2p_comm = False
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
@@ -155,7 +160,14 @@ def train_step(trainable: Trainable, micro_batches: list[dict], loss_fn: LossFn 
     def forward_step(data_iterator, model):
         micro_batch = next(data_iterator)
         output = model(micro_batch["tokens"], positions, None)
-        return output, lambda out: loss_fn(out, micro_batch)
+
+        def loss_func(out):
+            loss, metrics = loss_fn(out, micro_batch)
+            # The schedule divides the returned loss by num_microbatches in place: metrics that
+            # share its storage (loss.detach()) would be divided too, so they are copied first.
+            return loss, {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in metrics.items()}
+
+        return output, loss_func
 
     chunks = trainable.ddp_chunks
     for chunk in chunks:
