@@ -39,11 +39,18 @@ class RolloutServer:
 
 
 def start_rollout_actor(model: str, engine_options: dict[str, Any], *, num_cpus: float = 1,
-                        num_gpus: float = 0, sync_timeout_s: float = 300.0) -> Any:
-    """Start the actor and wait until its engine is up (an engine that cannot start raises here)."""
+                        num_gpus: float = 0, sync_timeout_s: float = 300.0, start_timeout_s: float = 600.0) -> Any:
+    """Start the actor and wait until its engine is up: an engine that fails or hangs raises here."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
     actor = ray.remote(RolloutServer).options(
         num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env}
     ).remote(model, engine_options, sync_timeout_s)
-    ray.get(actor.endpoint.remote())
+    try:
+        ray.get(actor.endpoint.remote(), timeout=start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.kill(actor)
+        raise TimeoutError(
+            f"the vLLM engine for {model} did not start within {start_timeout_s:.0f}s "
+            f"(options {engine_options}); its log is in the Ray session's worker logs"
+        ) from None
     return actor

@@ -61,6 +61,22 @@ def _finish_reload(worker: Any) -> list[str]:
     return sorted(name for name, _ in model.named_parameters() if name not in derived)
 
 
+def _bind_cpu_workers(workers: int) -> None:
+    """vLLM-CPU binds each TP worker's threads to a NUMA node and refuses more workers than nodes;
+    on a single-node machine give each worker its own share of this process's cores instead."""
+    from vllm.platforms import current_platform
+
+    if workers <= 1 or not current_platform.is_cpu() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers:
+        raise ValueError(f"tensor_parallel_size={workers} needs at least {workers} CPU cores; this process has {len(cores)}.")
+    share = len(cores) // workers
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(map(str, cores[i * share : (i + 1) * share])) for i in range(workers)
+    )
+
+
 def _prepack_cpu_experts(model: torch.nn.Module) -> None:
     """Re-run the CPU experts' weight pre-packing that vLLM 0.32 skips on a weight update.
 
@@ -112,12 +128,17 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.5,
         enforce_eager: bool = True,
         seed: int = 0,
+        distributed_executor_backend: str = "mp",
     ):
         from vllm import LLM
 
+        _bind_cpu_workers(tensor_parallel_size)
         kwargs: dict[str, Any] = dict(
             model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
             max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
+            # "mp" even inside a Ray actor: vLLM would otherwise pick its Ray executor there and wait
+            # for resources the actor already holds (measured: a TP2 engine in an actor never started).
+            distributed_executor_backend=distributed_executor_backend,
         )
         # On CPU gpu_memory_utilization is a fraction of *host* RAM; an explicit byte budget is
         # the portable way to size the KV cache.
