@@ -1,0 +1,398 @@
+"""The Megatron side of the RL actor update: vocab-parallel log-probs and entropy, micro-batching of
+rollout batches, the forward-only log-prob pass and the policy-gradient step.
+
+Shape legend:
+  B    sequences in the rollout batch (this data-parallel rank's share)
+  L    label positions of the rollout batch: tokens are [B, L+1], labels = tokens[:, 1:]
+  Lt   label positions kept after trimming the trailing columns that hold no response label
+  s    micro-batch sequence length: Lt right-padded to a multiple of TP (sequence parallelism)
+  b    micro-batch size (sequences per micro-batch; every micro-batch has the same [b, s])
+  V/tp this TP rank's slice of the padded vocabulary (Megatron's vocab-parallel logits [b, s, V/tp])
+
+A rollout batch is a dict of CPU tensors:
+  tokens        long  [B, L+1]  prompt + response ids, right-padded with 0
+  response_mask float [B, L]    1.0 where labels[:, t] = tokens[:, t+1] is a response token
+  advantages    float [B, L]    (RL)
+  old_logprobs  float [B, L]    (RL; from compute_logprobs)
+  ref_logprobs  float [B, L]    (optional; the KL-in-the-loss term)
+A micro-batch (see micro_batches) holds the same per-token keys at [b, s], plus "tokens" (the model
+input, tokens[:, :-1]), "labels", "loss_mask" (the same tensor as "response_mask", under the name
+training.lm_loss reads, so SFT and RL share one micro-batching), "index" (original rows, -1 for
+filler rows) and the loss weights of the micro-batch (see _loss_scale).
+
+Padded vocabulary rows (V/tp·tp beyond the real vocabulary, in the last TP shard) are NOT masked:
+Megatron's own vocab_parallel_cross_entropy normalises over them too, and they are trained weights
+like any other row (zero after an HF import, so their logits start at 0 and take a little
+probability mass). The log-probs here are therefore the ones the training loss differentiates, and
+differ from a softmax over the real vocabulary only (vLLM's, forward.sequence_logprobs') by that
+mass. The PPO ratio only ever compares these log-probs with each other, so it is unaffected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from mrl.megatron.model import BuiltModel
+from mrl.megatron.training import LossFn, Trainable, lm_loss, train_step
+
+# Per-token keys of a rollout batch, all [B, L]; "tokens" [B, L+1] is handled apart.
+PER_TOKEN_KEYS = ("response_mask", "advantages", "old_logprobs", "ref_logprobs")
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocab-parallel log-probs and entropy
+# ---------------------------------------------------------------------------------------------
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label] [b, s] from vocab-parallel logits [b, s, V/tp]; differentiable.
+
+    Built on Megatron's vocab_parallel_cross_entropy (logprob = -CE): max and sum all-reduces over
+    the TP group, the vocabulary is never gathered.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    # Megatron's kernel works in place on `logits.float()`, which is `logits` itself for fp32: a
+    # contiguous fp32 copy keeps the caller's logits intact (entropy reads them too).
+    work = logits.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
+    return -vocab_parallel_cross_entropy(work, labels.contiguous())
+
+
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy [b, s] of softmax(logits) from vocab-parallel logits [b, s, V/tp]; differentiable.
+
+    H = log Σ e^(z-m) - Σ e^(z-m)·(z-m) / Σ e^(z-m), with the global max m (an all-reduce MAX, no
+    gradient: H does not depend on the shift) and both sums all-reduced over the TP group.
+    The sums go through reduce_from_tensor_model_parallel_region (all-reduce forward, identity
+    backward): every TP rank holds the same H and loss, so d loss / d local-sum = d loss / d sum.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    logits = logits.float()
+    with torch.no_grad():
+        shift = logits.max(dim=-1, keepdim=True).values
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted = logits - shift
+    exp = shifted.exp()
+    # One all-reduce for both sums: [b, s, 2].
+    sums = reduce_from_tensor_model_parallel_region(
+        torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)], dim=-1)
+    )
+    total, weighted = sums.unbind(dim=-1)
+    return total.log() - weighted / total
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro-batching
+# ---------------------------------------------------------------------------------------------
+
+
+def micro_batches(
+    batch: dict, tp: int, micro_batch_size: int, max_tokens_per_micro_batch: int | None = None
+) -> list[dict]:
+    """Split a rollout batch into equal-shaped micro-batches [b, s] (see the module legend).
+
+    Columns after the batch's last response label are trimmed first: they carry no loss and, as
+    attention is causal, do not change earlier positions, so short batches run short. With a token
+    budget, b = budget // s (capped at B), otherwise b = micro_batch_size. When b does not divide B
+    the last micro-batch is filled with all-padding rows (index -1, mask 0) so every shape is equal,
+    as Megatron's pipeline schedules require.
+    """
+    tokens, mask = _check_batch(batch)
+    count = tokens.shape[0]
+    kept = _kept_label_columns(mask)
+    seq = -(-kept // tp) * tp
+    size = _micro_batch_size(count, seq, micro_batch_size, max_tokens_per_micro_batch)
+    rows = -(-count // size) * size
+
+    def fit(t: torch.Tensor, columns: int) -> torch.Tensor:
+        """t[:, :columns] zero-padded to [rows, seq]."""
+        t = t[:, :columns]
+        return torch.nn.functional.pad(t, (0, seq - t.shape[1], 0, rows - count))
+
+    full = {
+        "tokens": fit(tokens[:, :-1], kept),
+        "labels": fit(tokens[:, 1:], kept),
+        "index": torch.nn.functional.pad(torch.arange(count), (0, rows - count), value=-1),
+    }
+    for key in PER_TOKEN_KEYS:
+        if key in batch:
+            full[key] = fit(batch[key].float(), kept)
+    full["loss_mask"] = full["response_mask"]
+    totals = _loss_totals(full["response_mask"])
+    result = []
+    for start in range(0, rows, size):
+        micro = {key: value[start : start + size] for key, value in full.items()}
+        micro.update(_loss_weights(micro["response_mask"], totals, rows // size))
+        result.append(micro)
+    return result
+
+
+def restore_order(per_micro_batch: list[torch.Tensor], micro: list[dict], count: int, length: int) -> torch.Tensor:
+    """Put per-micro-batch results [b, s] back in the batch's row order: [count, length].
+
+    Filler rows (index -1) are dropped; columns past s (trimmed) are 0, columns past length cut.
+    """
+    values = torch.cat(per_micro_batch)[:, :length]
+    values = torch.nn.functional.pad(values, (0, length - values.shape[1]))
+    index = torch.cat([m["index"] for m in micro])
+    real = index >= 0
+    out = values.new_zeros(count, length)
+    out[index[real]] = values[real]
+    return out
+
+
+def _check_batch(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, mask = batch.get("tokens"), batch.get("response_mask")
+    if tokens is None or mask is None:
+        raise ValueError(f"a rollout batch needs 'tokens' and 'response_mask'; it has {sorted(batch)}")
+    if tokens.dim() != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"tokens must be [B, L+1] with L >= 1, got {tuple(tokens.shape)}")
+    expected = (tokens.shape[0], tokens.shape[1] - 1)
+    for key in PER_TOKEN_KEYS:
+        if key in batch and tuple(batch[key].shape) != expected:
+            raise ValueError(f"batch[{key!r}] is {tuple(batch[key].shape)}, expected [B, L] = {expected} "
+                             "(aligned to labels = tokens[:, 1:])")
+    return tokens, mask
+
+
+def _kept_label_columns(mask: torch.Tensor) -> int:
+    """Label columns up to the batch's last response label (at least 1)."""
+    used = (mask != 0).any(dim=0).nonzero()
+    return int(used[-1]) + 1 if used.numel() else 1
+
+
+def _micro_batch_size(count: int, seq: int, micro_batch_size: int, budget: int | None) -> int:
+    if budget is None:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        return min(micro_batch_size, count)
+    if budget < seq:
+        raise ValueError(f"max_tokens_per_micro_batch={budget} is below one sequence of {seq} tokens: "
+                         f"raise it to at least {seq}")
+    return min(budget // seq, count)
+
+
+def _loss_totals(mask: torch.Tensor) -> dict[str, float]:
+    return {"tokens": float((mask != 0).sum()), "sequences": float((mask != 0).any(dim=-1).sum())}
+
+
+def _loss_weights(mask: torch.Tensor, totals: dict[str, float], count: int) -> dict[str, float]:
+    """Weights that turn per-micro-batch means into means over the whole (rank-local) batch.
+
+    The pipeline schedule averages micro-batch losses (divides each by the micro-batch count).
+    Micro-batches hold unequal numbers of response tokens, so a token-mean loss is scaled by
+    count·tokens_mb/tokens_batch (and a sequence mean by its sequence share): the summed gradient
+    is then the gradient of the mean over the whole batch, whatever the micro-batching.
+    """
+    here = _loss_totals(mask)
+    return {
+        f"loss_scale_{kind}": count * here[kind] / totals[kind] if totals[kind] else 0.0 for kind in here
+    }
+
+
+def _loss_scale(micro: dict, aggregation: str) -> float:
+    """The micro-batch's weight for an aggregation (token-mean: tokens; seq-mean-*: sequences)."""
+    return micro["loss_scale_tokens"] if aggregation == "token-mean" else micro["loss_scale_sequences"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward-only log-probs
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_logprobs(
+    built_or_trainable: BuiltModel | Trainable,
+    batch: dict,
+    tp: int,
+    micro_batch_size: int,
+    with_entropy: bool = False,
+    max_tokens_per_micro_batch: int | None = None,
+) -> dict | None:
+    """{"logprobs": [B, L], "entropy": [B, L] if with_entropy} on the last pipeline stage, else None.
+
+    Forward only, through Megatron's pipeline schedule. Call it with the micro-batching the update
+    will use: the log-probs are then bitwise the ones the first training forward computes, so the
+    first step's ratio is exactly 1 and ppo_kl exactly 0. Positions past the trimmed length are 0.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    built = built_or_trainable.built if isinstance(built_or_trainable, Trainable) else built_or_trainable
+    if tp != built.layout.tp:
+        raise ValueError(f"compute_logprobs got tp={tp} but the model is built for TP={built.layout.tp}")
+    micro = micro_batches(batch, tp, micro_batch_size, max_tokens_per_micro_batch)
+    size, seq = micro[0]["tokens"].shape
+    positions = torch.arange(seq).unsqueeze(0)
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        output = model(mb["tokens"], positions, None)
+
+        def score(logits, non_loss_data=True):
+            logprobs = vocab_parallel_logprobs(logits, mb["labels"])
+            return logprobs, vocab_parallel_entropy(logits) if with_entropy else None
+
+        return output, score
+
+    chunks = built.chunks
+    # Train mode, as in train_step: the log-probs must be bitwise the training forward's. Dropout
+    # is 0 in every registry spec, and Megatron's train-only branches (MoE aux losses, router
+    # jitter) do not change the outputs; eval mode would differ only when a config turns them on.
+    for chunk in chunks:
+        chunk.train()
+    iterators = [iter(micro) for _ in chunks]  # every virtual chunk walks the micro-batches
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(micro), seq_length=seq, micro_batch_size=size,
+            forward_only=True, collect_non_loss_data=True,
+        )
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    count, length = batch["tokens"].shape[0], batch["tokens"].shape[1] - 1
+    result = {"logprobs": restore_order([o[0] for o in outputs], micro, count, length)}
+    if with_entropy:
+        result["entropy"] = restore_order([o[1] for o in outputs], micro, count, length)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ActorLoss:
+    """The loss fields of mrl.config.schema.AlgoConfig (which policy_loss_fn also accepts)."""
+
+    policy_loss: str = "ppo_clip"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_ratio_c: float | None = None
+    aggregation: str = "token-mean"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in_reward: bool = False
+    entropy_coef: float = 0.0
+
+    @classmethod
+    def of(cls, algo: Any) -> "ActorLoss":
+        """From an ActorLoss, an AlgoConfig-like object or a dict (missing fields: defaults)."""
+        if isinstance(algo, cls):
+            return algo
+        read = algo.get if isinstance(algo, dict) else lambda name, default: getattr(algo, name, default)
+        return cls(**{f.name: read(f.name, f.default) for f in fields(cls)})
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return self.kl_coef > 0 and not self.kl_in_reward
+
+
+def policy_loss_fn(algo: Any) -> LossFn:
+    """A train_step loss: policy loss + kl_coef·KL(ref) + entropy bonus on one micro-batch.
+
+    `algo` is an ActorLoss, an AlgoConfig or a dict of the same fields. Metrics use verl's names:
+    actor/pg_loss, actor/ppo_kl, actor/pg_clipfrac, actor/ratio_mean, actor/ratio_max,
+    actor/entropy, actor/kl_loss (KL in the loss only), actor/pg_clipfrac_lower (dual clip only).
+    """
+    from mrl.algo import entropy_bonus, kl_loss, policy_loss
+
+    config = ActorLoss.of(algo)
+
+    def loss_fn(logits: torch.Tensor, micro: dict) -> tuple[torch.Tensor, dict]:
+        mask = micro["response_mask"]
+        logp = vocab_parallel_logprobs(logits, micro["labels"])
+        pg_loss, pg_metrics = policy_loss(
+            config.policy_loss, logp, micro["old_logprobs"], micro["advantages"], mask,
+            clip_low=config.clip_low, clip_high=config.clip_high, clip_ratio_c=config.clip_ratio_c,
+            aggregation=config.aggregation,
+        )
+        loss = pg_loss
+        metrics = {"actor/pg_loss": pg_loss.detach()}
+        metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
+        # Entropy is always reported; it is differentiated only when it is part of the loss.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and config.entropy_coef != 0):
+            entropy = vocab_parallel_entropy(logits)
+        bonus, mean_entropy = entropy_bonus(entropy, mask, config.entropy_coef, config.aggregation)
+        metrics["actor/entropy"] = mean_entropy
+        if config.entropy_coef != 0:
+            loss = loss + bonus
+        if config.kl_in_loss:
+            kl = kl_loss(logp, micro["ref_logprobs"], mask, config.kl_estimator, config.aggregation)
+            loss = loss + config.kl_coef * kl
+            metrics["actor/kl_loss"] = kl.detach()
+        return loss * _loss_scale(micro, config.aggregation), metrics
+
+    return loss_fn
+
+
+def sft_loss_fn() -> LossFn:
+    """Masked next-token loss on response tokens: training.lm_loss over micro["loss_mask"] (the
+    response mask), weighted like the RL loss so the mean is over the whole batch's tokens."""
+
+    def loss_fn(logits: torch.Tensor, micro: dict) -> tuple[torch.Tensor, dict]:
+        loss, _ = lm_loss(logits, micro)
+        return loss * micro["loss_scale_tokens"], {"sft/loss": loss.detach()}
+
+    return loss_fn
+
+
+# ---------------------------------------------------------------------------------------------
+# Updates
+# ---------------------------------------------------------------------------------------------
+
+
+def update_actor(
+    trainable: Trainable, batch: dict, algo: Any, micro_batch_size: int, max_tokens: int | None = None
+) -> dict:
+    """One optimizer step of the policy loss over a rollout batch; metrics on every rank.
+
+    Returns the loss metrics (means over micro-batches) plus actor/grad_norm, actor/lr and
+    actor/skipped. Use the same micro_batch_size / max_tokens as compute_logprobs did.
+    """
+    config = ActorLoss.of(algo)
+    needed = ["advantages", "old_logprobs"] + (["ref_logprobs"] if config.kl_in_loss else [])
+    missing = [key for key in needed if key not in batch]
+    if missing:
+        raise ValueError(f"update_actor needs batch keys {missing}"
+                         + (" (kl_coef > 0 puts the KL in the loss)" if "ref_logprobs" in missing else ""))
+    return _update(trainable, batch, policy_loss_fn(config), micro_batch_size, max_tokens, prefix="actor")
+
+
+def update_sft(trainable: Trainable, batch: dict, micro_batch_size: int, max_tokens: int | None = None) -> dict:
+    """One optimizer step of sft_loss_fn over a batch of tokens + response_mask; metrics on every rank."""
+    return _update(trainable, batch, sft_loss_fn(), micro_batch_size, max_tokens, prefix="sft")
+
+
+def _update(trainable: Trainable, batch: dict, loss_fn: LossFn, micro_batch_size: int,
+            max_tokens: int | None, prefix: str) -> dict:
+    micro = micro_batches(batch, trainable.built.layout.tp, micro_batch_size, max_tokens)
+    result = train_step(trainable, micro, loss_fn)
+    metrics = dict(result.metrics)
+    metrics[f"{prefix}/grad_norm"] = result.grad_norm
+    metrics[f"{prefix}/lr"] = result.lr
+    metrics[f"{prefix}/skipped"] = float(result.skipped)
+    return _from_last_stage(metrics)
+
+
+def _from_last_stage(metrics: dict) -> dict:
+    """The last pipeline stage's metrics, broadcast over the pipeline group (loss metrics exist
+    only there), so that every rank — rank 0 included — returns the same dict."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return metrics
+    box = [metrics]
+    dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                               group=ps.get_pipeline_model_parallel_group())
+    return box[0]
