@@ -18,7 +18,7 @@ A rollout batch is a dict of CPU tensors:
 A micro-batch (see micro_batches) holds the same per-token keys at [b, s], plus "tokens" (the model
 input, tokens[:, :-1]), "labels", "loss_mask" (the same tensor as "response_mask", under the name
 training.lm_loss reads, so SFT and RL share one micro-batching), "index" (original rows, -1 for
-filler rows) and the loss weights of the micro-batch (see _loss_scale).
+filler rows), "label_columns" (Lt) and the loss weights of the micro-batch (see _loss_weights).
 
 Padded vocabulary rows (V/tp·tp beyond the real vocabulary, in the last TP shard) are NOT masked:
 Megatron's own vocab_parallel_cross_entropy normalises over them too, and they are trained weights
@@ -130,6 +130,7 @@ def micro_batches(
     for start in range(0, rows, size):
         micro = {key: value[start : start + size] for key, value in full.items()}
         micro.update(_loss_weights(micro["response_mask"], totals, rows // size))
+        micro["label_columns"] = kept  # the real (untrimmed, unpadded) columns, for restore_order
         result.append(micro)
     return result
 
@@ -137,9 +138,9 @@ def micro_batches(
 def restore_order(per_micro_batch: list[torch.Tensor], micro: list[dict], count: int, length: int) -> torch.Tensor:
     """Put per-micro-batch results [b, s] back in the batch's row order: [count, length].
 
-    Filler rows (index -1) are dropped; columns past s (trimmed) are 0, columns past length cut.
+    Filler rows (index -1) are dropped; trimmed and TP-padding columns come back as 0.
     """
-    values = torch.cat(per_micro_batch)[:, :length]
+    values = torch.cat(per_micro_batch)[:, : micro[0]["label_columns"]]
     values = torch.nn.functional.pad(values, (0, length - values.shape[1]))
     index = torch.cat([m["index"] for m in micro])
     real = index >= 0
@@ -213,13 +214,14 @@ def compute_logprobs(
     tp: int,
     micro_batch_size: int,
     with_entropy: bool = False,
-    max_tokens_per_micro_batch: int | None = None,
+    max_tokens: int | None = None,
 ) -> dict | None:
     """{"logprobs": [B, L], "entropy": [B, L] if with_entropy} on the last pipeline stage, else None.
 
-    Forward only, through Megatron's pipeline schedule. Call it with the micro-batching the update
-    will use: the log-probs are then bitwise the ones the first training forward computes, so the
-    first step's ratio is exactly 1 and ppo_kl exactly 0. Positions past the trimmed length are 0.
+    Forward only, through Megatron's pipeline schedule. Call it with the batch and micro-batching
+    (micro_batch_size, max_tokens: the token budget) the update will use: the log-probs are then
+    bitwise the ones the first training forward computes, so the first step's ratio is exactly 1
+    and ppo_kl exactly 0. Positions after the batch's last response label are 0.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -227,7 +229,7 @@ def compute_logprobs(
     built = built_or_trainable.built if isinstance(built_or_trainable, Trainable) else built_or_trainable
     if tp != built.layout.tp:
         raise ValueError(f"compute_logprobs got tp={tp} but the model is built for TP={built.layout.tp}")
-    micro = micro_batches(batch, tp, micro_batch_size, max_tokens_per_micro_batch)
+    micro = micro_batches(batch, tp, micro_batch_size, max_tokens)
     size, seq = micro[0]["tokens"].shape
     positions = torch.arange(seq).unsqueeze(0)
 
@@ -242,9 +244,12 @@ def compute_logprobs(
         return output, score
 
     chunks = built.chunks
-    # Train mode, as in train_step: the log-probs must be bitwise the training forward's. Dropout
-    # is 0 in every registry spec, and Megatron's train-only branches (MoE aux losses, router
-    # jitter) do not change the outputs; eval mode would differ only when a config turns them on.
+    # Train mode, as in train_step. Measured on CPU (tiny qwen3 TP2, qwen3_moe EP2 and TP2): train
+    # and eval mode, with and without no_grad, all give log-probs bitwise equal to the training
+    # forward's, since every registry spec sets dropout 0. Train mode keeps it so should a config
+    # turn on a train-only branch (router jitter, ...). What does change the bits is the
+    # micro-batching: MoE log-probs move by ~1e-6 between micro_batch_size 1 and 2 (expert GEMM
+    # shapes), so compute_logprobs and update_actor must get the same micro-batch arguments.
     for chunk in chunks:
         chunk.train()
     iterators = [iter(micro) for _ in chunks]  # every virtual chunk walks the micro-batches

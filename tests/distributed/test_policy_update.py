@@ -1,0 +1,151 @@
+"""The Megatron actor update (mrl.megatron.policy) on 2 gloo processes.
+
+(a) Vocab-parallel log-probs and entropy under TP2 equal a full-vocabulary log_softmax of the
+    gathered logits (padded rows included, as Megatron's loss does), values and gradients.
+(b) The first update: compute_logprobs then update_actor with the same micro-batching gives
+    ppo_kl == 0 and ratio_mean == 1 exactly, a positive grad norm and moved weights, under TP2 and
+    PP2 (tiny qwen3, token-budget micro-batching with a filler row) and EP2 (tiny qwen3_moe, KL and
+    entropy terms on). Metrics are the same on every rank (broadcast from the last stage).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mrl.layout import ParallelLayout
+from mrl.megatron.local_launch import run_local
+
+TIMEOUT_S = 240
+
+
+def _vocab_parallel_parity(rank: int, world_size: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from mrl.megatron.parallel import destroy_layout, initialize_layout
+    from mrl.megatron.policy import vocab_parallel_entropy, vocab_parallel_logprobs
+
+    initialize_layout(ParallelLayout(tp=2))
+    generator = torch.Generator().manual_seed(0)
+    vocab, shard = 256, 128
+    full = torch.randn(3, 5, vocab, generator=generator, dtype=torch.float64).float() * 4
+    labels = torch.randint(0, vocab, (3, 5), generator=generator)
+    w_logp, w_ent = torch.randn(3, 5, generator=generator), torch.randn(3, 5, generator=generator)
+    start = ps.get_tensor_model_parallel_rank() * shard
+
+    local = full[..., start : start + shard].clone().requires_grad_(True)
+    logp, entropy = vocab_parallel_logprobs(local, labels), vocab_parallel_entropy(local)
+    untouched = torch.equal(local.detach(), full[..., start : start + shard])
+    ((logp * w_logp).sum() + (entropy * w_ent).sum()).backward()
+
+    reference = full.clone().requires_grad_(True)
+    log_softmax = reference.log_softmax(-1)
+    ref_logp = log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    ((ref_logp * w_logp).sum() + (ref_entropy * w_ent).sum()).backward()
+    destroy_layout()
+    return {
+        "logp": (logp - ref_logp).abs().max().item(),
+        "entropy": (entropy - ref_entropy).abs().max().item(),
+        "grad": (local.grad - reference.grad[..., start : start + shard]).abs().max().item(),
+        "grad_norm": local.grad.norm().item(),
+        "untouched": untouched,
+    }
+
+
+def test_vocab_parallel_logprobs_and_entropy_tp2():
+    for rank, result in enumerate(run_local(_vocab_parallel_parity, 2, timeout_s=TIMEOUT_S)):
+        assert result["untouched"], f"rank {rank}: the logits were modified in place"
+        assert result["logp"] <= 1e-6 and result["entropy"] <= 1e-6, f"rank {rank}: {result}"
+        assert result["grad"] <= 1e-6 and result["grad_norm"] > 0, f"rank {rank}: {result}"
+
+
+# name → (arch, layout, micro_batch_size, token budget, algo)
+CASES = {
+    "qwen3 TP2": ("qwen3", ParallelLayout(tp=2), 2, None, {}),
+    "qwen3 PP2": ("qwen3", ParallelLayout(pp=2), 1, 2 * 24, {}),
+    "qwen3_moe EP2": ("qwen3_moe", ParallelLayout(ep=2), 2, None,
+                      {"kl_coef": 0.1, "entropy_coef": 0.01, "aggregation": "seq-mean-token-mean"}),
+}
+
+
+def _rollout_batch(vocab: int) -> dict:
+    """5 sequences: 4-token prompts and responses of 3..18 tokens, right-padded to 24 tokens."""
+    generator = torch.Generator().manual_seed(0)
+    lengths, prompt, width = [9, 18, 3, 14, 6], 4, 24
+    tokens = torch.zeros(len(lengths), width + 1, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width)
+    for row, length in enumerate(lengths):
+        tokens[row, : prompt + length] = torch.randint(3, vocab, (prompt + length,), generator=generator)
+        mask[row, prompt - 1 : prompt - 1 + length] = 1.0
+    advantages = torch.randn(len(lengths), 1, generator=generator).expand(-1, width) * mask
+    ref = -torch.rand(len(lengths), width, generator=generator) * 8
+    return {"tokens": tokens, "response_mask": mask, "advantages": advantages.contiguous(), "ref_logprobs": ref}
+
+
+def _first_updates(rank: int, world_size: int, dirs: dict) -> dict:
+    from mrl.bridge.hf_import import load_hf_weights
+    from mrl.megatron.model import build_model
+    from mrl.megatron.parallel import destroy_layout, initialize_layout
+    from mrl.megatron.policy import compute_logprobs, update_actor
+    from mrl.megatron.training import OptimConfig, make_trainable
+    from mrl.models.registry import model_spec_from_hf
+
+    results = {}
+    for name, (arch, layout, size, budget, algo) in CASES.items():
+        coords = initialize_layout(layout)
+        spec = model_spec_from_hf(dirs[arch])
+        built = build_model(spec, layout)
+        load_hf_weights(built, coords, dirs[arch])
+        trainable = make_trainable(built, OptimConfig(lr=1e-3))
+        batch = _rollout_batch(spec.vocab_size)
+        before = {n: p.detach().clone() for chunk in built.chunks for n, p in chunk.named_parameters()}
+        scored = compute_logprobs(trainable, batch, layout.tp, size, with_entropy=True, max_tokens=budget)
+        # The trainer would gather this from the last stage; here the batch is the same on all ranks.
+        logprobs = _from_last_stage(scored["logprobs"] if scored else None)
+        metrics = update_actor(trainable, {**batch, "old_logprobs": logprobs}, algo, size, max_tokens=budget)
+        after = {n: p.detach() for chunk in built.chunks for n, p in chunk.named_parameters()}
+        unchanged = [n for n in before if torch.equal(before[n], after[n])]
+        results[name] = {
+            "metrics": metrics, "unchanged": unchanged, "params": len(before),
+            "logprobs": logprobs, "entropy": None if scored is None else scored["entropy"],
+        }
+        destroy_layout()
+    return results
+
+
+def _from_last_stage(value: torch.Tensor | None) -> torch.Tensor:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    box = [value]
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+    return box[0]
+
+
+def test_first_update_has_exact_unit_ratio(tiny_model_dir):
+    dirs = {arch: str(tiny_model_dir(arch)) for arch in ("qwen3", "qwen3_moe")}
+    per_rank = run_local(_first_updates, 2, dirs, timeout_s=TIMEOUT_S)
+    mask = _rollout_batch(1000)["response_mask"]
+    for name in CASES:
+        result = per_rank[0][name]
+        metrics = result["metrics"]
+        assert metrics == per_rank[1][name]["metrics"], f"{name}: ranks report different metrics"
+        assert metrics["actor/ppo_kl"] == 0.0, f"{name}: first-step ppo_kl {metrics['actor/ppo_kl']}"
+        assert metrics["actor/ratio_mean"] == 1.0, f"{name}: first-step ratio {metrics['actor/ratio_mean']}"
+        assert metrics["actor/pg_clipfrac"] == 0.0, name
+        assert metrics["actor/grad_norm"] > 0 and metrics["actor/skipped"] == 0.0, f"{name}: {metrics}"
+        assert metrics["actor/lr"] == 1e-3 and metrics["actor/entropy"] > 0, f"{name}: {metrics}"
+        assert ("actor/kl_loss" in metrics) == (name == "qwen3_moe EP2"), f"{name}: {sorted(metrics)}"
+        logprobs = result["logprobs"]
+        assert (logprobs[mask.bool()] < 0).all() and (logprobs[:, 21:] == 0).all(), name
+        if name.startswith("qwen3 "):
+            assert result["unchanged"] == [], f"{name}: weights not updated: {result['unchanged']}"
+        else:  # experts no token was routed to keep their weights
+            moved = result["params"] - len(result["unchanged"])
+            assert not [n for n in result["unchanged"] if "experts" not in n], f"{name}: {result['unchanged']}"
+            assert moved > result["params"] // 2, f"{name}: only {moved} of {result['params']} tensors moved"
+    # Every layout scores the same qwen3 (fp32; reduction orders differ by layout).
+    tp2, pp2 = per_rank[0]["qwen3 TP2"]["logprobs"], per_rank[0]["qwen3 PP2"]["logprobs"]
+    assert (tp2 - pp2).abs().max() <= 1e-4
