@@ -198,9 +198,16 @@ def _loss_weights(mask: torch.Tensor, totals: dict[str, float], count: int) -> d
     }
 
 
+# What each aggregation averages over, hence how a micro-batch's share of the batch is counted.
+_AGGREGATION_UNITS = {"token-mean": "tokens", "seq-mean-token-mean": "sequences", "seq-mean-token-sum": "sequences"}
+
+
 def _loss_scale(micro: dict, aggregation: str) -> float:
     """The micro-batch's weight for an aggregation (token-mean: tokens; seq-mean-*: sequences)."""
-    return micro["loss_scale_tokens"] if aggregation == "token-mean" else micro["loss_scale_sequences"]
+    if aggregation not in _AGGREGATION_UNITS:
+        raise ValueError(f"aggregation {aggregation!r} has no micro-batch weighting: add it to "
+                         f"mrl.megatron.policy._AGGREGATION_UNITS (known: {sorted(_AGGREGATION_UNITS)})")
+    return micro[f"loss_scale_{_AGGREGATION_UNITS[aggregation]}"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,10 +315,12 @@ def policy_loss_fn(algo: Any) -> LossFn:
     `algo` is an ActorLoss, an AlgoConfig or a dict of the same fields. Metrics use verl's names:
     actor/pg_loss, actor/ppo_kl, actor/pg_clipfrac, actor/ratio_mean, actor/ratio_max,
     actor/entropy, actor/kl_loss (KL in the loss only), actor/pg_clipfrac_lower (dual clip only).
+    train_step reports each as the mean over micro-batches (ratio_max included).
     """
     from mrl.algo import entropy_bonus, kl_loss, policy_loss
 
     config = ActorLoss.of(algo)
+    _loss_scale({"loss_scale_tokens": 1.0, "loss_scale_sequences": 1.0}, config.aggregation)  # fail early
 
     def loss_fn(logits: torch.Tensor, micro: dict) -> tuple[torch.Tensor, dict]:
         mask = micro["response_mask"]

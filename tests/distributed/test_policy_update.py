@@ -4,8 +4,9 @@
     gathered logits (padded rows included, as Megatron's loss does), values and gradients.
 (b) The first update: compute_logprobs then update_actor with the same micro-batching gives
     ppo_kl == 0 and ratio_mean == 1 exactly, a positive grad norm and moved weights, under TP2 and
-    PP2 (tiny qwen3, token-budget micro-batching with a filler row) and EP2 (tiny qwen3_moe, KL and
-    entropy terms on). Metrics are the same on every rank (broadcast from the last stage).
+    PP2 (tiny qwen3, token-budget micro-batching with a filler row; then one SFT step) and EP2 (tiny
+    qwen3_moe, KL and entropy terms on). Metrics are the same on every rank (broadcast from the last
+    stage).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def _first_updates(rank: int, world_size: int, dirs: dict) -> dict:
     from mrl.bridge.hf_import import load_hf_weights
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import destroy_layout, initialize_layout
-    from mrl.megatron.policy import compute_logprobs, update_actor
+    from mrl.megatron.policy import compute_logprobs, update_actor, update_sft
     from mrl.megatron.training import OptimConfig, make_trainable
     from mrl.models.registry import model_spec_from_hf
 
@@ -105,8 +106,10 @@ def _first_updates(rank: int, world_size: int, dirs: dict) -> dict:
         metrics = update_actor(trainable, {**batch, "old_logprobs": logprobs}, algo, size, max_tokens=budget)
         after = {n: p.detach() for chunk in built.chunks for n, p in chunk.named_parameters()}
         unchanged = [n for n in before if torch.equal(before[n], after[n])]
+        # SFT shares the micro-batching: one step on the same batch, response tokens only.
+        sft = update_sft(trainable, batch, size, max_tokens=budget) if name == "qwen3 PP2" else None
         results[name] = {
-            "metrics": metrics, "unchanged": unchanged, "params": len(before),
+            "metrics": metrics, "unchanged": unchanged, "params": len(before), "sft": sft,
             "logprobs": logprobs, "entropy": None if scored is None else scored["entropy"],
         }
         destroy_layout()
@@ -138,6 +141,8 @@ def test_first_update_has_exact_unit_ratio(tiny_model_dir):
         assert metrics["actor/grad_norm"] > 0 and metrics["actor/skipped"] == 0.0, f"{name}: {metrics}"
         assert metrics["actor/lr"] == 1e-3 and metrics["actor/entropy"] > 0, f"{name}: {metrics}"
         assert ("actor/kl_loss" in metrics) == (name == "qwen3_moe EP2"), f"{name}: {sorted(metrics)}"
+        if "actor/kl_loss" in metrics:
+            assert metrics["actor/kl_loss"] > 0, f"{name}: {metrics}"
         logprobs = result["logprobs"]
         assert (logprobs[mask.bool()] < 0).all() and (logprobs[:, 21:] == 0).all(), name
         if name.startswith("qwen3 "):
@@ -146,6 +151,10 @@ def test_first_update_has_exact_unit_ratio(tiny_model_dir):
             moved = result["params"] - len(result["unchanged"])
             assert not [n for n in result["unchanged"] if "experts" not in n], f"{name}: {result['unchanged']}"
             assert moved > result["params"] // 2, f"{name}: only {moved} of {result['params']} tensors moved"
+    sft = per_rank[0]["qwen3 PP2"]["sft"]
+    assert sft == per_rank[1]["qwen3 PP2"]["sft"], "SFT metrics differ between ranks"
+    # Response tokens are random: their mean NLL is near ln(vocab) ≈ 6.9 (the update moved little).
+    assert 5.0 < sft["sft/loss"] < 9.0 and sft["sft/grad_norm"] > 0 and sft["sft/skipped"] == 0.0, sft
     # Every layout scores the same qwen3 (fp32; reduction orders differ by layout).
     tp2, pp2 = per_rank[0]["qwen3 TP2"]["logprobs"], per_rank[0]["qwen3 PP2"]["logprobs"]
     assert (tp2 - pp2).abs().max() <= 1e-4

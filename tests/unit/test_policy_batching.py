@@ -85,3 +85,10 @@ def test_actor_loss_reads_algo_config_and_dicts():
     config = ActorLoss.of(AlgoConfig(policy_loss="dapo", clip_high=0.28, kl_coef=0.1, kl_in_reward=True))
     assert config.policy_loss == "dapo" and config.clip_high == 0.28 and not config.kl_in_loss
     assert ActorLoss.of({"kl_coef": 0.1}).kl_in_loss and ActorLoss.of({}).clip_low == 0.2
+
+
+def test_unknown_aggregation_fails_before_any_step():
+    from mrl.megatron.policy import policy_loss_fn
+
+    with pytest.raises(ValueError, match="bogus"):
+        policy_loss_fn({"aggregation": "bogus"})
