@@ -18,6 +18,8 @@ setup(
         "pyyaml",
         "psutil",
         "tqdm",
+        "tensorboard",  # run metrics (mrl/metrics.py); wandb is optional and not listed
+        "matplotlib",  # curves.png from metrics.jsonl
     ],
     extras_require={
         # CPU development and CI: requirements/cpu.txt pins the exact stack.
