@@ -20,12 +20,11 @@ input, tokens[:, :-1]), "labels", "loss_mask" (the same tensor as "response_mask
 training.lm_loss reads, so SFT and RL share one micro-batching), "index" (original rows, -1 for
 filler rows), "label_columns" (Lt) and the loss weights of the micro-batch (see _loss_weights).
 
-Padded vocabulary rows (V/tp·tp beyond the real vocabulary, in the last TP shard) are NOT masked:
-Megatron's own vocab_parallel_cross_entropy normalises over them too, and they are trained weights
-like any other row (zero after an HF import, so their logits start at 0 and take a little
-probability mass). The log-probs here are therefore the ones the training loss differentiates, and
-differ from a softmax over the real vocabulary only (vLLM's, forward.sequence_logprobs') by that
-mass. The PPO ratio only ever compares these log-probs with each other, so it is unaffected.
+Padded vocabulary rows (V/tp·tp beyond the real vocabulary, in the last TP shard) are masked out
+of the RL log-probs and entropy (mask_padded_vocab): vLLM samples from the real vocabulary, so the
+trainer's log-probs must be over the same support, or every step would show a train/rollout gap
+XX
+own LM loss (SFT here) does not mask them; they are never exported, so that only wastes a little.
 """
 
 from __future__ import annotations
@@ -47,21 +46,39 @@ PER_TOKEN_KEYS = ("response_mask", "advantages", "old_logprobs", "ref_logprobs")
 # ---------------------------------------------------------------------------------------------
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+# Logit given to padded vocabulary rows: exp() of it is exactly 0, and 0 · it stays finite (-inf
+# would make the entropy's p·log p a NaN).
+_PADDED_LOGIT = -1e30
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """Logits [b, s, V/tp] with the rows past the real vocabulary (Megatron's TP padding, in the
+    last shard) pushed to _PADDED_LOGIT, so the softmax is over the vocabulary vLLM samples from."""
+    from megatron.core import parallel_state as ps
+
+    local = logits.shape[-1]
+    first = ps.get_tensor_model_parallel_rank() * local
+    if vocab_size is None or first + local <= vocab_size:
+        return logits
+    padded = torch.arange(first, first + local) >= vocab_size
+    return logits.masked_fill(padded, _PADDED_LOGIT)
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
     """log softmax(logits)[label] [b, s] from vocab-parallel logits [b, s, V/tp]; differentiable.
 
     Built on Megatron's vocab_parallel_cross_entropy (logprob = -CE): max and sum all-reduces over
-    the TP group, the vocabulary is never gathered.
+    the TP group, the vocabulary is never gathered. With `vocab_size`, padded rows are excluded.
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     # Megatron's kernel works in place on `logits.float()`, which is `logits` itself for fp32: a
     # contiguous fp32 copy keeps the caller's logits intact (entropy reads them too).
-    work = logits.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
+    work = mask_padded_vocab(logits, vocab_size).to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
     return -vocab_parallel_cross_entropy(work, labels.contiguous())
 
 
-def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
     """Entropy [b, s] of softmax(logits) from vocab-parallel logits [b, s, V/tp]; differentiable.
 
     H = log Σ e^(z-m) - Σ e^(z-m)·(z-m) / Σ e^(z-m), with the global max m (an all-reduce MAX, no
@@ -73,7 +90,7 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
-    logits = logits.float()
+    logits = mask_padded_vocab(logits.float(), vocab_size)
     with torch.no_grad():
         shift = logits.max(dim=-1, keepdim=True).values
         if ps.get_tensor_model_parallel_world_size() > 1:
@@ -245,8 +262,8 @@ def compute_logprobs(
         output = model(mb["tokens"], positions, None)
 
         def score(logits, non_loss_data=True):
-            logprobs = vocab_parallel_logprobs(logits, mb["labels"])
-            return logprobs, vocab_parallel_entropy(logits) if with_entropy else None
+            logprobs = vocab_parallel_logprobs(logits, mb["labels"], built.spec.vocab_size)
+            return logprobs, vocab_parallel_entropy(logits, built.spec.vocab_size) if with_entropy else None
 
         return output, score
 
@@ -309,7 +326,7 @@ class ActorLoss:
         return self.kl_coef > 0 and not self.kl_in_reward
 
 
-def policy_loss_fn(algo: Any) -> LossFn:
+def policy_loss_fn(algo: Any, vocab_size: int | None = None) -> LossFn:
     """A train_step loss: policy loss + kl_coef·KL(ref) + entropy bonus on one micro-batch.
 
     `algo` is an ActorLoss, an AlgoConfig or a dict of the same fields. Metrics use verl's names:
@@ -324,7 +341,7 @@ def policy_loss_fn(algo: Any) -> LossFn:
 
     def loss_fn(logits: torch.Tensor, micro: dict) -> tuple[torch.Tensor, dict]:
         mask = micro["response_mask"]
-        logp = vocab_parallel_logprobs(logits, micro["labels"])
+        logp = vocab_parallel_logprobs(logits, micro["labels"], vocab_size)
         pg_loss, pg_metrics = policy_loss(
             config.policy_loss, logp, micro["old_logprobs"], micro["advantages"], mask,
             clip_low=config.clip_low, clip_high=config.clip_high, clip_ratio_c=config.clip_ratio_c,
@@ -335,7 +352,7 @@ def policy_loss_fn(algo: Any) -> LossFn:
         metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
         # Entropy is always reported; it is differentiated only when it is part of the loss.
         with torch.set_grad_enabled(torch.is_grad_enabled() and config.entropy_coef != 0):
-            entropy = vocab_parallel_entropy(logits)
+            entropy = vocab_parallel_entropy(logits, vocab_size)
         bonus, mean_entropy = entropy_bonus(entropy, mask, config.entropy_coef, config.aggregation)
         metrics["actor/entropy"] = mean_entropy
         if config.entropy_coef != 0:
@@ -379,7 +396,8 @@ def update_actor(
     if missing:
         raise ValueError(f"update_actor needs batch keys {missing}"
                          + (" (kl_coef > 0 puts the KL in the loss)" if "ref_logprobs" in missing else ""))
-    return _update(trainable, batch, policy_loss_fn(config), micro_batch_size, max_tokens, prefix="actor")
+    loss_fn = policy_loss_fn(config, trainable.built.spec.vocab_size)
+    return _update(trainable, batch, loss_fn, micro_batch_size, max_tokens, prefix="actor")
 
 
 def update_sft(trainable: Trainable, batch: dict, micro_batch_size: int, max_tokens: int | None = None) -> dict:
