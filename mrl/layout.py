@@ -20,6 +20,8 @@ class ParallelLayout:
 
     tp: tensor parallel, pp: pipeline parallel, vpp: virtual pipeline chunks per stage,
     ep: expert parallel, etp: expert tensor parallel (defaults to tp, as in Megatron).
+    first_stage_layers / last_stage_layers: an uneven pipeline (e.g. DeepSeek-V3's 61 layers as
+    16+16+16+13); the other stages split the remaining layers evenly.
     """
 
     tp: int = 1
@@ -27,6 +29,8 @@ class ParallelLayout:
     ep: int = 1
     etp: int | None = None
     vpp: int | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     @property
     def expert_tp(self) -> int:
@@ -45,6 +49,13 @@ class ParallelLayout:
             virtual_pipeline_model_parallel_size=self.virtual_stages,
             expert_model_parallel_size=self.ep,
             expert_tensor_parallel_size=self.expert_tp,
+        )
+
+    def pipeline_split(self) -> dict[str, int | None]:
+        """The uneven-pipeline TransformerConfig arguments (None: that stage gets an even share)."""
+        return dict(
+            num_layers_in_first_pipeline_stage=self.first_stage_layers,
+            num_layers_in_last_pipeline_stage=self.last_stage_layers,
         )
 
     def min_world_size(self) -> int:
@@ -77,8 +88,18 @@ class ParallelLayout:
                 "use a TP size that divides the KV heads or is a multiple of them."
             )
         _divides(self.tp, dims.ffn_hidden_size, "MLP intermediate size (ffn_hidden_size)", "--tp")
+        special = [n for n in (self.first_stage_layers, self.last_stage_layers) if n is not None]
+        if special:
+            if self.pp < 2 or self.virtual_stages or min(special) < 1:
+                raise LayoutError("first/last stage layers need --pp >= 2, no --vpp, and at least 1 layer each.")
+            rest, stages = dims.num_layers - sum(special), self.pp - len(special)
+            if rest < stages or (stages and rest % stages) or (not stages and rest):
+                raise LayoutError(
+                    f"{dims.num_layers} layers minus first/last stage layers {special} leave {rest} for "
+                    f"{stages} other stage(s): choose first/last stage layers so the rest divide evenly."
+                )
         chunks = self.pp * (self.vpp or 1)
-        if dims.num_layers % chunks:
+        if not special and dims.num_layers % chunks:
             raise LayoutError(
                 f"{dims.num_layers} layers cannot be split into PP×VPP = {self.pp}×{self.vpp or 1} = "
                 f"{chunks} equal pipeline chunks: choose --pp/--vpp whose product divides {dims.num_layers}."

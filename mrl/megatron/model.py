@@ -67,6 +67,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, params_dtype: to
     kwargs["activation_func"] = ACTIVATIONS[kwargs["activation_func"]]
     kwargs.update(
         **layout.megatron_sizes(),
+        **layout.pipeline_split(),
         # Megatron requires sequence parallelism for MoE with TP; dense models gain from it too.
         sequence_parallel=layout.tp > 1,
         params_dtype=params_dtype,
