@@ -5,12 +5,14 @@ from __future__ import annotations
 import importlib
 import sys
 
-# subcommand → (module with main(argv), one-line help)
+# subcommand → (module with main(argv), or module:function, one-line help)
 SUBCOMMANDS = {
     "verify": ("mrl.verify", "check HF ⇄ Megatron parity (logits and bitwise export) in a layout"),
     "tiny-model": ("mrl.models.tiny", "write a tiny random HF model of a supported architecture"),
     "config": ("mrl.config.check", "validate a run config (recipe + overrides) and print it resolved"),
     "convert": ("checkpoints_tools.convert", "convert a HuggingFace model into an mrl checkpoint in a layout (hf-to-mcore)"),
+    "train": ("mrl.launch.commands:train", "RL training (SFT warm start when trainer.sft_steps > 0) from a recipe"),
+    "sft": ("mrl.launch.commands:sft", "supervised fine-tuning only, ending in a checkpoint"),
 }
 
 
@@ -29,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in SUBCOMMANDS:
         print(f"mrl: unknown subcommand {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
-    return module.main(argv[1:]) or 0
+    module, _, function = SUBCOMMANDS[argv[0]][0].partition(":")
+    return getattr(importlib.import_module(module), function or "main")(argv[1:]) or 0
 
 
 if __name__ == "__main__":

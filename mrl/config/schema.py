@@ -166,6 +166,7 @@ class CheckpointConfig:
     dir: str = "checkpoints"
     save_every: int = 0  # steps (0: only at the end)
     keep_last: int = 2
+    export_hf: bool = True  # after training: merge the final checkpoint into OUTPUT_DIR/hf, evaluate it with vLLM
     async_save: bool = False
     resume: str = "auto"  # "auto": latest in dir if any, "never", or a checkpoint path
 

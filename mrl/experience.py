@@ -1,0 +1,72 @@
+"""Generations and scores → the tensor batch the actor trains on.
+
+Layout (B sequences, every row right-padded with PAD_ID to the longest one, L + 1 tokens):
+  tokens              long  [B, L+1]  prompt ids then response ids
+  response_mask       float [B, L]    1 where labels = tokens[:, 1:] is a response token
+  token_level_rewards float [B, L]    the sequence score on its last response label, 0 elsewhere
+  rollout_logprobs    float [B, L]    the engine's log-prob of each sampled response token
+  group_ids           long  [B]       index of the prompt a sample answers (GRPO, RLOO groups)
+Per-token tensors are aligned to the labels, so position t scores tokens[:, t+1] given tokens[:, :t+1].
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from mrl.rollout.engine import Generation
+
+PAD_ID = 0  # causal attention: trailing padding never influences the real tokens before it
+
+
+def _pad_rows(rows: Sequence[Sequence[float]], width: int, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.full((len(rows), width), PAD_ID, dtype=dtype)
+    for index, row in enumerate(rows):
+        out[index, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+def _rows(prompts: Sequence[list[int]], responses: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [B, L+1] and response_mask [B, L] of prompt + response pairs."""
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    tokens = _pad_rows([list(p) + list(r) for p, r in zip(prompts, responses)], width, torch.long)
+    mask = torch.zeros(len(prompts), width - 1)
+    for index, (prompt, response) in enumerate(zip(prompts, responses)):
+        mask[index, len(prompt) - 1 : len(prompt) - 1 + len(response)] = 1.0
+    return tokens, mask
+
+
+def rollout_batch(groups: Sequence[Sequence[Generation]], scores: Sequence[float]) -> dict[str, torch.Tensor]:
+    """The batch of `groups` (one list of samples per prompt) with `scores` in sample order."""
+    samples = [g for group in groups for g in group]
+    if len(samples) != len(scores):
+        raise ValueError(f"{len(scores)} scores for {len(samples)} samples")
+    tokens, mask = _rows([s.prompt_ids for s in samples], [s.token_ids for s in samples])
+    rewards = torch.zeros_like(mask)
+    logprobs = torch.zeros_like(mask)
+    for index, sample in enumerate(samples):
+        start = len(sample.prompt_ids) - 1
+        if sample.token_ids:
+            rewards[index, start + len(sample.token_ids) - 1] = scores[index]
+            logprobs[index, start : start + len(sample.logprobs)] = torch.tensor(sample.logprobs)
+    group_ids = torch.tensor([g for g, group in enumerate(groups) for _ in group])
+    return {"tokens": tokens, "response_mask": mask, "token_level_rewards": rewards,
+            "rollout_logprobs": logprobs, "group_ids": group_ids}
+
+
+def sft_batch(prompts: Sequence[list[int]], targets: Sequence[list[int]]) -> dict[str, torch.Tensor]:
+    """Prompt + target pairs with the loss on the target tokens only."""
+    tokens, mask = _rows(prompts, targets)
+    return {"tokens": tokens, "response_mask": mask}
+
+
+def select_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The rows of every tensor of `batch` (a boolean mask or indices)."""
+    return {key: value[rows] for key, value in batch.items()}
+
+
+def actor_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the actor workers need of a batch (nothing the driver alone uses crosses to them)."""
+    keys = ("tokens", "response_mask", "advantages", "old_logprobs", "ref_logprobs")
+    return {key: batch[key] for key in keys if key in batch}

@@ -1,0 +1,30 @@
+"""The run's inputs as the driver prepares them: the HF model directory (written from the tiny zoo
+when the config names one and it is missing), its tokenizer, and prompts as token ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def prepare_model(model: Any, seed: int) -> tuple[str, Any]:
+    """(HF directory, tokenizer) for a ModelConfig."""
+    from transformers import AutoTokenizer
+
+    path = Path(model.path)
+    if model.tiny and not (path / "config.json").exists():
+        from mrl.models.tiny import write_tiny_model
+
+        write_tiny_model(model.tiny, path, seed=seed)
+    return str(path), AutoTokenizer.from_pretrained(str(path))
+
+
+def tokenize_samples(samples: list[dict], tokenizer: Any) -> list[dict]:
+    """Each sample with "prompt_ids" (the tokenizer's own special-token convention, as vLLM applies it
+    to text prompts) and, when it has a ground truth, "target_ids": the answer then end-of-sequence."""
+    for sample in samples:
+        sample["prompt_ids"] = tokenizer(sample["prompt"])["input_ids"]
+        if sample["ground_truth"] is not None:
+            answer = tokenizer(sample["ground_truth"], add_special_tokens=False)["input_ids"]
+            sample["target_ids"] = answer + [tokenizer.eos_token_id]
+    return samples

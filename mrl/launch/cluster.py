@@ -1,0 +1,144 @@
+"""Bring up what a run needs: Ray (local or an existing cluster), the Megatron actor's worker group
+and the rollout engine's actor; and the two operations that join them: weight sync and parity check.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from mrl.config import RunConfig
+from mrl.launch.rollout_actor import start_rollout_actor
+from mrl.launch.worker_group import WorkerGroup
+from mrl.layout import ParallelLayout
+from mrl.megatron.actor import ActorSetup
+from mrl.rollout.engine import Generation, SamplingSettings
+from mrl.rollout.parity import check_parity, logprob_gap, probe_sequences
+
+
+def layout_of(cfg: RunConfig) -> ParallelLayout:
+    p = cfg.parallel
+    return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
+                          first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
+
+
+def actor_world_size(cfg: RunConfig) -> int:
+    launch, layout = cfg.launch, layout_of(cfg)
+    if cfg.parallel.world_size:
+        return cfg.parallel.world_size
+    if launch.gpus_per_node == 0:
+        return layout.min_world_size()
+    reserved = launch.rollout_gpus if launch.placement == "separate" else 0
+    return launch.num_nodes * launch.gpus_per_node - reserved
+
+
+def data_parallel_size(cfg: RunConfig) -> int:
+    return actor_world_size(cfg) // (cfg.parallel.tp * cfg.parallel.pp)
+
+
+def engine_options(cfg: RunConfig) -> dict[str, Any]:
+    r = cfg.rollout
+    options = dict(tensor_parallel_size=r.tensor_parallel_size, dtype=r.dtype, max_model_len=r.max_model_len,
+                   enforce_eager=r.enforce_eager, seed=r.seed, gpu_memory_utilization=r.gpu_memory_utilization)
+    if r.kv_cache_memory_mb is not None:
+        options["kv_cache_memory_bytes"] = r.kv_cache_memory_mb << 20
+    return options
+
+
+@dataclass
+class Cluster:
+    """The run's Ray processes: Megatron ranks (`actor`) and the vLLM engine (`engine`)."""
+
+    cfg: RunConfig
+    actor: WorkerGroup
+    engine: Any
+    endpoint: Any
+    owns_ray: bool
+    syncs: int = 0
+    probe: list = field(default_factory=list)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
+        return ray.get(self.engine.generate.remote(prompt_ids, sampling), timeout=self.cfg.sync.timeout_s * 4)
+
+    def sync_weights(self) -> dict[str, float]:
+        """Push the actor's weights into the engine; check parity when due. Returns metrics."""
+        sync = self.cfg.sync
+        sync_id = f"sync{self.syncs}-{uuid.uuid4().hex[:6]}"
+        channels = 1 if sync.transport == "colocated" else self.cfg.parallel.pp
+        start = time.perf_counter()
+        receipt = self.engine.receive_weights.remote(sync_id, channels)
+        sent = self.actor.first("push_weights", self.endpoint, sync_id, sync.transport, sync.bucket_mb << 20,
+                                sync.timeout_s)
+        report = ray.get(receipt, timeout=sync.timeout_s)
+        metrics = {"sync/bytes": float(sent["bytes"]), "sync/engine_load_s": report.load_seconds,
+                   "timing_s/sync_weights": time.perf_counter() - start}
+        due = self.syncs == 0 or (sync.parity_every and self.syncs % sync.parity_every == 0)
+        if due or report.mismatched or report.not_updated:
+            gap = logprob_gap(ray.get(self.engine.score.remote(self.probe)),
+                              self.actor.first("probe_logprobs", self.probe))
+            metrics.update(gap)
+            check_parity(gap, sync.parity_threshold, report, self.syncs)
+        self.syncs += 1
+        return metrics
+
+    def close(self) -> None:
+        try:
+            self.actor.call("shutdown", timeout_s=120)
+        finally:
+            self.actor.shutdown()
+            if self.engine is not None:
+                ray.kill(self.engine)
+            if self.owns_ray:
+                ray.shutdown()
+
+
+def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: bool = True) -> Cluster:
+    """Ray, the engine (started first: its weights come from `hf_dir` too) and the actor ranks."""
+    if cfg.sync.transport == "object_store":
+        raise NotImplementedError("sync.transport 'object_store' is not built yet: use 'colocated' or 'broadcast'.")
+    launch, world = cfg.launch, actor_world_size(cfg)
+    owns_ray = not ray.is_initialized()
+    if owns_ray and launch.address:
+        ray.init(address=launch.address, log_to_driver=False)
+    elif owns_ray:
+        # A local instance: logical CPUs for every process we start, whatever the machine's count.
+        ray.init(num_cpus=max(launch.cpus_per_node, world + 2), num_gpus=launch.gpus_per_node or None,
+                 include_dashboard=False, log_to_driver=False)
+    gpu = launch.gpus_per_node > 0
+    colocated = launch.placement == "colocated"
+    try:
+        engine_gpus = 0 if not gpu else (0.5 if colocated else 1) * cfg.rollout.tensor_parallel_size
+        engine = None if not with_engine else start_rollout_actor(
+            hf_dir, engine_options(cfg), num_cpus=1, num_gpus=engine_gpus, sync_timeout_s=cfg.sync.timeout_s)
+        actor = WorkerGroup(world, cpus_per_worker=1, gpus_per_worker=(0.5 if colocated else 1) if gpu else 0,
+                            timeout_s=max(600.0, cfg.sync.timeout_s))
+        o = cfg.optim
+        setup = ActorSetup(
+            hf_dir=hf_dir, layout=layout_of(cfg), params_dtype=cfg.model.dtype,
+            transformer_impl=cfg.model.transformer_impl, seed=cfg.trainer.seed,
+            optim=dict(lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0],
+                       adam_beta2=o.betas[1], clip_grad=o.clip_grad, warmup_steps=o.warmup_steps,
+                       total_steps=cfg.trainer.total_steps + cfg.trainer.sft_steps, decay_style=o.schedule),
+            reference=cfg.algo.kl_coef > 0, micro_batch_size=o.micro_batch_size,
+            max_tokens_per_micro_batch=o.max_tokens_per_micro_batch,
+        )
+        actor.call("setup", setup)
+    except BaseException:
+        if owns_ray:
+            ray.shutdown()
+        raise
+    endpoint = None if engine is None else ray.get(engine.endpoint.remote())
+    return Cluster(cfg, actor, engine, endpoint, owns_ray, probe=probe_sequences(vocab_size))
+
+
+def generate_once(cfg: RunConfig, hf_dir: str, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list:
+    """Generate with a one-off engine on `hf_dir` in its own actor (vLLM runs one engine per process)."""
+    engine = start_rollout_actor(hf_dir, engine_options(cfg))
+    try:
+        return ray.get(engine.generate.remote(prompt_ids, sampling), timeout=cfg.sync.timeout_s * 4)
+    finally:
+        ray.kill(engine)
