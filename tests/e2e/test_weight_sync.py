@@ -73,3 +73,25 @@ def test_sync_makes_vllm_match_megatron(arch, tiny_model_dir, tmp_path, ray_loca
             assert logprob_gap(after, trainer)["rollout/logprob_abs_diff_max"] < TOL, case
     finally:
         ray.kill(actor)
+
+
+def test_rollout_tp_is_independent_of_the_trainer_layout(tiny_model_dir, tmp_path, ray_local):
+    """A TP2 engine (two vLLM worker processes) fed by a PP2 trainer over two stage channels."""
+    from mrl.launch.rollout_actor import start_rollout_actor
+    from mrl.models.registry import model_spec_from_hf
+    from mrl.rollout.parity import logprob_gap, probe_sequences
+
+    start, target = tiny_model_dir("qwen3"), write_tiny_model("qwen3", tmp_path / "b", seed=7)
+    probe = probe_sequences(model_spec_from_hf(start).vocab_size)
+    actor = start_rollout_actor(str(start), ENGINE | {"tensor_parallel_size": 2}, num_cpus=2)
+    try:
+        layout = ParallelLayout(pp=2)
+        receipt = actor.receive_weights.remote("tp2-engine", 2)
+        results = run_local(_push, 2, str(target), layout, ray.get(actor.endpoint.remote()), "broadcast",
+                            "tp2-engine", probe, timeout_s=300)
+        report = ray.get(receipt, timeout=120)
+        trainer = next(r["logprobs"] for r in results if r["logprobs"] is not None)
+        assert not report.mismatched and not report.not_updated
+        assert logprob_gap(ray.get(actor.score.remote(probe)), trainer)["rollout/logprob_abs_diff_max"] < TOL
+    finally:
+        ray.kill(actor)
