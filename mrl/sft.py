@@ -13,7 +13,7 @@ from pathlib import Path
 from mrl.config import RunConfig
 from mrl.data import EpochSampler
 from mrl.experience import sft_batch
-from mrl.launch.cluster import Cluster
+from mrl.launch.cluster import Cluster, optim_settings
 from mrl.metrics import MetricsLogger, timer
 
 
@@ -25,6 +25,7 @@ def run_sft(cfg: RunConfig, cluster: Cluster, train_set: list[dict], tokenizer) 
     batch_size = min(len(samples), cfg.data.batch_size * cfg.rollout.n_samples_per_prompt)
     sampler = EpochSampler(len(samples), batch_size, seed=cfg.trainer.seed + 1)
     losses, start = [], time.perf_counter()
+    cluster.actor.call("restart_lr_schedule", optim_settings(cfg, sft=True))
     with MetricsLogger(Path(cfg.trainer.output_dir) / "sft", cfg.trainer.sft_steps, jsonl=cfg.logging.jsonl,
                        tensorboard=cfg.logging.tensorboard, run_name=f"{cfg.trainer.name}-sft") as logger:
         for step in range(1, cfg.trainer.sft_steps + 1):
@@ -36,6 +37,7 @@ def run_sft(cfg: RunConfig, cluster: Cluster, train_set: list[dict], tokenizer) 
             metrics.update({k: sum(float(r[k]) for r in results) / len(results) for k in results[0] if k != "dp"})
             losses.append(metrics.get("sft/loss"))
             logger.log(step, metrics)
+    cluster.actor.call("restart_lr_schedule", optim_settings(cfg))  # RL starts its own schedule
     return {"steps": cfg.trainer.sft_steps, "loss_first": losses[0], "loss_last": losses[-1],
             "seconds": round(time.perf_counter() - start, 1)}
 

@@ -19,6 +19,7 @@ class TrainerConfig:
     seed: int = 0
     total_steps: int = 100
     sft_steps: int = 0  # supervised warm-start steps before RL (0: none)
+    sft_lr: float | None = None  # the warm start's learning rate (None: optim.lr); RL then starts its own schedule
     ppo_epochs: int = 1  # optimizer passes over each rollout batch
     eval_every: int = 0  # held-out evaluation every N steps (0: only before and after)
 

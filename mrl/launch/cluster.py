@@ -36,6 +36,19 @@ def actor_world_size(cfg: RunConfig) -> int:
     return launch.num_nodes * launch.gpus_per_node - reserved
 
 
+def optim_settings(cfg: RunConfig, sft: bool = False) -> dict[str, Any]:
+    """mrl.megatron.training.OptimConfig fields of the RL phase, or of the SFT warm start (its own
+    learning rate, constant after the warmup)."""
+    o = cfg.optim
+    if sft:
+        return dict(lr=cfg.trainer.sft_lr or o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0],
+                    adam_beta2=o.betas[1], clip_grad=o.clip_grad, warmup_steps=o.warmup_steps,
+                    total_steps=cfg.trainer.sft_steps, decay_style="constant")
+    return dict(lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
+                clip_grad=o.clip_grad, warmup_steps=o.warmup_steps, total_steps=cfg.trainer.total_steps,
+                decay_style=o.schedule)
+
+
 def data_parallel_size(cfg: RunConfig) -> int:
     return actor_world_size(cfg) // (cfg.parallel.tp * cfg.parallel.pp)
 
@@ -116,15 +129,11 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
             hf_dir, engine_options(cfg), num_cpus=1, num_gpus=engine_gpus, sync_timeout_s=cfg.sync.timeout_s)
         actor = WorkerGroup(world, cpus_per_worker=1, gpus_per_worker=(0.5 if colocated else 1) if gpu else 0,
                             timeout_s=max(600.0, cfg.sync.timeout_s))
-        o = cfg.optim
         setup = ActorSetup(
             hf_dir=hf_dir, layout=layout_of(cfg), params_dtype=cfg.model.dtype,
-            transformer_impl=cfg.model.transformer_impl, seed=cfg.trainer.seed,
-            optim=dict(lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0],
-                       adam_beta2=o.betas[1], clip_grad=o.clip_grad, warmup_steps=o.warmup_steps,
-                       total_steps=cfg.trainer.total_steps + cfg.trainer.sft_steps, decay_style=o.schedule),
-            reference=cfg.algo.kl_coef > 0, micro_batch_size=o.micro_batch_size,
-            max_tokens_per_micro_batch=o.max_tokens_per_micro_batch,
+            transformer_impl=cfg.model.transformer_impl, seed=cfg.trainer.seed, optim=optim_settings(cfg),
+            reference=cfg.algo.kl_coef > 0, micro_batch_size=cfg.optim.micro_batch_size,
+            max_tokens_per_micro_batch=cfg.optim.max_tokens_per_micro_batch,
         )
         actor.call("setup", setup)
     except BaseException:

@@ -99,6 +99,12 @@ class MegatronActor:
         params = sum(p.numel() for chunk in self.trainable.built.chunks for p in chunk.parameters())
         return {"rank": self.rank, "coords": vars(self.coords), "params": params}
 
+    def restart_lr_schedule(self, optim: dict) -> None:
+        """A new learning-rate schedule from step 0 (SFT → RL hand-over); Adam's moments stay."""
+        from mrl.megatron.training import OptimConfig, restart_lr_schedule
+
+        restart_lr_schedule(self.trainable, OptimConfig(**optim))
+
     # --- per-step work -------------------------------------------------------------------------
 
     def _mine(self, batch: dict) -> dict:

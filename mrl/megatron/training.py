@@ -111,6 +111,22 @@ def make_trainable(built: BuiltModel, config: OptimConfig) -> Trainable:
     return Trainable(built, ddp_chunks, optimizer, scheduler, config)
 
 
+def restart_lr_schedule(trainable: Trainable, config: OptimConfig) -> None:
+    """Start a new LR schedule (warmup, peak, decay) from step 0, keeping Adam's moments: how an
+    SFT warm start hands over to RL, which wants a much smaller learning rate."""
+    scheduler = trainable.scheduler
+    scheduler.init_lr = 0.0 if config.warmup_steps else config.lr
+    scheduler.max_lr, scheduler.min_lr = config.lr, config.min_lr
+    scheduler.lr_warmup_steps = config.warmup_steps
+    scheduler.lr_decay_steps = max(config.total_steps, config.warmup_steps + 1)
+    scheduler.lr_decay_style = config.decay_style
+    for group in trainable.optimizer.param_groups:  # Megatron's groups carry their own peak and floor
+        group["max_lr"], group["min_lr"] = config.lr, config.min_lr
+    scheduler.num_steps = 0
+    scheduler.step(0)
+    trainable.config = config
+
+
 def lm_loss(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
     """Mean next-token cross-entropy over `batch["loss_mask"]`, vocab-parallel.
 
