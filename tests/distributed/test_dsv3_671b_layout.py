@@ -4,9 +4,9 @@ The recipe (TP8 · PP4 · EP32 · ETP1, last stage 13 layers, 16 nodes × 8 GPUs
 and validated against the real config.json (tests/fixtures/deepseek_v3_671b, no weights). Then a
 few ranks of the 128-rank world are built, one after the other, in a spawned process (Megatron's
 parallel state is process-global and is torn down between ranks): torch.distributed's "fake"
-backend gives the process its place in the world
-without any peer, Megatron's process groups are created for the layout, and the GPTModel is built
-under `torch.device("meta")`, so no memory is allocated for the 671B parameters.
+backend gives the process its place in the world without any peer, Megatron's process groups are
+created for the layout, and the GPTModel is built under `torch.device("meta")`, so no memory is
+allocated for the 671B parameters.
 
 Checked:
   (a) the whole model, deduplicated from one rank per pipeline stage (TP-sharded tensors × TP,
