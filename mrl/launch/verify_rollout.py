@@ -34,17 +34,21 @@ def _trainer(rank: int, world: int, hf_dir: str, layout: ParallelLayout, endpoin
     from mrl.megatron.forward import greedy_decode
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import initialize_layout
-    from mrl.megatron.probe_step import one_lm_step
+    from mrl.megatron.training import OptimConfig, lm_micro_batches, make_trainable, train_step
     from mrl.rollout.weight_sync import WeightSender
 
     coords = initialize_layout(layout)
     built = build_model(model_spec_from_hf(hf_dir), layout)
     load_hf_weights(built, coords, hf_dir)
-    loss = one_lm_step(built, torch.tensor(prompts), lr=lr)
+    # One real optimizer step (Megatron DDP + Adam) on next-token loss over the probe prompts.
+    trainable = make_trainable(built, OptimConfig(lr=lr, clip_grad=0.0))
+    step = train_step(trainable, lm_micro_batches(torch.tensor(prompts), layout.tp))
+    if step.skipped:
+        raise RuntimeError("the probe optimizer step was skipped (non-finite gradients)")
     sender = WeightSender(endpoint, built, coords, transport=transport, bucket_bytes=bucket_bytes)
     sent = sender.push("verify")
     greedy = greedy_decode(built, prompts, NEW_TOKENS)
-    return {"greedy": greedy, "loss": loss, "sent": None if sent is None else {"tensors": len(sent.checksums),
+    return {"greedy": greedy, "loss": step.loss, "sent": None if sent is None else {"tensors": len(sent.checksums),
             "bytes": sent.bytes, "seconds": round(sent.seconds, 3)}}
 
 
