@@ -98,9 +98,10 @@ def rl_step(step: int, cfg: RunConfig, cluster: Cluster, train_set: list[dict], 
                 batch["ref_logprobs"] = torch.cat([r["logprobs"] for r in ref])
         metrics.update(drift_metrics(batch))
         batch["advantages"] = advantages(batch, cfg)
-        with timer("update_actor", metrics):
-            updates = cluster.actor.by_dp("update", actor_inputs(batch), cfg.algo)
-        metrics.update(mean_over_ranks(updates))
+        with timer("update_actor", metrics):  # ppo_epochs optimizer steps on the same batch
+            updates = [mean_over_ranks(cluster.actor.by_dp("update", actor_inputs(batch), cfg.algo))
+                       for _ in range(cfg.trainer.ppo_epochs)]
+        metrics.update({k: sum(u[k] for u in updates) / len(updates) for k in updates[0]})  # mean over epochs
         metrics.update(cluster.sync_weights())
     tokens = float(batch["response_mask"].sum())
     metrics["perf/throughput"] = tokens / metrics["timing_s/step"]

@@ -190,7 +190,6 @@ class LoggingConfig:
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "mrl"
-    log_every: int = 1
 
 
 @dataclass

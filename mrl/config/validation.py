@@ -19,6 +19,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.total_steps", lambda v: v >= 1, ">= 1"),
     ("trainer.sft_steps", lambda v: v >= 0, ">= 0"),
     ("trainer.ppo_epochs", lambda v: v >= 1, ">= 1"),
+    ("trainer.sft_lr", lambda v: v is None or v > 0, "> 0 (or null: optim.lr)"),
     ("trainer.eval_every", lambda v: v >= 0, ">= 0"),
     ("rollout.tensor_parallel_size", lambda v: v >= 1, ">= 1"),
     ("rollout.max_model_len", lambda v: v >= 2, ">= 2"),
@@ -62,7 +63,11 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("launch.gpus_per_node", lambda v: v >= 0, ">= 0 (0: CPU)"),
     ("launch.cpus_per_node", lambda v: v >= 1, ">= 1"),
     ("launch.rollout_gpus", lambda v: v >= 0, ">= 0"),
-    ("logging.log_every", lambda v: v >= 1, ">= 1"),
+]
+
+# (dotted key, value, what to use instead): accepted by the schema, not built yet
+_NOT_BUILT: list[tuple[str, Any, str]] = [
+    ("sync.transport", "object_store", "use 'colocated' or 'broadcast'"),
 ]
 
 
@@ -91,6 +96,9 @@ def _check_ranges(cfg: RunConfig) -> list[str]:
         value = _get(cfg, key)
         if not ok(value):
             errors.append(f"{key} must be {requirement}, got {value!r}.")
+    for key, value, instead in _NOT_BUILT:
+        if _get(cfg, key) == value:
+            errors.append(f"{key} {value!r} is not built yet: {instead}.")
     if cfg.rollout.max_new_tokens >= cfg.rollout.max_model_len:
         errors.append(
             f"rollout.max_new_tokens {cfg.rollout.max_new_tokens} leaves no room for the prompt in "
@@ -201,6 +209,12 @@ def _check_layout(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
     if min(p.tp, p.pp, p.ep, layout.expert_tp, p.vpp or 1) < 1:
         return [f"parallel sizes must be >= 1, got {layout.describe()}."]
     world, errors = _actor_world(cfg, layout)
+    if world is not None and world % (p.tp * p.pp) == 0:
+        dp, rows = world // (p.tp * p.pp), cfg.data.batch_size * cfg.rollout.n_samples_per_prompt
+        if rows % dp:
+            errors.append(f"data.batch_size {cfg.data.batch_size} × rollout.n_samples_per_prompt "
+                          f"{cfg.rollout.n_samples_per_prompt} = {rows} sequences do not split over {dp} data-parallel "
+                          "ranks: make the product a multiple of the data-parallel size.")
     try:
         if dims is not None:
             dims, uneven_errors = _even_part(cfg, dims)

@@ -118,8 +118,6 @@ class Cluster:
 
 def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: bool = True) -> Cluster:
     """Ray, the engine (started first: its weights come from `hf_dir` too) and the actor ranks."""
-    if cfg.sync.transport == "object_store":
-        raise NotImplementedError("sync.transport 'object_store' is not built yet: use 'colocated' or 'broadcast'.")
     launch, world = cfg.launch, actor_world_size(cfg)
     owns_ray = not ray.is_initialized()
     if owns_ray and launch.address:

@@ -23,6 +23,7 @@ class RolloutServer:
         return self.receiver.endpoint
 
     def receive_weights(self, sync_id: str, channels: int) -> WeightUpdateReport:
+        # Holds this (single-threaded) actor until the update is complete: ask for endpoint() first.
         return self.receiver.receive(sync_id, channels)
 
     def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:

@@ -86,9 +86,9 @@ def test_rollout_tp_is_independent_of_the_trainer_layout(tiny_model_dir, tmp_pat
     actor = start_rollout_actor(str(start), ENGINE | {"tensor_parallel_size": 2}, num_cpus=2)
     try:
         layout = ParallelLayout(pp=2)
+        endpoint = ray.get(actor.endpoint.remote())  # before receive_weights, which holds the actor
         receipt = actor.receive_weights.remote("tp2-engine", 2)
-        results = run_local(_push, 2, str(target), layout, ray.get(actor.endpoint.remote()), "broadcast",
-                            "tp2-engine", probe, timeout_s=300)
+        results = run_local(_push, 2, str(target), layout, endpoint, "broadcast", "tp2-engine", probe, timeout_s=300)
         report = ray.get(receipt, timeout=120)
         trainer = next(r["logprobs"] for r in results if r["logprobs"] is not None)
         assert not report.mismatched and not report.not_updated

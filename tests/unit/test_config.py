@@ -44,7 +44,8 @@ def test_inheritance_chain_deep_merges_and_replaces_lists(tmp_path):
                    "data:\n  arithmetic:\n    ops: ['-', '*']\n")
     child = write(tmp_path / "child.yaml", "base: mine.yaml\ntrainer:\n  total_steps: 3\n")
     cfg = load_config(child)
-    assert cfg.trainer.total_steps == 3 and cfg.trainer.sft_steps == 200  # child, then the tiny recipe
+    assert cfg.trainer.total_steps == 3  # from the child
+    assert cfg.trainer.sft_steps == load_config(TINY).trainer.sft_steps != 0  # from the tiny recipe, not the base
     assert cfg.algo.overlong.enable and cfg.algo.overlong.buffer_length == 4
     assert cfg.algo.overlong.penalty_factor == 1.0  # untouched key of a merged mapping stays
     assert cfg.data.arithmetic.ops == ["-", "*"]  # lists replace
@@ -105,6 +106,8 @@ def test_bad_types(tmp_path):
     "override, message",
     [
         ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1], got 1.5."),
+        ("trainer.sft_lr=0", "trainer.sft_lr must be > 0 (or null: optim.lr), got 0."),
+        ("sync.transport=object_store", "sync.transport 'object_store' is not built yet: use 'colocated' or 'broadcast'."),
         ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c must be > 1 (or null to disable dual clip), got 0.5."),
         ("optim.betas=[0.9]", "optim.betas must be two numbers in [0, 1), got [0.9]."),
         ("rollout.max_new_tokens=64", "rollout.max_new_tokens 64 leaves no room for the prompt in rollout.max_model_len 64"),
@@ -144,6 +147,8 @@ def test_dapo_needs_token_mean():
         (["parallel.world_size=6"], "parallel: world size 6 does not fit layout TP2×PP1×EP2"),
         (["parallel.world_size=2"], "parallel.world_size 2 is below the 4 processes layout TP2×PP1×EP2 needs."),
         (["parallel.vpp=2"], "parallel: parallel.vpp 2 needs parallel.pp > 1"),
+        (["data.batch_size=3", "rollout.n_samples_per_prompt=1"],
+         "data.batch_size 3 × rollout.n_samples_per_prompt 1 = 3 sequences do not split over 2 data-parallel ranks"),
     ],
 )
 def test_layout_arithmetic(overrides, message):
