@@ -313,6 +313,9 @@ def open_checkpoint(ckpt: str | Path, config: str | Path | None) -> tuple[Path, 
         manifest = cd.read_manifest(directory)
     except cd.CheckpointDirError as err:
         raise MergeError(str(err)) from None
+    if manifest.get("value_head"):
+        raise MergeError(f"{directory} is a PPO critic checkpoint (a value head, no LM head): there is no HF causal "
+                         "LM to write; merge the actor's checkpoint (the parent of its critic/ directory)")
     hf_dir = directory / "hf"
     if config is not None:
         config = Path(config)

@@ -61,6 +61,47 @@ def sft_batch(prompts: Sequence[list[int]], targets: Sequence[list[int]]) -> dic
     return {"tokens": tokens, "response_mask": mask}
 
 
+def packed_sft_batch(prompts: Sequence[list[int]], targets: Sequence[list[int]], row_tokens: int,
+                     rows_multiple: int = 1) -> dict[str, torch.Tensor]:
+    """sft_batch with several sequences per row, each row at most `row_tokens` tokens.
+
+    First-fit decreasing by length. A row's sequences are separated by segment ids: `segments`
+    [R, L] numbers the sequence each input position (tokens[:, :-1]) belongs to, from 1 (0:
+    padding); the model attends only within a segment (mrl.megatron.training.segment_attention_mask),
+    and the label that would cross into the next sequence is masked out. The row count is
+    padded with empty rows to a multiple of `rows_multiple` (the data-parallel size).
+    """
+    sequences = [list(p) + list(t) for p, t in zip(prompts, targets)]
+    too_long = [len(s) for s in sequences if len(s) > row_tokens]
+    if too_long:
+        raise ValueError(f"a sequence of {max(too_long)} tokens does not fit a packed row of {row_tokens}: "
+                         f"raise trainer.sft_pack_tokens to at least {max(too_long)}")
+    rows: list[list[int]] = []  # indices of the sequences in each row
+    room: list[int] = []
+    for index in sorted(range(len(sequences)), key=lambda i: -len(sequences[i])):
+        fit = next((r for r, free in enumerate(room) if free >= len(sequences[index])), None)
+        if fit is None:
+            rows.append([])
+            room.append(row_tokens)
+            fit = len(rows) - 1
+        rows[fit].append(index)
+        room[fit] -= len(sequences[index])
+    rows += [[] for _ in range(-len(rows) % rows_multiple)]
+    width = max(row_tokens - free for free in room)
+    tokens = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
+    mask, segments = torch.zeros(len(rows), width - 1), torch.zeros(len(rows), width - 1)
+    for r, members in enumerate(rows):
+        start = 0
+        for segment, index in enumerate(members, start=1):
+            sequence, prompt = sequences[index], len(prompts[index])
+            end = start + len(sequence)
+            tokens[r, start:end] = torch.tensor(sequence)
+            segments[r, start : min(end, width - 1)] = segment
+            mask[r, start + prompt - 1 : end - 1] = 1.0  # the target's labels; end - 1 would cross over
+            start = end
+    return {"tokens": tokens, "response_mask": mask, "segments": segments}
+
+
 def select_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
     """The rows of every tensor of `batch` (a boolean mask or indices)."""
     return {key: value[rows] for key, value in batch.items()}
@@ -68,5 +109,13 @@ def select_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str,
 
 def actor_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What the actor workers need of a batch (nothing the driver alone uses crosses to them)."""
-    keys = ("tokens", "response_mask", "advantages", "old_logprobs", "ref_logprobs")
+    return _pick(batch, ("tokens", "response_mask", "advantages", "old_logprobs", "ref_logprobs"))
+
+
+def critic_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the critic workers need: the sequences, and for its update the values and GAE returns."""
+    return _pick(batch, ("tokens", "response_mask", "values", "returns"))
+
+
+def _pick(batch: dict[str, torch.Tensor], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
     return {key: batch[key] for key in keys if key in batch}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from mrl.config import RunConfig
 from mrl.data import EpochSampler
-from mrl.experience import sft_batch
-from mrl.launch.cluster import Cluster, optim_settings
+from mrl.experience import packed_sft_batch, sft_batch
+from mrl.launch.cluster import Cluster, data_parallel_size, optim_settings
 from mrl.metrics import MetricsLogger, timer
 
 
@@ -32,14 +32,24 @@ def run_sft(cfg: RunConfig, cluster: Cluster, train_set: list[dict], tokenizer) 
             metrics: dict[str, float] = {}
             with timer("step", metrics):
                 chosen = [samples[i] for i in sampler.next_batch()]
-                batch = sft_batch([s["prompt_ids"] for s in chosen], [s["target_ids"] for s in chosen])
+                batch = sft_rows(cfg, chosen)
                 results = cluster.actor.by_dp("sft_step", batch)
+            real = sum(len(s["prompt_ids"]) + len(s["target_ids"]) for s in chosen)
+            metrics["sft/padding_fraction"] = 1 - real / batch["tokens"].numel()
             metrics.update({k: sum(float(r[k]) for r in results) / len(results) for k in results[0] if k != "dp"})
             losses.append(metrics.get("sft/loss"))
             logger.log(step, metrics)
     cluster.actor.call("restart_lr_schedule", optim_settings(cfg))  # RL starts its own schedule
     return {"steps": cfg.trainer.sft_steps, "loss_first": losses[0], "loss_last": losses[-1],
             "seconds": round(time.perf_counter() - start, 1)}
+
+
+def sft_rows(cfg: RunConfig, chosen: list[dict]) -> dict:
+    """The batch of `chosen` samples: one sequence per row, or packed rows (trainer.sft_pack_tokens)."""
+    prompts, targets = [s["prompt_ids"] for s in chosen], [s["target_ids"] for s in chosen]
+    if cfg.trainer.sft_pack_tokens:
+        return packed_sft_batch(prompts, targets, cfg.trainer.sft_pack_tokens, data_parallel_size(cfg))
+    return sft_batch(prompts, targets)
 
 
 def sft_only(cfg: RunConfig) -> dict:

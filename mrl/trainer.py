@@ -14,7 +14,7 @@ import torch
 from mrl import algo
 from mrl.config import RunConfig, config_to_dict
 from mrl.data import EpochSampler, load_splits
-from mrl.experience import actor_inputs, rollout_batch, select_rows
+from mrl.experience import actor_inputs, critic_inputs, rollout_batch, select_rows
 from mrl.inputs import prepare_model, tokenize_samples
 from mrl.launch.cluster import Cluster, data_parallel_size, generate_once, start_cluster
 from mrl.metrics import MetricsLogger, plot_metrics, timer
@@ -60,7 +60,8 @@ def train(cfg: RunConfig) -> dict:
                 save(cfg, cluster, step, sampler)
         if cfg.checkpoint.save_every and cfg.trainer.total_steps % cfg.checkpoint.save_every:
             save(cfg, cluster, cfg.trainer.total_steps, sampler)
-        cluster.actor.call("finish_save")
+        for group in cluster.trainers():
+            group.call("finish_save")
         if cfg.checkpoint.export_hf and cfg.checkpoint.save_every:
             summary.update(export_and_evaluate(cfg, heldout, reward, out / "hf"))
     finally:
@@ -97,11 +98,17 @@ def rl_step(step: int, cfg: RunConfig, cluster: Cluster, train_set: list[dict], 
                 ref = cluster.actor.by_dp("logprobs", actor_inputs(batch), True)
                 batch["ref_logprobs"] = torch.cat([r["logprobs"] for r in ref])
         metrics.update(drift_metrics(batch))
-        batch["advantages"] = advantages(batch, cfg)
-        with timer("update_actor", metrics):  # ppo_epochs optimizer steps on the same batch
-            updates = [mean_over_ranks(cluster.actor.by_dp("update", actor_inputs(batch), cfg.algo))
-                       for _ in range(cfg.trainer.ppo_epochs)]
-        metrics.update({k: sum(u[k] for u in updates) / len(updates) for k in updates[0]})  # mean over epochs
+        if cluster.critic is not None:
+            with timer("values", metrics):
+                values = cluster.critic.by_dp("values", critic_inputs(batch))
+                batch["values"] = torch.cat([r["values"] for r in values])
+        batch["advantages"], batch["returns"] = advantages(batch, cfg)
+        if cluster.critic is not None:
+            with timer("update_critic", metrics):
+                metrics.update(train_epochs(cluster.critic, "update_critic", cfg, critic_inputs(batch),
+                                            cfg.critic.cliprange_value, cfg.algo.aggregation))
+        with timer("update_actor", metrics):
+            metrics.update(train_epochs(cluster.actor, "update", cfg, actor_inputs(batch), cfg.algo))
         metrics.update(cluster.sync_weights())
     tokens = float(batch["response_mask"].sum())
     metrics["perf/throughput"] = tokens / metrics["timing_s/step"]
@@ -161,16 +168,23 @@ def _whole_dp_slices(keep: torch.Tensor, dp: int) -> torch.Tensor:
     return keep
 
 
-def advantages(batch: dict, cfg: RunConfig) -> torch.Tensor:
+def train_epochs(group, method: str, cfg: RunConfig, *args) -> dict[str, float]:
+    """trainer.ppo_epochs optimizer steps of `method` on the same batch; metrics averaged over
+    ranks, then over epochs."""
+    epochs = [mean_over_ranks(group.by_dp(method, *args)) for _ in range(cfg.trainer.ppo_epochs)]
+    return {k: sum(e[k] for e in epochs) / len(epochs) for k in epochs[0]}
+
+
+def advantages(batch: dict, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) [B, L] by algo.advantage_estimator; GAE reads the critic's batch["values"]."""
     a, mask = cfg.algo, batch["response_mask"]
     rewards = batch["token_level_rewards"]
     if a.kl_coef > 0 and a.kl_in_reward:
         kl = algo.KL_ESTIMATORS.get(a.kl_estimator)(batch["old_logprobs"], batch["ref_logprobs"])
         rewards = algo.kl_penalized_rewards(rewards.sum(-1), mask, kl, a.kl_coef)
-    adv, _ = algo.compute_advantages(a.advantage_estimator, token_level_rewards=rewards, response_mask=mask,
-                                     group_ids=batch["group_ids"], norm_by_std=a.norm_adv_by_std,
-                                     gamma=a.gamma, lam=a.lam)
-    return adv
+    return algo.compute_advantages(a.advantage_estimator, token_level_rewards=rewards, response_mask=mask,
+                                   group_ids=batch["group_ids"], values=batch.get("values"),
+                                   norm_by_std=a.norm_adv_by_std, gamma=a.gamma, lam=a.lam)
 
 
 def rollout_metrics(batch: dict, groups, scores: torch.Tensor) -> dict[str, float]:
@@ -217,9 +231,18 @@ def export_and_evaluate(cfg: RunConfig, heldout: list[dict], reward, out: Path) 
 
 
 def save(cfg: RunConfig, cluster: Cluster, step: int, sampler: EpochSampler) -> None:
+    """The actor under checkpoint.dir, the critic (PPO) under checkpoint.dir/critic."""
     c = cfg.checkpoint
-    cluster.actor.call("save", c.dir, step, {"sampler": sampler.state_dict(), "rl_step": step},
-                       config_to_dict(cfg), c.keep_last, c.async_save)
+    for group, root in zip(cluster.trainers(), (c.dir, critic_checkpoint(c.dir))):
+        group.call("save", str(root), step, {"sampler": sampler.state_dict(), "rl_step": step},
+                   config_to_dict(cfg), c.keep_last, c.async_save)
+
+
+def critic_checkpoint(actor_path: str) -> Path:
+    """Where the critic's checkpoint sits beside the actor's: a root's critic/ sub-root, or the
+    same iteration under it (root/iter_N → root/critic/iter_N)."""
+    path = Path(actor_path)
+    return path / "critic" if not path.name.startswith("iter_") else path.parent / "critic" / path.name
 
 
 def refuse_to_overwrite(cfg: RunConfig) -> None:
@@ -243,6 +266,8 @@ def resume(cfg: RunConfig, cluster: Cluster, sampler: EpochSampler) -> int:
         return 0
     path = cfg.checkpoint.dir if mode == "auto" else mode
     state = cluster.actor.call("load", path)[0]
+    if cluster.critic is not None:
+        cluster.critic.call("load", str(critic_checkpoint(path)))
     sampler.load_state_dict(state["data"]["sampler"])
     print(f"resumed from {path} at RL step {state['data']['rl_step']}", flush=True)
     return int(state["data"]["rl_step"])

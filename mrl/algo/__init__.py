@@ -6,9 +6,10 @@ from mrl.algo.dapo import informative_groups, overlong_penalty
 from mrl.algo.entropy import entropy_bonus
 from mrl.algo.kl import KL_ESTIMATORS, kl_loss, kl_penalized_rewards
 from mrl.algo.policy_loss import POLICY_LOSSES, policy_loss
+from mrl.algo.value_loss import clipped_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES",
-    "aggregate", "compute_advantages", "discounted_returns", "entropy_bonus",
+    "aggregate", "clipped_value_loss", "compute_advantages", "discounted_returns", "entropy_bonus",
     "informative_groups", "kl_loss", "kl_penalized_rewards", "overlong_penalty", "policy_loss",
 ]

@@ -19,9 +19,10 @@ _ALWAYS_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def ignorable(name: str, spec: ModelSpec) -> bool:
-    """Rotary caches, and DeepSeek-V3 multi-token-prediction layers (indices past the last layer)."""
-    if _ALWAYS_IGNORED.search(name):
+def ignorable(name: str, spec: ModelSpec, value_head: bool = False) -> bool:
+    """Rotary caches, DeepSeek-V3 multi-token-prediction layers (indices past the last layer), and
+    the LM head when a critic (value_head) starts from a policy checkpoint."""
+    if _ALWAYS_IGNORED.search(name) or (value_head and name == "lm_head.weight"):
         return True
     m = _LAYER_INDEX.match(name)
     return spec.arch == "deepseek_v3" and m is not None and int(m.group(1)) >= spec.config["num_layers"]
@@ -34,7 +35,8 @@ def expected_hf_shapes(tensors: list[LocalTensor], dims: SplitDims) -> dict[str,
     return shapes
 
 
-def check_checkpoint(ckpt: HFCheckpoint, expected: dict[str, tuple[int, ...]], spec: ModelSpec) -> None:
+def check_checkpoint(ckpt: HFCheckpoint, expected: dict[str, tuple[int, ...]], spec: ModelSpec,
+                     value_head: bool = False) -> None:
     """Missing, unexpected and mis-shaped tensors, each named, before any tensor is read."""
     present = set(ckpt.names())
     missing = sorted(set(expected) - present)
@@ -43,7 +45,7 @@ def check_checkpoint(ckpt: HFCheckpoint, expected: dict[str, tuple[int, ...]], s
             f"checkpoint {ckpt.directory} lacks {len(missing)} tensor(s) the {spec.arch} model needs, "
             f"first {missing[0]!r}: the weights do not match config.json (or a shard file is missing)."
         )
-    unexpected = sorted(n for n in present - set(expected) if not ignorable(n, spec))
+    unexpected = sorted(n for n in present - set(expected) if not ignorable(n, spec, value_head))
     if unexpected:
         raise CheckpointError(
             f"checkpoint {ckpt.directory} has {len(unexpected)} tensor(s) the {spec.arch} model does not "
@@ -73,7 +75,7 @@ def load_hf_weights(built: BuiltModel, coords: RankCoords, hf_dir: str) -> int:
     expected: dict[str, tuple[int, ...]] = {}
     for part in gathered:
         expected.update(part)
-    check_checkpoint(ckpt, expected, built.spec)
+    check_checkpoint(ckpt, expected, built.spec, built.value_head)
 
     read = 0
     with torch.no_grad():

@@ -10,6 +10,7 @@ import torch
 from mrl.bridge.mapping import Rule, Split, canonical_name, global_shape, lookup, table_for
 from mrl.megatron.model import BuiltModel
 from mrl.megatron.parallel import RankCoords
+from mrl.megatron.value_head import NOT_IN_HF
 
 # Buffers that carry weights (not statistics); every other buffer stays out of the bridge.
 WEIGHT_BUFFERS = re.compile(r"\.router\.expert_bias$")
@@ -46,6 +47,8 @@ def local_tensors(built: BuiltModel, coords: RankCoords) -> list[LocalTensor]:
             (n, b) for n, b in chunk.named_buffers() if WEIGHT_BUFFERS.search(n)
         ]
         for local_name, tensor in named:
+            if getattr(tensor, NOT_IN_HF, False):
+                continue  # a critic's value head
             name = _globalise(canonical_name(local_name), layer_numbers, coords.ep * experts_per_rank)
             rule, hf_names = lookup(table, name, built.spec.arch)
             split = rule.split

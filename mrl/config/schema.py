@@ -20,6 +20,7 @@ class TrainerConfig:
     total_steps: int = 100
     sft_steps: int = 0  # supervised warm-start steps before RL (0: none)
     sft_lr: float | None = None  # the warm start's learning rate (None: optim.lr); RL then starts its own schedule
+    sft_pack_tokens: int | None = None  # SFT packs several sequences into rows of this many tokens (None: one per row)
     ppo_epochs: int = 1  # optimizer passes over each rollout batch
     eval_every: int = 0  # held-out evaluation every N steps (0: only before and after)
 
@@ -30,7 +31,7 @@ class ModelConfig:
 
     path: str = ""
     tiny: str | None = None  # a tiny-zoo architecture: written to `path` at start when missing
-    critic_path: str | None = None  # PPO with GAE: the critic's initial weights
+    critic_path: str | None = None  # PPO with GAE: the critic's initial trunk (None: `path`)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
 
@@ -126,6 +127,15 @@ class OptimConfig:
 
 
 @dataclass
+class CriticConfig:
+    """PPO's critic (algo.advantage_estimator: gae): the actor's layout and batching, its own
+    learning rate (same schedule and optimizer settings as optim) and value clip."""
+
+    lr: float | None = None  # None: optim.lr
+    cliprange_value: float = 0.5  # how far one update may move a value from the one GAE used
+
+
+@dataclass
 class RewardConfig:
     """A built-in reward name, "reward_model", or a custom "module:function" / "file.py:function"."""
 
@@ -203,6 +213,7 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

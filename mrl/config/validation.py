@@ -20,6 +20,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.sft_steps", lambda v: v >= 0, ">= 0"),
     ("trainer.ppo_epochs", lambda v: v >= 1, ">= 1"),
     ("trainer.sft_lr", lambda v: v is None or v > 0, "> 0 (or null: optim.lr)"),
+    ("trainer.sft_pack_tokens", lambda v: v is None or v >= 2, ">= 2 (or null: no packing)"),
     ("trainer.eval_every", lambda v: v >= 0, ">= 0"),
     ("rollout.tensor_parallel_size", lambda v: v >= 1, ">= 1"),
     ("rollout.max_model_len", lambda v: v >= 2, ">= 2"),
@@ -51,6 +52,8 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("optim.warmup_steps", lambda v: v >= 0, ">= 0"),
     ("optim.micro_batch_size", lambda v: v >= 1, ">= 1"),
     ("optim.max_tokens_per_micro_batch", lambda v: v is None or v >= 1, ">= 1 (or null)"),
+    ("critic.lr", lambda v: v is None or v > 0, "> 0 (or null: optim.lr)"),
+    ("critic.cliprange_value", lambda v: v > 0, "> 0"),
     ("reward.timeout_s", lambda v: v > 0, "> 0"),
     ("reward.workers", lambda v: v >= 1, ">= 1"),
     ("data.batch_size", lambda v: v >= 1, ">= 1"),
@@ -104,6 +107,9 @@ def _check_ranges(cfg: RunConfig) -> list[str]:
             f"rollout.max_new_tokens {cfg.rollout.max_new_tokens} leaves no room for the prompt in "
             f"rollout.max_model_len {cfg.rollout.max_model_len}: raise max_model_len or lower max_new_tokens."
         )
+    if cfg.trainer.sft_pack_tokens and cfg.model.transformer_impl == "transformer_engine":
+        errors.append("trainer.sft_pack_tokens packs with a segment mask that Transformer Engine's causal attention "
+                      "ignores: set model.transformer_impl: local, or trainer.sft_pack_tokens: null.")
     if cfg.optim.min_lr > cfg.optim.lr:
         errors.append(f"optim.min_lr {cfg.optim.min_lr} exceeds optim.lr {cfg.optim.lr}: lower min_lr.")
     return errors
@@ -126,8 +132,6 @@ def _check_algo(cfg: RunConfig) -> list[str]:
             f"{algo.advantage_estimator} compares samples of one prompt: rollout.n_samples_per_prompt must be >= 2, "
             f"got {cfg.rollout.n_samples_per_prompt}."
         )
-    if algo.advantage_estimator == "gae" and not cfg.model.critic_path:
-        errors.append("algo.advantage_estimator 'gae' needs a critic: set model.critic_path.")
     if algo.overlong.enable and algo.overlong.buffer_length > cfg.rollout.max_new_tokens:
         errors.append(
             f"algo.overlong.buffer_length {algo.overlong.buffer_length} exceeds rollout.max_new_tokens "

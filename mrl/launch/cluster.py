@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -49,6 +49,16 @@ def optim_settings(cfg: RunConfig, sft: bool = False) -> dict[str, Any]:
                 decay_style=o.schedule)
 
 
+def critic_optim_settings(cfg: RunConfig) -> dict[str, Any]:
+    """The critic's OptimConfig fields: the RL phase's, at critic.lr."""
+    lr = cfg.critic.lr or cfg.optim.lr
+    return {**optim_settings(cfg), "lr": lr, "min_lr": min(cfg.optim.min_lr, lr)}
+
+
+def has_critic(cfg: RunConfig) -> bool:
+    return cfg.algo.advantage_estimator == "gae"
+
+
 def data_parallel_size(cfg: RunConfig) -> int:
     return actor_world_size(cfg) // (cfg.parallel.tp * cfg.parallel.pp)
 
@@ -64,7 +74,8 @@ def engine_options(cfg: RunConfig) -> dict[str, Any]:
 
 @dataclass
 class Cluster:
-    """The run's Ray processes: Megatron ranks (`actor`) and the vLLM engine (`engine`)."""
+    """The run's Ray processes: Megatron ranks (`actor`, and for PPO `critic` in the same layout)
+    and the vLLM engine (`engine`)."""
 
     cfg: RunConfig
     actor: WorkerGroup
@@ -73,6 +84,7 @@ class Cluster:
     owns_ray: bool
     syncs: int = 0
     probe: list = field(default_factory=list)
+    critic: WorkerGroup | None = None
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
         return ray.get(self.engine.generate.remote(prompt_ids, sampling), timeout=self.cfg.sync.timeout_s * 4)
@@ -105,11 +117,17 @@ class Cluster:
         self.syncs += 1
         return metrics
 
+    def trainers(self) -> list[WorkerGroup]:
+        """The worker groups that train and checkpoint: the actor, then the critic if any."""
+        return [self.actor] + ([self.critic] if self.critic is not None else [])
+
     def close(self) -> None:
         try:
-            self.actor.call("shutdown", timeout_s=120)
+            for group in self.trainers():
+                group.call("shutdown", timeout_s=120)
         finally:
-            self.actor.shutdown()
+            for group in self.trainers():
+                group.shutdown()
             if self.engine is not None:
                 ray.kill(self.engine)
             if self.owns_ray:
@@ -117,36 +135,48 @@ class Cluster:
 
 
 def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: bool = True) -> Cluster:
-    """Ray, the engine (started first: its weights come from `hf_dir` too) and the actor ranks."""
-    launch, world = cfg.launch, actor_world_size(cfg)
+    """Ray, the engine (started first: its weights come from `hf_dir` too), the actor ranks and,
+    for PPO, the critic ranks (a second group in the same layout, with a value head)."""
+    launch, world, critic = cfg.launch, actor_world_size(cfg), has_critic(cfg)
     owns_ray = not ray.is_initialized()
     if owns_ray and launch.address:
         ray.init(address=launch.address, log_to_driver=False)
     elif owns_ray:
         # A local instance: logical CPUs for every process we start, whatever the machine's count.
-        ray.init(num_cpus=max(launch.cpus_per_node, world + 2), num_gpus=launch.gpus_per_node or None,
+        ray.init(num_cpus=max(launch.cpus_per_node, world * (1 + critic) + 2), num_gpus=launch.gpus_per_node or None,
                  include_dashboard=False, log_to_driver=False)
-    gpu = launch.gpus_per_node > 0
     colocated = launch.placement == "colocated"
+    # Processes that share each GPU: actor and critic ranks, and the engine when colocated.
+    share = 0.0 if launch.gpus_per_node == 0 else 1 / (1 + critic + colocated)
+    engine_gpus = 0 if not share else (share if colocated else 1) * cfg.rollout.tensor_parallel_size
+    engine, groups = None, []
     try:
-        engine_gpus = 0 if not gpu else (0.5 if colocated else 1) * cfg.rollout.tensor_parallel_size
-        engine = None if not with_engine else start_rollout_actor(
-            hf_dir, engine_options(cfg), num_cpus=1, num_gpus=engine_gpus, sync_timeout_s=cfg.sync.timeout_s)
-        actor = WorkerGroup(world, cpus_per_worker=1, gpus_per_worker=(0.5 if colocated else 1) if gpu else 0,
-                            timeout_s=max(600.0, cfg.sync.timeout_s))
+        if with_engine:
+            engine = start_rollout_actor(hf_dir, engine_options(cfg), num_cpus=1, num_gpus=engine_gpus,
+                                         sync_timeout_s=cfg.sync.timeout_s)
         setup = ActorSetup(
             hf_dir=hf_dir, layout=layout_of(cfg), params_dtype=cfg.model.dtype,
             transformer_impl=cfg.model.transformer_impl, seed=cfg.trainer.seed, optim=optim_settings(cfg),
             reference=cfg.algo.kl_coef > 0, micro_batch_size=cfg.optim.micro_batch_size,
             max_tokens_per_micro_batch=cfg.optim.max_tokens_per_micro_batch,
         )
-        actor.call("setup", setup)
+        setups = [setup] + ([replace(setup, hf_dir=cfg.model.critic_path or hf_dir, optim=critic_optim_settings(cfg),
+                                     reference=False, value_head=True)] if critic else [])
+        for role_setup in setups:
+            groups.append(WorkerGroup(world, cpus_per_worker=1, gpus_per_worker=share,
+                                      timeout_s=max(600.0, cfg.sync.timeout_s)))
+            groups[-1].call("setup", role_setup)
     except BaseException:
+        for group in groups:
+            group.shutdown()
+        if engine is not None:
+            ray.kill(engine)
         if owns_ray:
             ray.shutdown()
         raise
     endpoint = None if engine is None else ray.get(engine.endpoint.remote())
-    return Cluster(cfg, actor, engine, endpoint, owns_ray, probe=probe_sequences(vocab_size))
+    return Cluster(cfg, groups[0], engine, endpoint, owns_ray, probe=probe_sequences(vocab_size),
+                   critic=groups[1] if critic else None)
 
 
 def generate_once(cfg: RunConfig, hf_dir: str, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list:

@@ -1,4 +1,5 @@
-"""One rank of the Megatron actor: what a trainer worker process holds and the work it is asked to do.
+"""One rank of the Megatron actor (or of a PPO critic): what a trainer worker process holds and the
+work it is asked to do.
 
 A plain class (no Ray): mrl/launch/worker_group.py runs one per process as a Ray actor, tests may
 run it under run_local. Every method except `address` is collective: the driver calls it on every
@@ -36,6 +37,7 @@ class ActorSetup:
     reference: bool = False  # keep a frozen copy of the initial weights for the KL term
     micro_batch_size: int = 1
     max_tokens_per_micro_batch: int | None = None
+    value_head: bool = False  # a PPO critic: the same transformer with a scalar value head
 
 
 def _slice_rows(batch: dict, dp_rank: int, dp_size: int) -> dict:
@@ -87,7 +89,8 @@ class MegatronActor:
         dtype = getattr(torch, args.params_dtype)
 
         def load() -> Any:
-            built = build_model(spec, args.layout, params_dtype=dtype, transformer_impl=args.transformer_impl)
+            built = build_model(spec, args.layout, params_dtype=dtype, transformer_impl=args.transformer_impl,
+                                value_head=args.value_head)
             load_hf_weights(built, self.coords, args.hf_dir)
             return built
 
@@ -133,6 +136,23 @@ class MegatronActor:
 
         metrics = update_actor(self.trainable, self._mine(batch), algo, self.setup_args.micro_batch_size,
                                self.setup_args.max_tokens_per_micro_batch)
+        return {"dp": self.coords.dp, **metrics} if self._reporter() else None
+
+    def values(self, batch: dict) -> dict | None:
+        """A critic's values [B/DP, L] of this rank's slice (the update's micro-batching)."""
+        from mrl.megatron.policy import compute_values
+
+        args = self.setup_args
+        out = compute_values(self.trainable, self._mine(batch), args.micro_batch_size, args.max_tokens_per_micro_batch)
+        return {"dp": self.coords.dp, **out} if out is not None and self._reporter() else None
+
+    def update_critic(self, batch: dict, cliprange: float, aggregation: str) -> dict | None:
+        """One optimizer step of a critic's clipped value loss on this rank's slice."""
+        from mrl.megatron.policy import update_critic
+
+        args = self.setup_args
+        metrics = update_critic(self.trainable, self._mine(batch), cliprange, aggregation, args.micro_batch_size,
+                                args.max_tokens_per_micro_batch)
         return {"dp": self.coords.dp, **metrics} if self._reporter() else None
 
     def sft_step(self, batch: dict) -> dict | None:

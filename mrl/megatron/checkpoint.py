@@ -192,7 +192,8 @@ def save_checkpoint(
         "data": data_state or {},
         "config": config or {},
     }
-    manifest = {"step": step, "arch": trainable.built.spec.arch, "layout": _layout_dict(trainable),
+    manifest = {"step": step, "arch": trainable.built.spec.arch, "value_head": trainable.built.value_head,
+                "layout": _layout_dict(trainable),
                 "params_dtype": str(trainable.built.chunks[0].config.params_dtype).removeprefix("torch."),
                 "world_size": torch.distributed.get_world_size(), "contents": CONTENTS}
     request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
@@ -261,6 +262,12 @@ def load_checkpoint(path: str | Path, trainable: Trainable, *, load_optimizer: b
         raise CheckpointMismatchError(
             f"checkpoint {directory} holds a {manifest.get('arch')!r} model but the model being loaded is {arch!r}: "
             "pass a checkpoint of this architecture or build the matching model"
+        )
+    if bool(manifest.get("value_head")) != trainable.built.value_head:
+        kinds = {True: "a PPO critic (value head)", False: "a policy (LM head)"}
+        raise CheckpointMismatchError(
+            f"checkpoint {directory} holds {kinds[bool(manifest.get('value_head'))]} but the model being loaded is "
+            f"{kinds[trainable.built.value_head]}: a critic's checkpoints are under the run's checkpoint.dir/critic"
         )
     contents = set(manifest.get("contents", []))
     model_sd = model_sharded_state_dict(trainable)

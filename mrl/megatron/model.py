@@ -33,6 +33,7 @@ class BuiltModel:
     layout: ParallelLayout
     padded_vocab_size: int
     use_te: bool
+    value_head: bool = False  # a critic: the output layer is mrl.megatron.value_head.ValueHead
 
 
 def transformer_engine_available() -> bool:
@@ -97,8 +98,13 @@ def build_model(
     params_dtype: torch.dtype = torch.float32,
     vocab_divisor: int = 128,
     transformer_impl: str = "auto",
+    value_head: bool = False,
 ) -> BuiltModel:
-    """Build this rank's chunks; Megatron's process groups must already exist (initialize_layout)."""
+    """Build this rank's chunks; Megatron's process groups must already exist (initialize_layout).
+
+    value_head=True builds a PPO critic: untied embeddings (Megatron would otherwise tie the first
+    stage's embedding to the last stage's output weight) and a ValueHead for the output layer.
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -117,9 +123,15 @@ def build_model(
                 max_sequence_length=spec.max_position_embeddings,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                share_embeddings_and_output_weights=spec.tie_word_embeddings,
+                share_embeddings_and_output_weights=spec.tie_word_embeddings and not value_head,
                 vp_stage=vp_stage,
                 **spec.rope,
             )
         )
-    return BuiltModel(chunks, spec, layout, vocab, use_te)
+    if value_head:
+        from mrl.megatron.value_head import ValueHead
+
+        for chunk in chunks:
+            if chunk.post_process:
+                chunk.output_layer = ValueHead(config.hidden_size, config.sequence_parallel, params_dtype)
+    return BuiltModel(chunks, spec, layout, vocab, use_te, value_head)

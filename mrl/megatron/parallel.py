@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -71,3 +72,16 @@ def destroy_layout() -> None:
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
+
+
+def from_last_stage(value: Any) -> Any:
+    """The last pipeline stage's `value` on every rank of this rank's pipeline group (a pickled
+    broadcast: for metrics and small results that exist only there). A no-op without PP."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                               group=ps.get_pipeline_model_parallel_group())
+    return box[0]

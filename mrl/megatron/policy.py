@@ -1,5 +1,6 @@
-"""The Megatron side of the RL actor update: vocab-parallel log-probs and entropy, micro-batching of
-rollout batches, the forward-only log-prob pass and the policy-gradient step.
+"""The Megatron side of the RL updates: vocab-parallel log-probs and entropy, micro-batching of
+rollout batches, the forward-only log-prob and value passes, the policy-gradient step and (PPO)
+the critic's value-regression step.
 
 Shape legend:
   B    sequences in the rollout batch (this data-parallel rank's share)
@@ -15,6 +16,9 @@ A rollout batch is a dict of CPU tensors:
   advantages    float [B, L]    (RL)
   old_logprobs  float [B, L]    (RL; from compute_logprobs)
   ref_logprobs  float [B, L]    (optional; the KL-in-the-loss term)
+  values        float [B, L]    (critic update; from compute_values)
+  returns       float [B, L]    (critic update; the GAE targets)
+  segments      float [B, L]    (packed SFT rows; the sequence of each input position, 0: padding)
 A micro-batch (see micro_batches) holds the same per-token keys at [b, s], plus "tokens" (the model
 input, tokens[:, :-1]), "labels", "loss_mask" (the same tensor as "response_mask", under the name
 training.lm_loss reads, so SFT and RL share one micro-batching), "index" (original rows, -1 for
@@ -30,15 +34,16 @@ own LM loss (SFT here) does not mask them; they are never exported, so that only
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from mrl.megatron.model import BuiltModel
-from mrl.megatron.training import LossFn, Trainable, lm_loss, train_step
+from mrl.megatron.parallel import from_last_stage
+from mrl.megatron.training import LossFn, Trainable, attention_mask, lm_loss, train_step
 
 # Per-token keys of a rollout batch, all [B, L]; "tokens" [B, L+1] is handled apart.
-PER_TOKEN_KEYS = ("response_mask", "advantages", "old_logprobs", "ref_logprobs")
+PER_TOKEN_KEYS = ("response_mask", "advantages", "old_logprobs", "ref_logprobs", "values", "returns", "segments")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,25 +252,61 @@ def compute_logprobs(
     bitwise the ones the first training forward computes, so the first step's ratio is exactly 1
     and ppo_kl exactly 0. Positions after the batch's last response label are 0.
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    built = built_or_trainable.built if isinstance(built_or_trainable, Trainable) else built_or_trainable
+    built = _built(built_or_trainable)
     if tp != built.layout.tp:
         raise ValueError(f"compute_logprobs got tp={tp} but the model is built for TP={built.layout.tp}")
     micro = micro_batches(batch, tp, micro_batch_size, max_tokens)
+
+    def score(logits: torch.Tensor, mb: dict) -> tuple:
+        logprobs = vocab_parallel_logprobs(logits, mb["labels"], built.spec.vocab_size)
+        return logprobs, vocab_parallel_entropy(logits, built.spec.vocab_size) if with_entropy else None
+
+    outputs = _forward_only(built, micro, score)
+    if outputs is None:
+        return None
+    count, length = batch["tokens"].shape[0], batch["tokens"].shape[1] - 1
+    result = {"logprobs": restore_order([o[0] for o in outputs], micro, count, length)}
+    if with_entropy:
+        result["entropy"] = restore_order([o[1] for o in outputs], micro, count, length)
+    return result
+
+
+def compute_values(
+    built_or_trainable: BuiltModel | Trainable, batch: dict, micro_batch_size: int, max_tokens: int | None = None
+) -> dict | None:
+    """{"values": [B, L]} of a critic (build_model(value_head=True)) on the last pipeline stage.
+
+    values[:, t] is the critic's estimate for the state tokens[:, :t+1], the one in which the label
+    tokens[:, t+1] is generated: aligned to response_mask, as GAE wants. Use the update's
+    micro-batching, so the first critic epoch starts from exactly these values (vf_clipfrac 0).
+    """
+    built = _built(built_or_trainable)
+    if not built.value_head:
+        raise ValueError("compute_values needs a critic: build the model with value_head=True")
+    micro = micro_batches(batch, built.layout.tp, micro_batch_size, max_tokens)
+    outputs = _forward_only(built, micro, lambda values, mb: values[..., 0].float())
+    if outputs is None:
+        return None
+    return {"values": restore_order(outputs, micro, batch["tokens"].shape[0], batch["tokens"].shape[1] - 1)}
+
+
+def _built(built_or_trainable: BuiltModel | Trainable) -> BuiltModel:
+    return built_or_trainable.built if isinstance(built_or_trainable, Trainable) else built_or_trainable
+
+
+def _forward_only(built: BuiltModel, micro: list[dict], score: Callable[[torch.Tensor, dict], Any]) -> list | None:
+    """score(model output, micro-batch) of every micro-batch through Megatron's pipeline schedule,
+    without gradients: the list on the last pipeline stage, None on the others."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     size, seq = micro[0]["tokens"].shape
     positions = torch.arange(seq).unsqueeze(0)
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        output = model(mb["tokens"], positions, None)
-
-        def score(logits, non_loss_data=True):
-            logprobs = vocab_parallel_logprobs(logits, mb["labels"], built.spec.vocab_size)
-            return logprobs, vocab_parallel_entropy(logits, built.spec.vocab_size) if with_entropy else None
-
-        return output, score
+        output = model(mb["tokens"], positions, attention_mask(mb, built.use_te))
+        return output, lambda out, non_loss_data=True: score(out, mb)
 
     chunks = built.chunks
     # Train mode, as in train_step. Measured on CPU (tiny qwen3 TP2, qwen3_moe EP2 and TP2): train
@@ -285,13 +326,7 @@ def compute_logprobs(
             num_microbatches=len(micro), seq_length=seq, micro_batch_size=size,
             forward_only=True, collect_non_loss_data=True,
         )
-    if not ps.is_pipeline_last_stage(ignore_virtual=True):
-        return None
-    count, length = batch["tokens"].shape[0], batch["tokens"].shape[1] - 1
-    result = {"logprobs": restore_order([o[0] for o in outputs], micro, count, length)}
-    if with_entropy:
-        result["entropy"] = restore_order([o[1] for o in outputs], micro, count, length)
-    return result
+    return outputs if ps.is_pipeline_last_stage(ignore_virtual=True) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,7 +367,8 @@ def policy_loss_fn(algo: Any, vocab_size: int | None = None) -> LossFn:
     `algo` is an ActorLoss, an AlgoConfig or a dict of the same fields. Metrics use verl's names:
     actor/pg_loss, actor/ppo_kl, actor/pg_clipfrac, actor/ratio_mean, actor/ratio_max,
     actor/entropy, actor/kl_loss (KL in the loss only), actor/pg_clipfrac_lower (dual clip only).
-    train_step reports each as the mean over micro-batches (ratio_max included).
+    train_step reports each as the mean over micro-batches (ratio_max included); pg_loss is
+    weighted like the loss itself, so it is the batch's loss whatever the micro-batching.
     """
     from mrl.algo import entropy_bonus, kl_loss, policy_loss
 
@@ -348,7 +384,7 @@ def policy_loss_fn(algo: Any, vocab_size: int | None = None) -> LossFn:
             aggregation=config.aggregation,
         )
         loss = pg_loss
-        metrics = {"actor/pg_loss": pg_loss.detach()}
+        metrics = {"actor/pg_loss": pg_loss.detach() * _loss_scale(micro, config.aggregation)}
         metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
         # Entropy is always reported; it is differentiated only when it is part of the loss.
         with torch.set_grad_enabled(torch.is_grad_enabled() and config.entropy_coef != 0):
@@ -366,13 +402,32 @@ def policy_loss_fn(algo: Any, vocab_size: int | None = None) -> LossFn:
     return loss_fn
 
 
+def value_loss_fn(cliprange: float, aggregation: str) -> LossFn:
+    """A train_step loss for a critic: mrl.algo.clipped_value_loss of the model's values [b, s, 1].
+    Metrics: critic/vf_loss, critic/vf_clipfrac, critic/vpred_mean."""
+    from mrl.algo import clipped_value_loss
+    from mrl.algo.masked import masked_mean
+
+    _loss_scale({"loss_scale_tokens": 1.0, "loss_scale_sequences": 1.0}, aggregation)  # fail early
+
+    def loss_fn(output: torch.Tensor, micro: dict) -> tuple[torch.Tensor, dict]:
+        values, mask = output[..., 0].float(), micro["response_mask"]
+        loss, metrics = clipped_value_loss(values, micro["values"], micro["returns"], mask, cliprange, aggregation)
+        return loss * _loss_scale(micro, aggregation), {
+            "critic/vf_loss": loss.detach() * _loss_scale(micro, aggregation), "critic/vf_clipfrac": metrics["vf_clipfrac"],
+            "critic/vpred_mean": masked_mean(values.detach(), mask)}
+
+    return loss_fn
+
+
 def sft_loss_fn() -> LossFn:
     """Masked next-token loss on response tokens: training.lm_loss over micro["loss_mask"] (the
     response mask), weighted like the RL loss so the mean is over the whole batch's tokens."""
 
     def loss_fn(logits: torch.Tensor, micro: dict) -> tuple[torch.Tensor, dict]:
         loss, _ = lm_loss(logits, micro)
-        return loss * micro["loss_scale_tokens"], {"sft/loss": loss.detach()}
+        scale = micro["loss_scale_tokens"]
+        return loss * scale, {"sft/loss": loss.detach() * scale}
 
     return loss_fn
 
@@ -400,6 +455,17 @@ def update_actor(
     return _update(trainable, batch, loss_fn, micro_batch_size, max_tokens, prefix="actor")
 
 
+def update_critic(trainable: Trainable, batch: dict, cliprange: float, aggregation: str, micro_batch_size: int,
+                  max_tokens: int | None = None) -> dict:
+    """One optimizer step of the clipped value loss over a batch with "values" (from compute_values,
+    same micro-batching) and "returns"; metrics (critic/*) on every rank."""
+    missing = [key for key in ("values", "returns") if key not in batch]
+    if missing:
+        raise ValueError(f"update_critic needs batch keys {missing}")
+    return _update(trainable, batch, value_loss_fn(cliprange, aggregation), micro_batch_size, max_tokens,
+                   prefix="critic")
+
+
 def update_sft(trainable: Trainable, batch: dict, micro_batch_size: int, max_tokens: int | None = None) -> dict:
     """One optimizer step of sft_loss_fn over a batch of tokens + response_mask; metrics on every rank."""
     return _update(trainable, batch, sft_loss_fn(), micro_batch_size, max_tokens, prefix="sft")
@@ -413,18 +479,4 @@ def _update(trainable: Trainable, batch: dict, loss_fn: LossFn, micro_batch_size
     metrics[f"{prefix}/grad_norm"] = result.grad_norm
     metrics[f"{prefix}/lr"] = result.lr
     metrics[f"{prefix}/skipped"] = float(result.skipped)
-    return _from_last_stage(metrics)
-
-
-def _from_last_stage(metrics: dict) -> dict:
-    """The last pipeline stage's metrics, broadcast over the pipeline group (loss metrics exist
-    only there), so that every rank — rank 0 included — returns the same dict."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return metrics
-    box = [metrics]
-    dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                               group=ps.get_pipeline_model_parallel_group())
-    return box[0]
+    return from_last_stage(metrics)  # loss metrics exist only on the last stage: every rank returns them

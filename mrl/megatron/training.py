@@ -157,6 +157,25 @@ def lm_micro_batches(tokens: torch.Tensor, tp: int, micro_batch_size: int = 1) -
     ]
 
 
+def attention_mask(micro_batch: dict, use_te: bool) -> torch.Tensor | None:
+    """None (plain causal attention), or for packed rows (micro_batch["segments"] [b, s], see
+    mrl.experience.packed_sft_batch) Megatron's boolean mask [b, 1, s, s], True = masked out:
+    causal within each segment. Positions are not restarted per segment: rotary embeddings only
+    see position differences, which are the same (up to float rounding of the angles).
+    """
+    segments = micro_batch.get("segments")
+    if segments is None:
+        return None
+    if use_te:
+        raise ValueError("packed sequences (trainer.sft_pack_tokens) need mrl's local attention: Transformer "
+                         "Engine's causal attention ignores the segment mask; set model.transformer_impl: local "
+                         "or trainer.sft_pack_tokens: null")
+    seq = segments.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    same = segments[:, :, None] == segments[:, None, :]
+    return ~(same & causal).unsqueeze(1)
+
+
 def train_step(trainable: Trainable, micro_batches: list[dict], loss_fn: LossFn = lm_loss) -> StepResult:
     """Forward/backward over `micro_batches` (dicts with "tokens" [mb, s]) and one optimizer step.
 
@@ -175,7 +194,7 @@ def train_step(trainable: Trainable, micro_batches: list[dict], loss_fn: LossFn 
 
     def forward_step(data_iterator, model):
         micro_batch = next(data_iterator)
-        output = model(micro_batch["tokens"], positions, None)
+        output = model(micro_batch["tokens"], positions, attention_mask(micro_batch, trainable.built.use_te))
 
         def loss_func(out):
             loss, metrics = loss_fn(out, micro_batch)

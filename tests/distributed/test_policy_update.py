@@ -17,6 +17,7 @@ import torch
 
 from mrl.layout import ParallelLayout
 from mrl.megatron.local_launch import run_local
+from mrl.megatron.parallel import from_last_stage
 
 TIMEOUT_S = 240
 
@@ -106,7 +107,7 @@ def _first_updates(rank: int, world_size: int, dirs: dict) -> dict:
         before = {n: p.detach().clone() for chunk in built.chunks for n, p in chunk.named_parameters()}
         scored = compute_logprobs(trainable, batch, layout.tp, size, with_entropy=True, max_tokens=budget)
         # The trainer would gather this from the last stage; here the batch is the same on all ranks.
-        logprobs = _from_last_stage(scored["logprobs"] if scored else None)
+        logprobs = from_last_stage(scored["logprobs"] if scored else None)
         metrics = update_actor(trainable, {**batch, "old_logprobs": logprobs}, algo, size, max_tokens=budget)
         after = {n: p.detach() for chunk in built.chunks for n, p in chunk.named_parameters()}
         unchanged = [n for n in before if torch.equal(before[n], after[n])]
@@ -118,17 +119,6 @@ def _first_updates(rank: int, world_size: int, dirs: dict) -> dict:
         }
         destroy_layout()
     return results
-
-
-def _from_last_stage(value: torch.Tensor | None) -> torch.Tensor:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    box = [value]
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                   group=ps.get_pipeline_model_parallel_group())
-    return box[0]
 
 
 def test_first_update_has_exact_unit_ratio(tiny_model_dir):

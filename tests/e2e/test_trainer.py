@@ -5,7 +5,9 @@ Three runs share one local Ray instance:
      response) that raises on some prompts and hangs on others: training goes on, those score 0; first step ppo_kl == 0 and ratio == 1
      exactly; the parity gate ran; checkpoints at steps 2 and 4.
   2. The same run resumed from its step-2 checkpoint reproduces steps 3 and 4 exactly.
-  3. SFT warm start, then GRPO, on a tiny MoE model with EP2, merged to HF and scored with vLLM.
+  3. SFT warm start (packed rows), then GRPO, on a tiny MoE model with EP2, merged to HF and scored
+     with vLLM.
+  4. PPO with a Megatron critic (GAE) on a tiny dense model in TP2.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from mrl.config import load_config
 
 ray = pytest.importorskip("ray")
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu_grpo.yaml"
+PPO_RECIPE = RECIPE.with_name("tiny_cpu_ppo.yaml")
 
 SMALL = [
     "trainer.total_steps=4", "trainer.sft_steps=0", "trainer.eval_every=0", "data.batch_size=4",
@@ -118,11 +121,54 @@ def test_sft_then_grpo_on_moe_with_expert_parallelism(tmp_path, ray_local):
     from mrl.trainer import train
 
     cfg = load_config(RECIPE, _overrides(tmp_path, tmp_path / "model", "model.tiny=qwen3_moe", "parallel.tp=1",
-                                         "parallel.ep=2", "trainer.sft_steps=3", "trainer.total_steps=2",
-                                         "checkpoint.export_hf=true"))
+                                         "parallel.ep=2", "trainer.sft_steps=3", "trainer.sft_pack_tokens=24",
+                                         "trainer.total_steps=2", "checkpoint.export_hf=true"))
     summary = train(cfg)
     assert summary["sft"]["steps"] == 3 and summary["sft"]["loss_last"] < summary["sft"]["loss_first"]
+    sft_log = [json.loads(line) for line in (tmp_path / "run" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert len(sft_log) == 3 and all(0 <= row["sft/padding_fraction"] < 1 for row in sft_log), sft_log
     assert _metrics(tmp_path / "run")[1]["actor/ppo_kl"] == 0.0
     # The merged HF model is the trained one: vLLM scores it as the engine scored the last weights.
     assert summary["accuracy_merged_hf"] == summary["accuracy_after"]
     assert (Path(summary["hf_model"]) / "model.safetensors.index.json").exists()
+
+
+LENGTH_REWARD = """
+def score(prompt, response, ground_truth, metadata):
+    return len(response) % 3 / 2.0  # varies with the response: GAE's returns are not all zero
+"""
+
+
+def test_ppo_with_a_megatron_critic(tmp_path, tiny_model_dir, ray_local):
+    from checkpoints_tools.merge import MergeError, merge
+    from mrl.trainer import train
+
+    reward = tmp_path / "length_reward.py"
+    reward.write_text(textwrap.dedent(LENGTH_REWARD))
+    ppo = ["model.tiny=null", "parallel.tp=2", "parallel.ep=1", "trainer.total_steps=3",
+           "rollout.n_samples_per_prompt=2", f"reward.name={reward}:score"]
+    train(load_config(PPO_RECIPE, _overrides(tmp_path, tiny_model_dir("qwen3"), *ppo)))
+    metrics = _metrics(tmp_path / "run")
+    assert sorted(metrics) == [1, 2, 3]
+    first = metrics[1]
+    assert first["actor/ppo_kl"] == 0.0 and first["actor/ratio_mean"] == 1.0
+    # The zero-initialised value head predicts 0 for the first batch, exactly as the values pass did.
+    assert first["critic/vpred_mean"] == 0.0 and first["critic/vf_clipfrac"] == 0.0
+    assert first["critic/grad_norm"] > 0 and first["timing_s/values"] > 0 and first["timing_s/update_critic"] > 0
+    assert metrics[3]["critic/vpred_mean"] != 0.0, "the critic did not learn"
+    # The critic is checkpointed beside the actor, at the same steps; a resume from step 2 restores
+    # both and reproduces step 3.
+    assert (tmp_path / "ckpt" / "critic" / "latest").read_text().strip() == "iter_0000003"
+    with pytest.raises(MergeError, match="is a PPO critic checkpoint"):  # no HF model to write: an error, not junk
+        merge(tmp_path / "ckpt" / "critic", tmp_path / "critic_hf")
+    assert not (tmp_path / "critic_hf").exists()
+    again = tmp_path / "again"
+    shutil.copytree(tmp_path / "ckpt", again / "ckpt")
+    for root in (again / "ckpt", again / "ckpt" / "critic"):
+        shutil.rmtree(root / "iter_0000003")
+        (root / "latest").write_text("iter_0000002\n")
+    train(load_config(PPO_RECIPE, _overrides(again, tiny_model_dir("qwen3"), *ppo)))
+    resumed = _metrics(again / "run")
+    assert sorted(resumed) == [3]
+    for key in ("critic/vf_loss", "critic/vpred_mean", "critic/grad_norm", "actor/pg_loss", "actor/ppo_kl"):
+        assert resumed[3][key] == metrics[3][key], key

@@ -9,7 +9,6 @@ silently does nothing cannot pass.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mrl.layout import ParallelLayout
 from mrl.megatron.local_launch import run_local

@@ -11,6 +11,7 @@ from mrl.algo import (
     KL_ESTIMATORS,
     POLICY_LOSSES,
     aggregate,
+    clipped_value_loss,
     compute_advantages,
     entropy_bonus,
     informative_groups,
@@ -108,6 +109,21 @@ def test_gae_by_hand_with_padding():
     valid = whitened[mask.bool()]
     close(valid.mean(), 0.0, atol=1e-6)
     assert whitened[1, 2] == 0
+
+
+def test_clipped_value_loss_by_hand():
+    old = t([[0.0, 1.0, 0.0]])
+    returns = t([[1.0, 0.0, 5.0]])
+    values = t([[0.8, 0.9, 7.0]], requires_grad=True)  # 7.0 sits on padding and must be ignored
+    mask = t([[1.0, 1.0, 0.0]])
+    loss, metrics = clipped_value_loss(values, old, returns, mask, cliprange=0.5)
+    # token 0: V moved 0.8 from 0 → clipped to 0.5; errors (0.8-1)²=0.04, (0.5-1)²=0.25 → 0.5·0.25, clipped
+    # token 1: V moved -0.1, inside the clip; error (0.9-0)²=0.81 both ways → 0.5·0.81, not clipped
+    close(loss, (0.125 + 0.405) / 2)
+    close(metrics["vf_clipfrac"], 0.5)
+    loss.backward()
+    # d/dV: token 0 takes the clipped branch (no gradient through the clamp), token 1 0.5·2·0.9 / 2.
+    close(values.grad, [[0.0, 0.45, 0.0]])
 
 
 def test_kl_estimators_by_hand_and_clamped():

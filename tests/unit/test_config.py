@@ -32,6 +32,18 @@ def test_tiny_recipe_inherits_the_base():
     assert cfg.model.tiny == "deepseek_v3" and cfg.launch.gpus_per_node == 0
 
 
+def test_ppo_recipe_adds_a_critic_to_the_tiny_recipe():
+    cfg = load_config(CONFIGS / "tiny_cpu_ppo.yaml")
+    assert cfg.algo.advantage_estimator == "gae" and cfg.critic.lr == 1e-3 and cfg.critic.cliprange_value == 0.5
+    assert (cfg.parallel.tp, cfg.parallel.ep) == (2, 2) and cfg.model.tiny == "deepseek_v3"  # inherited
+
+
+def test_packing_refuses_transformer_engine():
+    errors = errors_of(TINY, "trainer.sft_pack_tokens=64", "model.transformer_impl=transformer_engine")
+    assert "trainer.sft_pack_tokens packs with a segment mask that Transformer Engine's causal attention ignores: " \
+           "set model.transformer_impl: local, or trainer.sft_pack_tokens: null." in errors
+
+
 def test_base_alone_names_what_a_recipe_must_add():
     assert errors_of(CONFIGS / "base.yaml") == [
         "no prompts: set data.path to a .jsonl/.parquet file or data.synthetic: true.",
@@ -40,8 +52,8 @@ def test_base_alone_names_what_a_recipe_must_add():
 
 
 def test_inheritance_chain_deep_merges_and_replaces_lists(tmp_path):
-    recipe = write(tmp_path / "mine.yaml", f"base: {TINY}\nalgo:\n  overlong:\n    enable: true\n    buffer_length: 4\n"
-                   "data:\n  arithmetic:\n    ops: ['-', '*']\n")
+    write(tmp_path / "mine.yaml", f"base: {TINY}\nalgo:\n  overlong:\n    enable: true\n    buffer_length: 4\n"
+              "data:\n  arithmetic:\n    ops: ['-', '*']\n")
     child = write(tmp_path / "child.yaml", "base: mine.yaml\ntrainer:\n  total_steps: 3\n")
     cfg = load_config(child)
     assert cfg.trainer.total_steps == 3  # from the child
@@ -113,7 +125,8 @@ def test_bad_types(tmp_path):
         ("rollout.max_new_tokens=64", "rollout.max_new_tokens 64 leaves no room for the prompt in rollout.max_model_len 64"),
         ("algo.advantage_estimator=grpoo", "algo.advantage_estimator: unknown advantage estimator 'grpoo' - did you mean 'grpo'?"),
         ("algo.aggregation=token_mean", "algo.aggregation: unknown loss aggregation 'token_mean' - did you mean 'token-mean'?"),
-        ("algo.advantage_estimator=gae", "algo.advantage_estimator 'gae' needs a critic: set model.critic_path."),
+        ("critic.cliprange_value=0", "critic.cliprange_value must be > 0, got 0."),
+        ("trainer.sft_pack_tokens=1", "trainer.sft_pack_tokens must be >= 2 (or null: no packing), got 1."),
         ("rollout.n_samples_per_prompt=1", "grpo compares samples of one prompt: rollout.n_samples_per_prompt must be >= 2"),
         ("reward.name=exact_answr", "reward.name: unknown reward function 'exact_answr' - did you mean 'exact_answer'?"),
         ("reward.name=reward_model", "reward.name 'reward_model' needs reward.model_path"),

@@ -1,5 +1,6 @@
 """Generations → the actor's batch: every per-token tensor lines up with labels = tokens[:, 1:]."""
 
+import pytest
 import torch
 
 from mrl.experience import rollout_batch, select_rows, sft_batch
@@ -30,3 +31,19 @@ def test_sft_batch_trains_on_the_target_only():
     batch = sft_batch([[1, 2, 3], [4]], [[7, 2], [8, 9, 2]])
     labels, mask = batch["tokens"][:, 1:], batch["response_mask"].bool()
     assert [labels[i][mask[i]].tolist() for i in range(2)] == [[7, 2], [8, 9, 2]]
+
+
+def test_packed_sft_batch_keeps_sequences_apart():
+    from mrl.experience import packed_sft_batch
+
+    prompts, targets = [[1, 2, 3], [4], [5, 6]], [[7, 2], [8, 9, 2], [10]]  # lengths 5, 4, 3
+    batch = packed_sft_batch(prompts, targets, row_tokens=8, rows_multiple=2)
+    # First fit by decreasing length: [5 tokens + 3 tokens], [4 tokens]; no 3rd row (2 is a multiple of 2).
+    assert batch["tokens"].tolist() == [[1, 2, 3, 7, 2, 5, 6, 10], [4, 8, 9, 2, 0, 0, 0, 0]]
+    assert batch["segments"].tolist() == [[1, 1, 1, 1, 1, 2, 2], [1, 1, 1, 1, 0, 0, 0]]
+    labels, mask = batch["tokens"][:, 1:], batch["response_mask"].bool()
+    # Only target tokens are labels; the label from one sequence's end into the next (2 → 5) is not.
+    assert [labels[i][mask[i]].tolist() for i in range(2)] == [[7, 2, 10], [8, 9, 2]]
+    assert packed_sft_batch(prompts, targets, row_tokens=8, rows_multiple=4)["tokens"].shape == (4, 8)
+    with pytest.raises(ValueError, match="raise trainer.sft_pack_tokens to at least 5"):
+        packed_sft_batch(prompts, targets, row_tokens=4)
