@@ -25,12 +25,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20)
 
 
-def best_tokens_per_s(fn, repeats: int) -> float:
-    best = 0.0
+def best_tokens_per_s(fns: dict, repeats: int) -> dict[str, float]:
+    """Best tokens/s of each function over `repeats` rounds; the functions take turns within a
+    round, so load on the shared machine affects them alike."""
+    best = dict.fromkeys(fns, 0.0)
     for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = fn()
-        best = max(best, tokens / (time.perf_counter() - start))
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            tokens = fn()
+            best[name] = max(best[name], tokens / (time.perf_counter() - start))
     return best
 
 
@@ -64,9 +67,8 @@ def main() -> None:
 
     direct(), through_mrl()  # warm-up
     result = {"prompts": args.prompts, "tokens_per_prompt": args.tokens}
-    # Interleave so that load on the shared machine affects both alike.
-    result["direct_tok_s"] = best_tokens_per_s(direct, args.repeats)
-    result["mrl_tok_s"] = best_tokens_per_s(through_mrl, args.repeats)
+    best = best_tokens_per_s({"direct": direct, "mrl": through_mrl}, args.repeats)
+    result["direct_tok_s"], result["mrl_tok_s"] = best["direct"], best["mrl"]
     result["mrl_overhead"] = 1 - result["mrl_tok_s"] / result["direct_tok_s"]
     if not args.no_ray:
         import ray
@@ -81,7 +83,7 @@ def main() -> None:
             return sum(len(g.token_ids) for per_prompt in outs for g in per_prompt)
 
         through_ray()
-        result["ray_tok_s"] = best_tokens_per_s(through_ray, args.repeats)
+        result["ray_tok_s"] = best_tokens_per_s({"ray": through_ray}, args.repeats)["ray"]
         result["ray_overhead"] = 1 - result["ray_tok_s"] / result["direct_tok_s"]
         ray.shutdown()
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))
