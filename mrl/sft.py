@@ -56,19 +56,43 @@ def sft_only(cfg: RunConfig) -> dict:
     """`mrl sft`: SFT on the actor's workers (no rollout engine), then a checkpoint in
     CHECKPOINT_DIR/sft that `mrl train ... checkpoint.resume=CHECKPOINT_DIR/sft trainer.sft_steps=0`
     starts RL from."""
-    from mrl.config import config_to_dict
     from mrl.data import load_splits
     from mrl.inputs import prepare_model, tokenize_samples
     from mrl.launch.cluster import start_cluster
 
+    refuse_to_overwrite_sft(cfg)
     hf_dir, tokenizer = prepare_model(cfg.model, cfg.trainer.seed)
     train_set = tokenize_samples(load_splits(cfg.data, cfg.trainer.seed, tokenizer)[0], tokenizer)
     cluster = start_cluster(cfg, hf_dir, len(tokenizer), with_engine=False)
     try:
         summary = run_sft(cfg, cluster, train_set, tokenizer)
-        root = str(Path(cfg.checkpoint.dir) / "sft")
-        cluster.actor.call("save", root, cfg.trainer.sft_steps, {"rl_step": 0}, config_to_dict(cfg), 1, False)
-        summary["checkpoint"] = root
+        summary["checkpoint"] = save_sft_checkpoint(cfg, cluster)
     finally:
         cluster.close()
     return summary
+
+
+def sft_checkpoint_root(cfg: RunConfig) -> Path:
+    return Path(cfg.checkpoint.dir) / "sft"
+
+
+def refuse_to_overwrite_sft(cfg: RunConfig) -> None:
+    """An SFT that would save where an earlier SFT checkpoint lies stops before the work, not after."""
+    from mrl.checkpoint_dir import list_iterations
+
+    root = sft_checkpoint_root(cfg)
+    if list_iterations(root):
+        raise FileExistsError(
+            f"{root} already holds an SFT checkpoint: start RL from it (checkpoint.resume={root} "
+            "trainer.sft_steps=0), or choose another checkpoint.dir, or remove it"
+        )
+
+
+def save_sft_checkpoint(cfg: RunConfig, cluster: Cluster) -> str:
+    """The SFT result as a checkpoint (RL step 0) under checkpoint.dir/sft: the policy RL starts
+    from, which its reference copy and critic load, also after a resume."""
+    from mrl.config import config_to_dict
+
+    root = sft_checkpoint_root(cfg)
+    cluster.actor.call("save", str(root), cfg.trainer.sft_steps, {"rl_step": 0}, config_to_dict(cfg), 1, False)
+    return str(root)

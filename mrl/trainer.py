@@ -16,11 +16,11 @@ from mrl.config import RunConfig, config_to_dict
 from mrl.data import EpochSampler, load_splits
 from mrl.experience import actor_inputs, critic_inputs, rollout_batch, select_rows
 from mrl.inputs import prepare_model, tokenize_samples
-from mrl.launch.cluster import Cluster, data_parallel_size, generate_once, start_cluster
+from mrl.launch.cluster import Cluster, data_parallel_size, generate_once, optim_settings, start_cluster
 from mrl.metrics import MetricsLogger, plot_metrics, timer
 from mrl.rewards import RewardInput, build_reward
 from mrl.rollout.engine import SamplingSettings
-from mrl.sft import run_sft
+from mrl.sft import refuse_to_overwrite_sft, run_sft, save_sft_checkpoint
 
 
 def train(cfg: RunConfig) -> dict:
@@ -35,11 +35,14 @@ def train(cfg: RunConfig) -> dict:
     cluster = start_cluster(cfg, hf_dir, len(tokenizer))
     logger = None
     try:
-        start = resume(cfg, cluster, sampler)
+        start, rl_start = resume(cfg, cluster, sampler)
         summary = {"resumed_from": start, "output_dir": str(out)}
-        if start == 0 and cfg.trainer.sft_steps:
+        if start == 0 and rl_start is None and cfg.trainer.sft_steps:
             summary["accuracy_initial"] = evaluate(cluster, heldout, reward, cfg)  # the engine holds the HF weights
             summary["sft"] = run_sft(cfg, cluster, train_set, tokenizer)
+            rl_start = save_sft_checkpoint(cfg, cluster)
+        if rl_start is not None:
+            start_from_policy(cfg, cluster, rl_start, fresh=start == 0)
         logger = MetricsLogger(out, cfg.trainer.total_steps, jsonl=cfg.logging.jsonl,
                                tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                                wandb_project=cfg.logging.wandb_project, run_name=cfg.trainer.name,
@@ -57,9 +60,9 @@ def train(cfg: RunConfig) -> dict:
                 metrics["eval/accuracy"] = summary["accuracy_after"] = evaluate(cluster, heldout, reward, cfg)
             logger.log(step, metrics)
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
-                save(cfg, cluster, step, sampler)
+                save(cfg, cluster, step, sampler, rl_start)
         if cfg.checkpoint.save_every and cfg.trainer.total_steps % cfg.checkpoint.save_every:
-            save(cfg, cluster, cfg.trainer.total_steps, sampler)
+            save(cfg, cluster, cfg.trainer.total_steps, sampler, rl_start)
         for group in cluster.trainers():
             group.call("finish_save")
         if cfg.checkpoint.export_hf and cfg.checkpoint.save_every:
@@ -230,12 +233,13 @@ def export_and_evaluate(cfg: RunConfig, heldout: list[dict], reward, out: Path) 
     return {"hf_model": str(out), "accuracy_merged_hf": float((score(reward, heldout, groups) >= 1.0).float().mean())}
 
 
-def save(cfg: RunConfig, cluster: Cluster, step: int, sampler: EpochSampler) -> None:
-    """The actor under checkpoint.dir, the critic (PPO) under checkpoint.dir/critic."""
+def save(cfg: RunConfig, cluster: Cluster, step: int, sampler: EpochSampler, rl_start: str | None) -> None:
+    """The actor under checkpoint.dir, the critic (PPO) under checkpoint.dir/critic; each records
+    the policy checkpoint RL started from (None: the HF model), for the reference on resume."""
     c = cfg.checkpoint
+    data = {"sampler": sampler.state_dict(), "rl_step": step, "rl_start": rl_start}
     for group, root in zip(cluster.trainers(), (c.dir, critic_checkpoint(c.dir))):
-        group.call("save", str(root), step, {"sampler": sampler.state_dict(), "rl_step": step},
-                   config_to_dict(cfg), c.keep_last, c.async_save)
+        group.call("save", str(root), step, data, config_to_dict(cfg), c.keep_last, c.async_save)
 
 
 def critic_checkpoint(actor_path: str) -> Path:
@@ -246,28 +250,46 @@ def critic_checkpoint(actor_path: str) -> Path:
 
 
 def refuse_to_overwrite(cfg: RunConfig) -> None:
-    """A fresh run (resume: never) must not meet an earlier run's checkpoints: it would fail at its
-    first save, after the work, or mix two runs in one `latest`."""
-    from mrl.checkpoint_dir import list_iterations
+    """A fresh run (resume: never) must not meet an earlier run's checkpoints, nor a fresh run's SFT
+    an earlier SFT checkpoint: it would fail at its save, after the work, or mix two runs in one `latest`."""
+    from mrl.checkpoint_dir import list_iterations, read_latest
 
-    if cfg.checkpoint.resume == "never" and list_iterations(cfg.checkpoint.dir):
+    mode = cfg.checkpoint.resume
+    if mode == "never" and list_iterations(cfg.checkpoint.dir):
         raise FileExistsError(
             f"checkpoint.dir {cfg.checkpoint.dir} already holds checkpoints and checkpoint.resume is 'never': "
             "resume them (checkpoint.resume=auto), or choose another checkpoint.dir, or remove it"
         )
+    fresh = mode == "never" or (mode == "auto" and read_latest(cfg.checkpoint.dir) is None)
+    if fresh and cfg.trainer.sft_steps:
+        refuse_to_overwrite_sft(cfg)
 
 
-def resume(cfg: RunConfig, cluster: Cluster, sampler: EpochSampler) -> int:
-    """Load the checkpoint `checkpoint.resume` points at; return the RL step it ended (0: fresh)."""
+def resume(cfg: RunConfig, cluster: Cluster, sampler: EpochSampler) -> tuple[int, str | None]:
+    """Load the checkpoint `checkpoint.resume` points at. Returns the RL step it ended (0: fresh) and
+    the policy checkpoint RL started from (None: the HF model). An SFT checkpoint (RL step 0, from
+    `mrl sft`) is where RL starts: the RL learning-rate schedule begins, Adam's moments stay."""
     from mrl.checkpoint_dir import read_latest
 
     mode = cfg.checkpoint.resume
     if mode == "never" or (mode == "auto" and read_latest(cfg.checkpoint.dir) is None):
-        return 0
+        return 0, None
     path = cfg.checkpoint.dir if mode == "auto" else mode
-    state = cluster.actor.call("load", path)[0]
+    data = cluster.actor.call("load", path)[0]["data"]
+    if data["rl_step"] == 0:
+        cluster.actor.call("restart_lr_schedule", optim_settings(cfg))
+        print(f"RL starts from the SFT checkpoint {path}", flush=True)
+        return 0, path
     if cluster.critic is not None:
         cluster.critic.call("load", str(critic_checkpoint(path)))
-    sampler.load_state_dict(state["data"]["sampler"])
-    print(f"resumed from {path} at RL step {state['data']['rl_step']}", flush=True)
-    return int(state["data"]["rl_step"])
+    sampler.load_state_dict(data["sampler"])
+    print(f"resumed from {path} at RL step {data['rl_step']}", flush=True)
+    return int(data["rl_step"]), data.get("rl_start")
+
+
+def start_from_policy(cfg: RunConfig, cluster: Cluster, path: str, fresh: bool) -> None:
+    """RL starts from the policy checkpoint at `path` (an SFT result), not the HF model: the KL
+    reference is that policy, and so is a fresh critic's transformer unless model.critic_path names one."""
+    cluster.actor.call("load_policy", path, True)
+    if fresh and cluster.critic is not None and not cfg.model.critic_path:
+        cluster.critic.call("load_policy", path)

@@ -19,6 +19,16 @@ from mrl.megatron.actor import MegatronActor
 _WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore::FutureWarning"}
 
 
+def local_ranks(hosts: list[str]) -> list[int]:
+    """LOCAL_RANK of each global rank: its index among the ranks on the same node."""
+    seen: dict[str, int] = {}
+    ranks = []
+    for host in hosts:
+        ranks.append(seen.get(host, 0))
+        seen[host] = ranks[-1] + 1
+    return ranks
+
+
 class WorkerGroupError(RuntimeError):
     """A rank failed or did not answer in time; the message names the rank and the method."""
 
@@ -48,7 +58,9 @@ class WorkerGroup:
             for rank in range(world_size)
         ]
         master = self._get([self.workers[0].address.remote()], "address")[0]
-        self.call("init_process_group", master)
+        joins = [worker.init_process_group.remote(master, local_rank)
+                 for worker, local_rank in zip(self.workers, local_ranks(self.call("hostname")), strict=True)]
+        self._get(joins, "init_process_group")
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
         """Run `method(*args)` on every rank at once; return the results by rank."""

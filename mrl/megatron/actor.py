@@ -16,6 +16,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +57,9 @@ class MegatronActor:
         self.rank, self.world_size = rank, world_size
         self.trainable = self.reference = self.coords = self.setup_args = self.sender = self.saver = None
 
+    def hostname(self) -> str:
+        return socket.gethostname()
+
     def address(self) -> tuple[str, int]:
         """Host and a free port for the default group's rendezvous (asked of rank 0)."""
         host = socket.gethostbyname(socket.gethostname())
@@ -63,9 +67,9 @@ class MegatronActor:
             sock.bind(("", 0))
             return host, sock.getsockname()[1]
 
-    def init_process_group(self, master: tuple[str, int], timeout_s: float = 300.0) -> None:
+    def init_process_group(self, master: tuple[str, int], local_rank: int = 0, timeout_s: float = 300.0) -> None:
         """torchrun's job done by hand: the env variables, then the default group (gloo on CPU)."""
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.rank),
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank),
                           MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
@@ -192,7 +196,8 @@ class MegatronActor:
         next save or at `finish_save`)."""
         from mrl.megatron.checkpoint import SavePolicy
 
-        if self.saver is None:
+        if self.saver is None or self.saver.root != Path(root):  # the SFT checkpoint has a root of its own
+            self.finish_save()
             self.saver = SavePolicy(root, interval=1, keep=keep, async_save=async_save)
         self.saver.maybe_save(self.trainable, step, data_state=data_state, config=config,
                               hf_dir=self.setup_args.hf_dir)
@@ -206,6 +211,18 @@ class MegatronActor:
 
         state = load_checkpoint(path, self.trainable)
         return {"step": state["step"], "data": state["data"]}
+
+    def load_policy(self, path: str, into_reference: bool = False) -> None:
+        """A policy checkpoint's weights (the one RL starts from): into the frozen reference copy, or
+        into this model's transformer (a critic: its value head stays), optimizer state kept."""
+        from mrl.megatron.checkpoint import load_policy_weights
+
+        if into_reference:
+            if self.reference is not None:
+                load_policy_weights(path, self.reference)
+            return
+        load_policy_weights(path, self.trainable.built)
+        self.trainable.optimizer.reload_model_params()  # master copies (bf16 training) follow the weights
 
     def shutdown(self) -> None:
         self.finish_save()

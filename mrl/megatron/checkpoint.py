@@ -19,13 +19,16 @@ import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from mrl import checkpoint_dir as cd
 from mrl.megatron.training import Trainable
+
+if TYPE_CHECKING:
+    from mrl.megatron.model import BuiltModel
 
 # Optimizer checkpoint format, for save and load alike: "fully_reshardable" keys every Adam state by
 # its parameter's global key (the distributed optimizer gathers over DP to write it), so optimizer
@@ -247,6 +250,49 @@ class SavePolicy:
         torch.distributed.barrier()
 
 
+def _checked_manifest(directory: Path, built: BuiltModel, *, value_head: bool) -> dict:
+    """The checkpoint's manifest, after checking it holds this architecture, and a critic
+    (value_head) or a policy as asked."""
+    manifest = cd.read_manifest(directory)
+    if manifest.get("arch") != built.spec.arch:
+        raise CheckpointMismatchError(
+            f"checkpoint {directory} holds a {manifest.get('arch')!r} model but the model being loaded is "
+            f"{built.spec.arch!r}: pass a checkpoint of this architecture or build the matching model"
+        )
+    if bool(manifest.get("value_head")) != value_head:
+        kinds = {True: "a PPO critic (value head)", False: "a policy (LM head)"}
+        raise CheckpointMismatchError(
+            f"checkpoint {directory} holds {kinds[bool(manifest.get('value_head'))]} but {kinds[value_head]} is "
+            "needed here: a critic's checkpoints are under the run's checkpoint.dir/critic"
+        )
+    return manifest
+
+
+def load_policy_weights(path: str | Path, built: BuiltModel) -> Path:
+    """The weights alone of a policy checkpoint, into `built` (collective): the frozen reference,
+    or a critic's transformer, whose value head (its output_layer) keeps its initialisation.
+    Optimizer and scheduler are untouched. Returns the iteration directory read."""
+    from megatron.core import dist_checkpointing
+
+    directory = cd.resolve(path)
+    _checked_manifest(directory, built, value_head=False)
+
+    def value_head_key(key: str) -> bool:  # the critic's own parameters: not in a policy checkpoint
+        return built.value_head and key.startswith("output_layer.")
+
+    requests = [{key: value for key, value in chunk.sharded_state_dict().items() if not value_head_key(key)}
+                for chunk in built.chunks]
+    nested = requests[0] if len(requests) == 1 else {f"chunk{i}": r for i, r in enumerate(requests)}
+    loaded = dist_checkpointing.load({"model": nested}, str(directory))["model"]
+    for index, chunk in enumerate(built.chunks):
+        state = loaded if len(built.chunks) == 1 else loaded[f"chunk{index}"]
+        missing, unexpected = chunk.load_state_dict(state, strict=False)
+        wrong = [key for key in missing if not value_head_key(key)] + list(unexpected)
+        if wrong:
+            raise CheckpointMismatchError(f"checkpoint {directory} does not fill these parameters: {wrong[:5]}")
+    return directory
+
+
 def load_checkpoint(path: str | Path, trainable: Trainable, *, load_optimizer: bool = True) -> dict:
     """Restore model, optimizer, scheduler and (same world size) RNG from a checkpoint (collective).
 
@@ -256,19 +302,7 @@ def load_checkpoint(path: str | Path, trainable: Trainable, *, load_optimizer: b
     from megatron.core import dist_checkpointing
 
     directory = cd.resolve(path)
-    manifest = cd.read_manifest(directory)
-    arch = trainable.built.spec.arch
-    if manifest.get("arch") != arch:
-        raise CheckpointMismatchError(
-            f"checkpoint {directory} holds a {manifest.get('arch')!r} model but the model being loaded is {arch!r}: "
-            "pass a checkpoint of this architecture or build the matching model"
-        )
-    if bool(manifest.get("value_head")) != trainable.built.value_head:
-        kinds = {True: "a PPO critic (value head)", False: "a policy (LM head)"}
-        raise CheckpointMismatchError(
-            f"checkpoint {directory} holds {kinds[bool(manifest.get('value_head'))]} but the model being loaded is "
-            f"{kinds[trainable.built.value_head]}: a critic's checkpoints are under the run's checkpoint.dir/critic"
-        )
+    manifest = _checked_manifest(directory, trainable.built, value_head=trainable.built.value_head)
     contents = set(manifest.get("contents", []))
     model_sd = model_sharded_state_dict(trainable)
     request: dict = {"model": model_sd}

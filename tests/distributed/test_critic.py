@@ -80,3 +80,83 @@ def test_critic_learns_the_same_in_tp2_and_pp2(tiny_model_dir):
             torch.testing.assert_close(a["values"], b["values"], atol=1e-5, rtol=1e-4)
             for key in ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"):
                 assert a["metrics"][key] == pytest.approx(b["metrics"][key], rel=1e-4, abs=1e-6), (arch, step, key)
+
+
+def _named_params(built):
+    """(chunk:name, parameter) of every chunk, without DDP's `module.` prefix."""
+    for i, chunk in enumerate(built.chunks):
+        for name, param in chunk.named_parameters():
+            yield f"{i}:{name.removeprefix('module.')}", param
+
+
+def _params(built) -> dict:
+    return {name: param.detach().clone() for name, param in _named_params(built)}
+
+
+def _start_from_policy(rank: int, world_size: int, hf_dir: str, root: str, layout: ParallelLayout) -> dict:
+    """A policy moved away from the HF weights is saved; a reference and a critic built from the
+    HF weights then load it (load_policy_weights). What each holds is returned for comparison."""
+    from mrl.bridge.hf_import import load_hf_weights
+    from mrl.megatron.checkpoint import CheckpointMismatchError, load_policy_weights, save_checkpoint
+    from mrl.megatron.model import build_model
+    from mrl.megatron.parallel import destroy_layout, initialize_layout
+    from mrl.megatron.policy import compute_values, update_critic
+    from mrl.megatron.training import OptimConfig, make_trainable
+    from mrl.models.registry import model_spec_from_hf
+
+    coords = initialize_layout(layout)
+    spec = model_spec_from_hf(hf_dir)
+
+    def loaded(**kwargs):
+        built = build_model(spec, layout, **kwargs)
+        load_hf_weights(built, coords, hf_dir)
+        return built
+
+    policy = make_trainable(loaded(), OptimConfig(lr=1e-3))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # as an SFT would: every weight moves away from the HF one
+        for _, param in sorted(_named_params(policy.built), key=lambda item: item[0]):
+            param.add_(0.01 * torch.randn(param.shape, generator=generator))
+    save_checkpoint(root, policy, step=5, data_state={"rl_step": 0})
+    reference = loaded()
+    hf_reference = _params(reference)
+    load_policy_weights(root, reference)
+    critic = make_trainable(loaded(value_head=True), OptimConfig(lr=1e-2))
+    load_policy_weights(root, critic.built)
+    critic.optimizer.reload_model_params()
+    critic_params = _params(critic.built)
+    batch = _batch(spec.vocab_size)
+    values = from_last_stage(compute_values(critic, batch, micro_batch_size=2))
+    metrics = update_critic(critic, {**batch, **values}, cliprange=0.5, aggregation="token-mean", micro_batch_size=2)
+    try:
+        load_policy_weights(str(root) + "-missing", reference)
+        refused = None
+    except (CheckpointMismatchError, FileNotFoundError, ValueError) as err:
+        refused = str(err)
+    destroy_layout()
+    return {"policy": _params(policy.built), "hf": hf_reference, "reference": _params(reference),
+            "critic": critic_params, "values": values, "metrics": metrics, "refused": refused}
+
+
+@pytest.mark.parametrize("layout", ["TP2", "PP2"])
+def test_reference_and_critic_start_from_a_policy_checkpoint(tiny_model_dir, tmp_path, layout):
+    """After an SFT the RL reference and a fresh critic must hold the SFT'd policy, not the HF weights."""
+    hf_dir = str(tiny_model_dir("qwen3"))  # untied: the policy checkpoint has an lm_head the critic skips
+    for rank in run_local(_start_from_policy, 2, hf_dir, str(tmp_path / "ckpt"), LAYOUTS[layout], timeout_s=TIMEOUT_S):
+        policy, reference, critic = rank["policy"], rank["reference"], rank["critic"]
+        assert reference.keys() == policy.keys()
+        for name, tensor in policy.items():
+            assert torch.equal(reference[name], tensor), name
+            assert not torch.equal(rank["hf"][name], tensor), f"{name}: the policy was not moved off the HF weights"
+        head = {name for name in critic if "output_layer" in name}
+        assert len(head) in (0, 2), head  # only the last stage holds the value head
+        for name in head:
+            assert torch.equal(critic[name], torch.zeros_like(critic[name])), f"{name} is not the fresh value head"
+        trunk = critic.keys() - head
+        assert trunk and trunk <= policy.keys(), trunk - policy.keys()
+        for name in trunk:
+            assert torch.equal(critic[name], policy[name]), name
+        if rank["values"] is not None:
+            assert torch.equal(rank["values"]["values"], torch.zeros_like(rank["values"]["values"]))
+        assert rank["metrics"]["critic/grad_norm"] > 0
+        assert rank["refused"] is not None

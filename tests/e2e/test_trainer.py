@@ -122,12 +122,22 @@ def test_sft_then_grpo_on_moe_with_expert_parallelism(tmp_path, ray_local):
 
     cfg = load_config(RECIPE, _overrides(tmp_path, tmp_path / "model", "model.tiny=qwen3_moe", "parallel.tp=1",
                                          "parallel.ep=2", "trainer.sft_steps=3", "trainer.sft_pack_tokens=24",
-                                         "trainer.total_steps=2", "checkpoint.export_hf=true"))
+                                         "trainer.total_steps=2", "checkpoint.export_hf=true", "algo.kl_coef=0.1"))
     summary = train(cfg)
     assert summary["sft"]["steps"] == 3 and summary["sft"]["loss_last"] < summary["sft"]["loss_first"]
     sft_log = [json.loads(line) for line in (tmp_path / "run" / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert len(sft_log) == 3 and all(0 <= row["sft/padding_fraction"] < 1 for row in sft_log), sft_log
-    assert _metrics(tmp_path / "run")[1]["actor/ppo_kl"] == 0.0
+    first = _metrics(tmp_path / "run")[1]
+    # The KL reference is the SFT'd policy (saved under checkpoint.dir/sft), not the HF model.
+    assert first["actor/ppo_kl"] == 0.0 and first["actor/kl_loss"] == 0.0, first
+    assert (tmp_path / "ckpt" / "sft" / "latest").read_text().strip() == "iter_0000003"
+    # RL can also start from that SFT checkpoint in a run of its own (as after `mrl sft`).
+    again = load_config(RECIPE, _overrides(tmp_path / "again", tmp_path / "model", "model.tiny=qwen3_moe",
+                                           "parallel.tp=1", "parallel.ep=2", "trainer.total_steps=1",
+                                           "algo.kl_coef=0.1", f"checkpoint.resume={tmp_path / 'ckpt' / 'sft'}"))
+    assert train(again)["resumed_from"] == 0
+    restarted = _metrics(tmp_path / "again" / "run")[1]
+    assert restarted["actor/kl_loss"] == 0.0 and restarted["actor/lr"] == first["actor/lr"], restarted
     # The merged HF model is the trained one: vLLM scores it as the engine scored the last weights.
     assert summary["accuracy_merged_hf"] == summary["accuracy_after"]
     assert (Path(summary["hf_model"]) / "model.safetensors.index.json").exists()

@@ -22,3 +22,17 @@ def test_bad_config_exits_2_with_every_problem_named(command, capsys, tmp_path):
 def test_missing_data_file_is_named(capsys):
     code = train([RECIPE, "data.synthetic=false", "data.path=/nonexistent/prompts.jsonl"])
     assert code == 2 and "/nonexistent/prompts.jsonl" in capsys.readouterr().err
+
+
+def test_an_earlier_sft_checkpoint_is_not_overwritten(tmp_path):
+    from mrl import checkpoint_dir as cd
+    from mrl.config import load_config
+    from mrl.trainer import refuse_to_overwrite
+
+    earlier = tmp_path / "ckpt" / "sft" / "iter_0000250"
+    earlier.mkdir(parents=True)
+    cd.write_manifest(earlier, step=250)
+    cfg = load_config(RECIPE, [f"checkpoint.dir={tmp_path / 'ckpt'}"])
+    with pytest.raises(FileExistsError, match=r"already holds an SFT checkpoint: start RL from it \(checkpoint.resume="):
+        refuse_to_overwrite(cfg)  # before the SFT runs, not when it saves
+    refuse_to_overwrite(load_config(RECIPE, [f"checkpoint.dir={tmp_path / 'ckpt'}", "trainer.sft_steps=0"]))
