@@ -36,7 +36,8 @@ def write_model(workdir: Path, size_gb: float) -> Path:
     """A random Qwen3-MoE HF checkpoint of about size_gb (fp32), cached in workdir."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    layers = 2 * max(1, round(4 * size_gb / 1.15))  # 8 layers ≈ 1.15 GB; even, for PP2
+    # fp32 bytes measured: 0.26 GB of embedding + LM head, 0.111 GB a layer; an even count, for PP2
+    layers = 2 * max(1, round((size_gb - 0.26) / 0.111 / 2))
     path = workdir / f"qwen3-moe-{layers}l"
     if (path / "config.json").exists():
         return path

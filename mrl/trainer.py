@@ -237,9 +237,32 @@ def save(cfg: RunConfig, cluster: Cluster, step: int, sampler: EpochSampler, rl_
     """The actor under checkpoint.dir, the critic (PPO) under checkpoint.dir/critic; each records
     the policy checkpoint RL started from (None: the HF model), for the reference on resume."""
     c = cfg.checkpoint
-    data = {"sampler": sampler.state_dict(), "rl_step": step, "rl_start": rl_start}
+    data = {"sampler": sampler.state_dict(), "rl_step": step, "rl_start": portable_rl_start(rl_start, c.dir)}
     for group, root in zip(cluster.trainers(), (c.dir, critic_checkpoint(c.dir))):
         group.call("save", str(root), step, data, config_to_dict(cfg), c.keep_last, c.async_save)
+
+
+def portable_rl_start(rl_start: str | None, checkpoint_dir: str) -> str | None:
+    """`rl_start` as a checkpoint records it: the SFT iteration directory (not a root, whose
+    `latest` could move), relative to the run's checkpoint root when inside it, so the checkpoint
+    tree can be moved or copied whole; absolute otherwise."""
+    from mrl.checkpoint_dir import resolve
+
+    if rl_start is None:
+        return None
+    iteration = resolve(rl_start).resolve()
+    root = Path(checkpoint_dir).resolve()
+    return str(iteration.relative_to(root)) if iteration.is_relative_to(root) else str(iteration)
+
+
+def located_rl_start(recorded: str | None, checkpoint_path: str) -> str | None:
+    """The SFT checkpoint a resumed checkpoint's `rl_start` names, found from where that checkpoint
+    is now (a relative one is under the checkpoint's root)."""
+    from mrl.checkpoint_dir import resolve
+
+    if recorded is None or Path(recorded).is_absolute():
+        return recorded
+    return str(resolve(checkpoint_path).parent / recorded)
 
 
 def critic_checkpoint(actor_path: str) -> Path:
@@ -284,7 +307,7 @@ def resume(cfg: RunConfig, cluster: Cluster, sampler: EpochSampler) -> tuple[int
         cluster.critic.call("load", str(critic_checkpoint(path)))
     sampler.load_state_dict(data["sampler"])
     print(f"resumed from {path} at RL step {data['rl_step']}", flush=True)
-    return int(data["rl_step"]), data.get("rl_start")
+    return int(data["rl_step"]), located_rl_start(data.get("rl_start"), path)
 
 
 def start_from_policy(cfg: RunConfig, cluster: Cluster, path: str, fresh: bool) -> None:

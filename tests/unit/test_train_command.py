@@ -36,3 +36,24 @@ def test_an_earlier_sft_checkpoint_is_not_overwritten(tmp_path):
     with pytest.raises(FileExistsError, match=r"already holds an SFT checkpoint: start RL from it \(checkpoint.resume="):
         refuse_to_overwrite(cfg)  # before the SFT runs, not when it saves
     refuse_to_overwrite(load_config(RECIPE, [f"checkpoint.dir={tmp_path / 'ckpt'}", "trainer.sft_steps=0"]))
+
+
+def test_the_recorded_sft_start_survives_moving_the_checkpoint_tree(tmp_path):
+    from mrl import checkpoint_dir as cd
+    from mrl.trainer import located_rl_start, portable_rl_start
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    for root, step in ((run / "sft", 250), (run, 10), (elsewhere, 7)):
+        with cd.atomic_dir(root / cd.iter_name(step), manifest={"step": step}):
+            pass
+        cd.write_latest(root, cd.iter_name(step))
+
+    recorded = portable_rl_start(str(run / "sft"), str(run))
+    assert recorded == "sft/iter_0000250"  # the iteration, not the root whose `latest` could move
+    moved = tmp_path / "moved"
+    run.rename(moved)
+    assert located_rl_start(recorded, str(moved)) == str(moved / "sft" / "iter_0000250")
+    assert located_rl_start(recorded, str(moved / "iter_0000010")) == str(moved / "sft" / "iter_0000250")
+    outside = portable_rl_start(str(elsewhere), str(moved))
+    assert outside == str((elsewhere / "iter_0000007").resolve())
+    assert located_rl_start(outside, str(moved)) == outside and located_rl_start(None, str(moved)) is None
