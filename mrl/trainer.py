@@ -272,19 +272,25 @@ def critic_checkpoint(actor_path: str) -> Path:
     return path / "critic" if not path.name.startswith("iter_") else path.parent / "critic" / path.name
 
 
+def starts_fresh(cfg: RunConfig) -> bool:
+    """No checkpoint to resume: checkpoint.resume is 'never', or 'auto' over an empty checkpoint.dir."""
+    from mrl.checkpoint_dir import read_latest
+
+    mode = cfg.checkpoint.resume
+    return mode == "never" or (mode == "auto" and read_latest(cfg.checkpoint.dir) is None)
+
+
 def refuse_to_overwrite(cfg: RunConfig) -> None:
     """A fresh run (resume: never) must not meet an earlier run's checkpoints, nor a fresh run's SFT
     an earlier SFT checkpoint: it would fail at its save, after the work, or mix two runs in one `latest`."""
-    from mrl.checkpoint_dir import list_iterations, read_latest
+    from mrl.checkpoint_dir import list_iterations
 
-    mode = cfg.checkpoint.resume
-    if mode == "never" and list_iterations(cfg.checkpoint.dir):
+    if cfg.checkpoint.resume == "never" and list_iterations(cfg.checkpoint.dir):
         raise FileExistsError(
             f"checkpoint.dir {cfg.checkpoint.dir} already holds checkpoints and checkpoint.resume is 'never': "
             "resume them (checkpoint.resume=auto), or choose another checkpoint.dir, or remove it"
         )
-    fresh = mode == "never" or (mode == "auto" and read_latest(cfg.checkpoint.dir) is None)
-    if fresh and cfg.trainer.sft_steps:
+    if starts_fresh(cfg) and cfg.trainer.sft_steps:
         refuse_to_overwrite_sft(cfg)
 
 
@@ -292,11 +298,9 @@ def resume(cfg: RunConfig, cluster: Cluster, sampler: EpochSampler) -> tuple[int
     """Load the checkpoint `checkpoint.resume` points at. Returns the RL step it ended (0: fresh) and
     the policy checkpoint RL started from (None: the HF model). An SFT checkpoint (RL step 0, from
     `mrl sft`) is where RL starts: the RL learning-rate schedule begins, Adam's moments stay."""
-    from mrl.checkpoint_dir import read_latest
-
-    mode = cfg.checkpoint.resume
-    if mode == "never" or (mode == "auto" and read_latest(cfg.checkpoint.dir) is None):
+    if starts_fresh(cfg):
         return 0, None
+    mode = cfg.checkpoint.resume
     path = cfg.checkpoint.dir if mode == "auto" else mode
     data = cluster.actor.call("load", path)[0]["data"]
     if data["rl_step"] == 0:

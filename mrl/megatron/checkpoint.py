@@ -43,17 +43,24 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint that does not fit the model it is loaded into."""
 
 
-def model_sharded_state_dict(trainable: Trainable) -> dict:
-    """The model's sharded state dict: one chunk's as is; with VPP, {"chunk<i>": chunk i's}.
+def nest_chunks(per_chunk: list[dict]) -> dict:
+    """Per-chunk state dicts as one: one chunk's as is; with VPP, {"chunk<i>": chunk i's}.
 
     Files index tensors by their global ShardedTensor keys, so this nesting does not reach the
     checkpoint's contents; it only keeps VPP chunks apart, whose dict keys are local ("decoder.layers.0…"
     in every chunk) and would overwrite each other in one flat dict.
     """
-    chunks = trainable.built.chunks
-    if len(chunks) == 1:
-        return chunks[0].sharded_state_dict()
-    return {f"chunk{index}": chunk.sharded_state_dict() for index, chunk in enumerate(chunks)}
+    return per_chunk[0] if len(per_chunk) == 1 else {f"chunk{i}": state for i, state in enumerate(per_chunk)}
+
+
+def unnest_chunks(nested: dict, count: int) -> list[dict]:
+    """The inverse of nest_chunks, for `count` chunks."""
+    return [nested] if count == 1 else [nested[f"chunk{i}"] for i in range(count)]
+
+
+def model_sharded_state_dict(trainable: Trainable) -> dict:
+    """The model's sharded state dict, chunks nested (nest_chunks)."""
+    return nest_chunks([chunk.sharded_state_dict() for chunk in trainable.built.chunks])
 
 
 def _rng_state() -> dict:
@@ -268,10 +275,10 @@ def _checked_manifest(directory: Path, built: BuiltModel, *, value_head: bool) -
     return manifest
 
 
-def load_policy_weights(path: str | Path, built: BuiltModel) -> Path:
+def load_policy_weights(path: str | Path, built: BuiltModel) -> None:
     """The weights alone of a policy checkpoint, into `built` (collective): the frozen reference,
     or a critic's transformer, whose value head (its output_layer) keeps its initialisation.
-    Optimizer and scheduler are untouched. Returns the iteration directory read."""
+    Optimizer and scheduler are untouched."""
     from megatron.core import dist_checkpointing
 
     directory = cd.resolve(path)
@@ -282,15 +289,12 @@ def load_policy_weights(path: str | Path, built: BuiltModel) -> Path:
 
     requests = [{key: value for key, value in chunk.sharded_state_dict().items() if not value_head_key(key)}
                 for chunk in built.chunks]
-    nested = requests[0] if len(requests) == 1 else {f"chunk{i}": r for i, r in enumerate(requests)}
-    loaded = dist_checkpointing.load({"model": nested}, str(directory))["model"]
-    for index, chunk in enumerate(built.chunks):
-        state = loaded if len(built.chunks) == 1 else loaded[f"chunk{index}"]
+    loaded = dist_checkpointing.load({"model": nest_chunks(requests)}, str(directory))["model"]
+    for chunk, state in zip(built.chunks, unnest_chunks(loaded, len(built.chunks)), strict=True):
         missing, unexpected = chunk.load_state_dict(state, strict=False)
         wrong = [key for key in missing if not value_head_key(key)] + list(unexpected)
         if wrong:
             raise CheckpointMismatchError(f"checkpoint {directory} does not fill these parameters: {wrong[:5]}")
-    return directory
 
 
 def load_checkpoint(path: str | Path, trainable: Trainable, *, load_optimizer: bool = True) -> dict:
@@ -315,8 +319,8 @@ def load_checkpoint(path: str | Path, trainable: Trainable, *, load_optimizer: b
         request["rng"] = _rng_sharded(_rng_state())
     loaded = dist_checkpointing.load(request, str(directory))
     chunks = trainable.built.chunks
-    for index, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded["model"] if len(chunks) == 1 else loaded["model"][f"chunk{index}"], strict=True)
+    for chunk, state in zip(chunks, unnest_chunks(loaded["model"], len(chunks)), strict=True):
+        chunk.load_state_dict(state, strict=True)
     if "optimizer" in request:
         trainable.optimizer.load_state_dict(loaded["optimizer"])
     if "scheduler" in loaded:

@@ -105,3 +105,12 @@ def test_write_latest_refuses_incomplete_iteration(tmp_path):
     (tmp_path / "iter_0000001").mkdir()
     with pytest.raises(cd.CheckpointDirError, match="has no mrl_manifest.json"):
         cd.write_latest(tmp_path, "iter_0000001")
+
+
+def test_vpp_chunks_nest_apart_and_unnest_in_order():
+    from mrl.megatron.checkpoint import nest_chunks, unnest_chunks
+
+    one, two = {"decoder.layers.0.w": 1}, {"decoder.layers.0.w": 2}  # local keys repeat across chunks
+    assert nest_chunks([one]) is one and unnest_chunks(one, 1) == [one]
+    assert nest_chunks([one, two]) == {"chunk0": one, "chunk1": two}
+    assert unnest_chunks(nest_chunks([one, two]), 2) == [one, two]
