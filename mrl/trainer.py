@@ -145,12 +145,10 @@ def shape_rewards(batch: dict, scores: torch.Tensor, cfg: RunConfig, metrics: di
     """DAPO's overlong penalty and dynamic sampling (drop groups whose samples all scored alike)."""
     a = cfg.algo
     if a.overlong.enable:
-        lengths = batch["response_mask"].sum(-1)
-        penalty = algo.overlong_penalty(lengths, cfg.rollout.max_new_tokens, a.overlong.buffer_length,
-                                        a.overlong.penalty_factor)
-        last = batch["token_level_rewards"] != 0
+        batch["token_level_rewards"], penalty = algo.penalise_overlong(
+            batch["token_level_rewards"], batch["response_mask"], cfg.rollout.max_new_tokens,
+            a.overlong.buffer_length, a.overlong.penalty_factor)
         scores = scores + penalty
-        batch["token_level_rewards"] = torch.where(last, batch["token_level_rewards"] + penalty[:, None], 0.0)
     if a.dynamic_sampling:
         keep = algo.informative_groups(scores, batch["group_ids"])
         metrics["actor/kept_sample_fraction"] = float(keep.float().mean())

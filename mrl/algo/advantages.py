@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from mrl.algo.dapo import informative_groups
 from mrl.algo.masked import masked_whiten
 from mrl.registry import Registry
 
@@ -33,14 +34,15 @@ def grpo_advantages(
     """GRPO: (score - group mean) / (group std + eps), the same for every token of a sequence.
 
     score is the sum of the token-level rewards; std is the unbiased sample std of the group.
-    norm_by_std=False gives Dr. GRPO (mean-centred only). A group of one sample has no baseline
-    to compare with, so its advantage is 0 (it carries no learning signal, not its raw score).
+    norm_by_std=False gives Dr. GRPO (mean-centred only). A group whose scores are all equal (a
+    group of one sample included) carries no learning signal: its advantage is exactly 0, not the
+    float residue of an inexact mean (0.1 three times) divided by a std of ~1e-8 + eps.
     """
     scores = (token_level_rewards * response_mask).sum(-1)
-    mean, std, size = _group_stats(scores, group_ids)
+    mean, std, _ = _group_stats(scores, group_ids)
     centred = scores - mean
     advantage = centred / (std + eps) if norm_by_std else centred
-    advantage = torch.where(size > 1, advantage, torch.zeros_like(advantage))
+    advantage = torch.where(informative_groups(scores, group_ids), advantage, torch.zeros_like(advantage))
     advantages = advantage.unsqueeze(-1) * response_mask
     return advantages, advantages
 
@@ -51,12 +53,14 @@ def rloo_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: score minus the mean score of the *other* samples of the same prompt.
 
-    Equals G/(G-1) · (score - group mean). A group of one sample has no other sample: advantage 0.
+    Equals G/(G-1) · (score - group mean). A group of all-equal scores (one sample included) has
+    advantage exactly 0.
     """
     scores = (token_level_rewards * response_mask).sum(-1)
     mean, _, size = _group_stats(scores, group_ids)
     others = (size - 1).clamp(min=1)
-    advantage = torch.where(size > 1, (scores - mean) * size / others, torch.zeros_like(scores))
+    advantage = torch.where(informative_groups(scores, group_ids), (scores - mean) * size / others,
+                            torch.zeros_like(scores))
     advantages = advantage.unsqueeze(-1) * response_mask
     return advantages, advantages
 

@@ -1,6 +1,7 @@
 """DAPO's batch shaping: dynamic sampling of informative groups and the soft overlong penalty.
 
-Shapes: B samples. scores [B], group_ids [B], response_lengths [B].
+Shapes: B samples. scores [B], group_ids [B], response_lengths [B]; token_level_rewards and
+response_mask [B, T] (T response positions).
 """
 
 from __future__ import annotations
@@ -41,3 +42,22 @@ def overlong_penalty(
     excess = response_lengths.double() - (max_length - buffer_length)
     penalty = -(excess / buffer_length).clamp(min=0.0, max=1.0) * penalty_factor
     return penalty.to(torch.get_default_dtype())
+
+
+def penalise_overlong(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, max_length: int, buffer_length: int,
+    penalty_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_level_rewards with the overlong penalty added on each sequence's last response token,
+    the penalty [B]). The last token is found from the mask, not from a non-zero reward: a sample
+    that scored 0 has no non-zero reward and would otherwise escape its penalty."""
+    lengths = response_mask.sum(-1)
+    penalty = overlong_penalty(lengths, max_length, buffer_length, penalty_factor)
+    return token_level_rewards + penalty[:, None] * last_token_mask(response_mask), penalty
+
+
+def last_token_mask(response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] 1.0 at each row's last response position (rows without one: all 0)."""
+    positions = torch.arange(response_mask.shape[-1], device=response_mask.device)
+    last = torch.where(response_mask != 0, positions, -1).max(dim=-1).values
+    return (positions == last[:, None]).to(response_mask.dtype)

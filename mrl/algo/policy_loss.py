@@ -132,6 +132,16 @@ def _clipped_objective(
     return aggregate(loss, mask, aggregation), metrics
 
 
+# The aggregation each loss is defined with, where it is not token-mean (GSPO's paper averages the
+# sequence-level objective over sequences): what algo.aggregation means when left unset.
+_OWN_AGGREGATION = {"gspo": "seq-mean-token-mean"}
+
+
+def default_aggregation(loss_name: str) -> str:
+    """The aggregation policy loss `loss_name` was defined with."""
+    return _OWN_AGGREGATION.get(loss_name, "token-mean")
+
+
 def policy_loss(name: str, *args: torch.Tensor, **kwargs: float | str | None) -> tuple[torch.Tensor, dict]:
     """Run the policy loss called `name` (see the module legend for the arguments)."""
     return POLICY_LOSSES.get(name)(*args, **kwargs)

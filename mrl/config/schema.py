@@ -106,9 +106,15 @@ class AlgoConfig:
     kl_coef: float = 0.0
     kl_in_reward: bool = False  # True: KL penalty in the reward; False: KL term in the loss
     entropy_coef: float = 0.0
-    aggregation: str = "token-mean"
+    aggregation: str | None = None  # None: the policy loss's own (gspo: seq-mean-token-mean, others: token-mean)
     dynamic_sampling: bool = False
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+
+    def __post_init__(self) -> None:
+        if self.aggregation is None:  # GSPO must not silently train with another loss's aggregation
+            from mrl.algo.policy_loss import default_aggregation
+
+            self.aggregation = default_aggregation(self.policy_loss)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from mrl.algo import (
     kl_loss,
     kl_penalized_rewards,
     overlong_penalty,
+    penalise_overlong,
     policy_loss,
 )
 from mrl.registry import UnknownNameError
@@ -298,3 +299,40 @@ def test_pieces_compose_into_learning(estimator, loss_name):
         loss.backward()
         optimizer.step()
     assert torch.softmax(logits, -1)[:, target].min() > 0.9
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+@pytest.mark.parametrize("size,score", [(8, 0.1), (16, 0.7), (3, 0.9)])
+def test_groups_of_equal_inexact_scores_have_exactly_zero_advantage(estimator, size, score):
+    # the float32 mean of 16 × 0.7 is not 0.7: the residue over std + eps gave 0.1 per sample
+    mask = torch.ones(size + 3, 2)
+    rewards = torch.zeros(size + 3, 2)
+    rewards[:, -1] = t([score] * size + [0.0, 1.0, 0.5])
+    adv, _ = compute_advantages(estimator, token_level_rewards=rewards, response_mask=mask,
+                                group_ids=t([0] * size + [1, 1, 1]))
+    assert torch.equal(adv[:size], torch.zeros(size, 2)), adv[:size]
+    assert (adv[size:] != 0).any()
+
+
+def test_overlong_penalty_reaches_samples_that_scored_zero():
+    from mrl.config import RunConfig
+    from mrl.trainer import shape_rewards
+
+    # rows: scored 1 and truncated, scored 0 and truncated, scored 0 and short, no response at all
+    mask = t([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.float32)
+    rewards = torch.zeros(4, 4)
+    rewards[0, 3] = 1.0
+    cfg = RunConfig()
+    cfg.rollout.max_new_tokens, cfg.algo.overlong.enable, cfg.algo.overlong.buffer_length = 4, True, 2
+    batch = shape_rewards({"token_level_rewards": rewards, "response_mask": mask}, rewards.sum(-1), cfg, {})
+    close(batch["token_level_rewards"], [[0, 0, 0, 0.0], [0, 0, 0, -1.0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    _, penalty = penalise_overlong(rewards, mask, max_length=4, buffer_length=2)
+    close(penalty, [-1.0, -1.0, 0.0, 0.0])
+
+
+def test_gspo_defaults_to_its_papers_aggregation():
+    from mrl.config.schema import AlgoConfig
+
+    assert AlgoConfig(policy_loss="gspo").aggregation == "seq-mean-token-mean"
+    assert AlgoConfig(policy_loss="ppo_clip").aggregation == "token-mean"
+    assert AlgoConfig(policy_loss="gspo", aggregation="token-mean").aggregation == "token-mean"  # explicit wins
