@@ -41,15 +41,6 @@ class ActorSetup:
     value_head: bool = False  # a PPO critic: the same transformer with a scalar value head
 
 
-def _slice_rows(batch: dict, dp_rank: int, dp_size: int) -> dict:
-    rows = next(iter(batch.values())).shape[0]
-    if rows % dp_size:
-        raise ValueError(f"a batch of {rows} sequences does not split over {dp_size} data-parallel ranks: "
-                         "make data.batch_size × rollout.n_samples_per_prompt a multiple of DP")
-    size = rows // dp_size
-    return {key: value[dp_rank * size : (dp_rank + 1) * size] for key, value in batch.items()}
-
-
 class MegatronActor:
     """This process's rank of the actor model, its optimizer, its reference copy and its sync sender."""
 
@@ -117,7 +108,9 @@ class MegatronActor:
     def _mine(self, batch: dict) -> dict:
         from megatron.core import parallel_state as ps
 
-        return _slice_rows(batch, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        from mrl.megatron.policy import data_parallel_rows
+
+        return data_parallel_rows(batch, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
 
     def _reporter(self) -> bool:
         from megatron.core import parallel_state as ps

@@ -19,6 +19,8 @@ A rollout batch is a dict of CPU tensors:
   values        float [B, L]    (critic update; from compute_values)
   returns       float [B, L]    (critic update; the GAE targets)
   segments      float [B, L]    (packed SFT rows; the sequence of each input position, 0: padding)
+  loss_totals   dict            (optional; from data_parallel_rows) the whole batch's response tokens
+                                and sequences over the DP size: what the loss means divide by
 A micro-batch (see micro_batches) holds the same per-token keys at [b, s], plus "tokens" (the model
 input, tokens[:, :-1]), "labels", "loss_mask" (the same tensor as "response_mask", under the name
 training.lm_loss reads, so SFT and RL share one micro-batching), "index" (original rows, -1 for
@@ -27,8 +29,8 @@ filler rows), "label_columns" (Lt) and the loss weights of the micro-batch (see 
 Padded vocabulary rows (V/tp·tp beyond the real vocabulary, in the last TP shard) are masked out
 of the RL log-probs and entropy (mask_padded_vocab): vLLM samples from the real vocabulary, so the
 trainer's log-probs must be over the same support, or every step would show a train/rollout gap
-XX
-own LM loss (SFT here) does not mask them; they are never exported, so that only wastes a little.
+on tokens the engine can never sample. Megatron's own LM loss (SFT here) does not mask them; they
+are never exported, so that only wastes a little.
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def micro_batches(
         if key in batch:
             full[key] = fit(batch[key].float(), kept)
     full["loss_mask"] = full["response_mask"]
-    totals = _loss_totals(full["response_mask"])
+    totals = batch.get("loss_totals") or _loss_totals(full["response_mask"])
     result = []
     for start in range(0, rows, size):
         micro = {key: value[start : start + size] for key, value in full.items()}
@@ -155,6 +157,22 @@ def micro_batches(
         micro["label_columns"] = kept  # the real (untrimmed, unpadded) columns, for restore_order
         result.append(micro)
     return result
+
+
+def data_parallel_rows(batch: dict, dp_rank: int, dp_size: int) -> dict:
+    """DP rank `dp_rank`'s equal share of the rows of a whole batch, with the whole batch's loss
+    totals per rank ("loss_totals"): a token-mean is then over the global batch's tokens, not over
+    this rank's (DDP averages gradients over DP, so each rank divides by the global count / DP).
+    With unequal token counts per rank, a rank-local mean would weigh short answers' tokens more."""
+    rows = batch["tokens"].shape[0]
+    if rows % dp_size:
+        raise ValueError(f"a batch of {rows} sequences does not split over {dp_size} data-parallel ranks: "
+                         "make data.batch_size × rollout.n_samples_per_prompt a multiple of DP")
+    size = rows // dp_size
+    mine = {key: value[dp_rank * size : (dp_rank + 1) * size] for key, value in batch.items()
+            if isinstance(value, torch.Tensor)}
+    mine["loss_totals"] = {k: v / dp_size for k, v in _loss_totals(batch["response_mask"]).items()}
+    return mine
 
 
 def restore_order(per_micro_batch: list[torch.Tensor], micro: list[dict], count: int, length: int) -> torch.Tensor:
@@ -207,12 +225,13 @@ def _loss_totals(mask: torch.Tensor) -> dict[str, float]:
 
 
 def _loss_weights(mask: torch.Tensor, totals: dict[str, float], count: int) -> dict[str, float]:
-    """Weights that turn per-micro-batch means into means over the whole (rank-local) batch.
+    """Weights that turn per-micro-batch means into means over the whole batch.
 
     The pipeline schedule averages micro-batch losses (divides each by the micro-batch count).
     Micro-batches hold unequal numbers of response tokens, so a token-mean loss is scaled by
     count·tokens_mb/tokens_batch (and a sequence mean by its sequence share): the summed gradient
-    is then the gradient of the mean over the whole batch, whatever the micro-batching.
+    is then the gradient of the mean over the whole batch, whatever the micro-batching. `totals`
+    are the global batch's counts over DP (see data_parallel_rows), or this batch's own.
     """
     here = _loss_totals(mask)
     return {

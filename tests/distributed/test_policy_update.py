@@ -159,3 +159,51 @@ def test_first_update_has_exact_unit_ratio(tiny_model_dir):
     # Every layout scores the same qwen3 (fp32; reduction orders differ by layout).
     tp2, pp2 = per_rank[0]["qwen3 TP2"]["logprobs"], per_rank[0]["qwen3 PP2"]["logprobs"]
     assert (tp2 - pp2).abs().max() <= 1e-4
+
+
+GLOBAL_MEAN_CASES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sft")
+
+
+def _gradient_norms(rank: int, world_size: int, hf_dir: str) -> dict:
+    """Grad norm and loss of one update per aggregation (lr 0: the weights stay) on this rank's DP
+    share of one ragged batch: rank 0 holds short answers, rank 1 long ones."""
+    from megatron.core import parallel_state as ps
+
+    from mrl.bridge.hf_import import load_hf_weights
+    from mrl.megatron.model import build_model
+    from mrl.megatron.parallel import destroy_layout, initialize_layout
+    from mrl.megatron.policy import compute_logprobs, data_parallel_rows, update_actor, update_sft
+    from mrl.megatron.training import OptimConfig, make_trainable
+    from mrl.models.registry import model_spec_from_hf
+
+    layout = ParallelLayout()
+    coords = initialize_layout(layout)
+    built = build_model(model_spec_from_hf(hf_dir), layout)
+    load_hf_weights(built, coords, hf_dir)
+    trainable = make_trainable(built, OptimConfig(lr=0.0, clip_grad=0.0))
+    whole = _rollout_batch(built.spec.vocab_size)
+    whole = {k: v[[2, 4, 1, 3]] for k, v in whole.items()}  # 3 + 6 tokens on DP rank 0, 18 + 14 on rank 1
+    batch = data_parallel_rows(whole, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    batch["old_logprobs"] = compute_logprobs(trainable, batch, 1, 1)["logprobs"]
+    results = {}
+    for case in GLOBAL_MEAN_CASES:
+        if case == "sft":
+            metrics = update_sft(trainable, batch, 1)
+            results[case] = (metrics["sft/grad_norm"], metrics["sft/loss"])
+        else:
+            metrics = update_actor(trainable, batch, {"aggregation": case}, 1)
+            results[case] = (metrics["actor/grad_norm"], metrics["actor/pg_loss"])
+    destroy_layout()
+    return results
+
+
+def test_loss_means_are_over_the_global_batch_under_dp2(tiny_model_dir):
+    """The same ragged batch on one rank and split over two DP ranks gives the same gradient: the
+    token-mean divides by the global token count, the sequence means by the global sequence count."""
+    hf_dir = str(tiny_model_dir("qwen3"))
+    single = run_local(_gradient_norms, 1, hf_dir, timeout_s=TIMEOUT_S)[0]
+    split = run_local(_gradient_norms, 2, hf_dir, timeout_s=TIMEOUT_S)
+    for case in GLOBAL_MEAN_CASES:
+        (norm1, loss1), (norm2a, loss2a), (norm2b, loss2b) = single[case], split[0][case], split[1][case]
+        assert norm2a == pytest.approx(norm1, rel=1e-5) and norm2b == norm2a, f"{case}: DP1 {norm1}, DP2 {norm2a}"
+        assert (loss2a + loss2b) / 2 == pytest.approx(loss1, rel=1e-5, abs=1e-7), f"{case}: {loss1} vs {loss2a}, {loss2b}"
