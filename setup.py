@@ -29,5 +29,5 @@ setup(
         "gpu": ["vllm", "transformer-engine[pytorch]"],
         "test": ["pytest"],
     },
-    entry_points={"console_scripts": ["mrl=mrl.cli:main", "mrl-merge=checkpoints_tools.merge:main"]},
+    entry_points={"console_scripts": ["mrl=mrl.cli:main", "mrl-merge=mrl.cli.merge:main"]},
 )

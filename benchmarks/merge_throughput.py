@@ -2,7 +2,7 @@
 
 For random Qwen3-MoE checkpoints of about 1 GB and 3 GB (fp32; written by transformers, converted
 with `mrl convert` in EP2 on two local processes), in the same run:
-  - merge: `python -m checkpoints_tools.merge --dtype fp32 --max-shard-size 256MB` (streaming),
+  - merge: `python -m mrl.cli.merge --dtype fp32 --max-shard-size 256MB` (streaming),
     with 1 and 2 workers;
   - copy: a plain read + write + fsync of the same checkpoint files in 64 MB blocks;
   - in-RAM: the same conversion, but every tensor is read first and held, then all are written;
@@ -102,8 +102,8 @@ def measure(root: Path, workdir: Path) -> dict:
     ckpt_bytes = sum(p.stat().st_size for p in iteration.iterdir() if p.is_file())
     row = {"checkpoint_gb": round(ckpt_bytes / 1e9, 2)}
     runs = {
-        "merge_w1": [py, "-m", "checkpoints_tools.merge", str(root), "--dtype", "fp32", "--no-progress", "--workers", "1", "--max-shard-size", SHARD],
-        "merge_w2": [py, "-m", "checkpoints_tools.merge", str(root), "--dtype", "fp32", "--no-progress", "--workers", "2", "--max-shard-size", SHARD],
+        "merge_w1": [py, "-m", "mrl.cli.merge", str(root), "--dtype", "fp32", "--no-progress", "--workers", "1", "--max-shard-size", SHARD],
+        "merge_w2": [py, "-m", "mrl.cli.merge", str(root), "--dtype", "fp32", "--no-progress", "--workers", "2", "--max-shard-size", SHARD],
         "copy": [py, __file__, "--_copy", str(iteration)],
         "in_ram": [py, __file__, "--_in_ram", str(root)],
     }

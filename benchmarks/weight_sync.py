@@ -58,7 +58,7 @@ def _trainer(rank, world, hf_dir, key, layout, endpoint, transport, cases):
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import initialize_layout
     from mrl.models.registry import model_spec_from_hf
-    from mrl.rollout.weight_sync import WeightSender
+    from mrl.sync.sender import WeightSender
 
     coords = initialize_layout(layout)
     built = build_model(model_spec_from_hf(hf_dir), layout)

@@ -1,4 +1,5 @@
-"""`mrl convert hf-to-mcore`: a HuggingFace directory → an mrl checkpoint (docs/checkpoint-format.md).
+"""A HuggingFace directory → an mrl checkpoint (docs/checkpoint-format.md); the library behind
+`mrl convert hf-to-mcore` (mrl/cli/convert.py).
 
 Starts the layout's processes locally (gloo on CPU), builds the model, streams each rank's slices
 from the safetensors files (mrl.bridge.hf_import) and saves the model's sharded state dict with
@@ -8,18 +9,16 @@ then start from any HF model in any layout, and `mrl-merge` turns the checkpoint
 
 from __future__ import annotations
 
-import argparse
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from mrl import checkpoint_dir as cd
-from mrl.layout import LayoutError, ParallelLayout
-from mrl.megatron.local_launch import WorkerError, run_local
-from mrl.models.registry import UnsupportedModelError, model_spec_from_hf
+from mrl.layout import ParallelLayout
+from mrl.megatron.local_launch import run_local
+from mrl.models.registry import model_spec_from_hf
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Everything of an HF directory except the weights: what a merge needs to write a loadable model.
@@ -38,21 +37,6 @@ def copy_hf_metadata(hf_dir: Path, out: Path) -> list[str]:
     return copied
 
 
-def model_sharded_state_dict(built) -> dict:
-    """The union of every virtual-pipeline chunk's sharded state dict, under the key `model`.
-
-    Chunks use chunk-local module names (every chunk has a `decoder.layers.0`), so with several
-    chunks each one's entries are prefixed `chunk{i}.`; what is saved is addressed by the sharded
-    tensors' own keys, which are global and the same in every layout.
-    """
-    if len(built.chunks) == 1:
-        return {"model": built.chunks[0].sharded_state_dict()}
-    merged: dict = {}
-    for i, chunk in enumerate(built.chunks):
-        merged.update({f"chunk{i}.{k}": v for k, v in chunk.sharded_state_dict().items()})
-    return {"model": merged}
-
-
 def save_model_checkpoint(hf_dir: str, layout: ParallelLayout, dtype: torch.dtype, directory: str) -> int:
     """On every rank of an initialised world: build `layout`, load HF weights, save torch_dist.
 
@@ -62,6 +46,7 @@ def save_model_checkpoint(hf_dir: str, layout: ParallelLayout, dtype: torch.dtyp
     from megatron.core import dist_checkpointing
 
     from mrl.bridge.hf_import import load_hf_weights
+    from mrl.megatron.checkpoint import model_sharded_state_dict
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import destroy_layout, initialize_layout
 
@@ -69,7 +54,7 @@ def save_model_checkpoint(hf_dir: str, layout: ParallelLayout, dtype: torch.dtyp
     try:
         built = build_model(model_spec_from_hf(hf_dir), layout, params_dtype=dtype)
         read = load_hf_weights(built, coords, hf_dir)
-        dist_checkpointing.save(model_sharded_state_dict(built), directory)  # default strategy: torch_dist
+        dist_checkpointing.save({"model": model_sharded_state_dict(built)}, directory)  # default strategy: torch_dist
     finally:
         destroy_layout()
     return read
@@ -114,33 +99,3 @@ def convert(hf_dir: str | Path, out: str | Path, layout: ParallelLayout, *, dtyp
     cd.write_latest(root, target.name)
     return {"checkpoint": str(target), "arch": spec.arch, "layout": layout.describe(), "world_size": world,
             "bytes_read": bytes_read, "seconds": round(time.perf_counter() - start, 2)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    from mrl.verify import add_layout_arguments, parse_layout
-
-    parser = argparse.ArgumentParser(prog="mrl convert", description=__doc__.split("\n\n")[0])
-    parser.add_argument("direction", choices=("hf-to-mcore",), help="conversion direction")
-    parser.add_argument("--hf", required=True, help="HuggingFace model directory")
-    parser.add_argument("--out", required=True, help="checkpoint root to write (iter_0000000 + latest)")
-    add_layout_arguments(parser)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter dtype (default fp32)")
-    parser.add_argument("--force", action="store_true", help="replace an existing checkpoint root")
-    parser.add_argument("--debug", action="store_true", help="print full worker tracebacks")
-    args = parser.parse_args(argv)
-    try:
-        summary = convert(args.hf, args.out, parse_layout(args), dtype=args.dtype, force=args.force)
-    except (LayoutError, UnsupportedModelError, FileExistsError, ValueError, OSError) as err:
-        print(f"mrl convert: {err}", file=sys.stderr)
-        return 2
-    except WorkerError as err:
-        print(f"mrl convert: {err if args.debug else err.summary}", file=sys.stderr)
-        return 2
-    import json
-
-    print(json.dumps(summary))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

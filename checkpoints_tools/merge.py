@@ -1,4 +1,5 @@
-"""`mrl-merge CKPT_DIR --out HF_DIR`: an mrl checkpoint (any layout) → a HuggingFace directory.
+"""An mrl checkpoint (any layout) → a HuggingFace directory; the library behind `mrl-merge`
+(mrl/cli/merge.py) and the trainer's final export.
 
 CPU only, no process group. The torch_dist metadata (a pickle) is read through a restricted
 unpickler; then, one Megatron tensor at a time (per layer, per expert), exactly the chunks that
@@ -10,14 +11,12 @@ Output goes to a temporary directory that is renamed only after the self-check p
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
 import pickle
 import re
 import shutil
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -383,21 +382,20 @@ def _megatron_logits(rank: int, world: int, directory: str, vocab_rows: int, dty
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    from checkpoints_tools.convert import model_sharded_state_dict
+    from mrl.bridge.verify import probe_tokens
     from mrl.layout import ParallelLayout
+    from mrl.megatron.checkpoint import model_sharded_state_dict
     from mrl.megatron.forward import forward_logits
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import initialize_layout
-    from mrl.verify import probe_tokens
 
     layout = ParallelLayout()
     initialize_layout(layout)
     spec = model_spec_from_hf(Path(directory) / "hf")
     built = build_model(spec, layout, vocab_divisor=vocab_rows)  # same padded vocabulary as the checkpoint
-    sharded = model_sharded_state_dict(built)
+    sharded = {"model": model_sharded_state_dict(built)}  # one chunk: no VPP in this layout
     loaded = dist_checkpointing.load(sharded, directory, strict=StrictHandling.IGNORE_ALL)
-    for chunk in built.chunks:
-        chunk.load_state_dict(loaded["model"] if "model" in loaded else loaded, strict=False)
+    built.chunks[0].load_state_dict(loaded["model"], strict=False)
     with torch.no_grad():  # the merged file holds weights rounded to `dtype`: round Megatron's the same way
         for name, p in list(built.chunks[0].named_parameters()) + list(built.chunks[0].named_buffers()):
             if p.is_floating_point() and not name.endswith("expert_bias"):
@@ -408,7 +406,7 @@ def _megatron_logits(rank: int, world: int, directory: str, vocab_rows: int, dty
 def verify_merged(directory: str | Path, out: str | Path, dtype: str, tol: float = 1e-4) -> dict:
     """Logits of the merged HF model (transformers) vs the checkpoint loaded in Megatron (TP1)."""
     from mrl.megatron.local_launch import run_local
-    from mrl.verify import probe_tokens, reference_logits
+    from mrl.bridge.verify import probe_tokens, reference_logits
 
     directory = cd.resolve(directory)
     reader = TorchDistReader(directory)
@@ -417,33 +415,3 @@ def verify_merged(directory: str | Path, out: str | Path, dtype: str, tol: float
     spec = model_spec_from_hf(Path(out))
     diff = (megatron - reference_logits(str(out), probe_tokens(spec.vocab_size))).abs().max().item()
     return {"max_abs_diff": diff, "tol": tol, "ok": diff <= tol}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mrl-merge", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="checkpoint root (follows `latest`) or one iteration directory")
-    parser.add_argument("--out", required=True, help="HuggingFace directory to write")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                        help="output dtype (default bf16; expert_bias stays fp32)")
-    parser.add_argument("--workers", type=int, default=1, help="threads reading and converting tensors")
-    parser.add_argument("--config", default=None, help="HF config dir or config.json (default: the checkpoint's hf/)")
-    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
-    parser.add_argument("--verify", action="store_true",
-                        help="compare logits of the result (transformers) with the checkpoint in Megatron")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
-    try:
-        summary = merge(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                        workers=args.workers, force=args.force, config=args.config, progress=not args.no_progress)
-        if args.verify:
-            summary["verify"] = verify_merged(summary["checkpoint"], args.out, args.dtype)
-    except (MergeError, OSError) as err:
-        print(f"mrl-merge: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary))
-    return 0 if summary.get("verify", {"ok": True})["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

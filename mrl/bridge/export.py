@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from mrl.bridge.local_tensors import LocalTensor, local_tensors
 from mrl.bridge.mapping import Split, SplitDims, hf_shapes, segments
+from mrl.config.schema import DEFAULT_BUCKET_MB
 from mrl.megatron.model import BuiltModel
 from mrl.megatron.parallel import RankCoords
 
-DEFAULT_BUCKET_BYTES = 512 * 1024**2
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
@@ -100,7 +100,7 @@ def export_hf_weights(
     built: BuiltModel,
     coords: RankCoords,
     *,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int = DEFAULT_BUCKET_MB << 20,
     dst: int = 0,
     group: Any = None,
     timeout_s: float = 300.0,

@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+# Weight-sync and export bucket size: big enough to amortise a transfer's fixed cost, small enough
+# that two buckets in flight stay far below a GPU's memory. The one place this default is written.
+DEFAULT_BUCKET_MB = 512
+
 
 @dataclass
 class TrainerConfig:
@@ -75,7 +79,7 @@ class SyncConfig:
     """Per-step weight sync from the Megatron actor to the rollout engine."""
 
     transport: Literal["colocated", "broadcast", "object_store"] = "colocated"
-    bucket_mb: int = 512
+    bucket_mb: int = DEFAULT_BUCKET_MB
     timeout_s: float = 300.0
     parity_threshold: float = 1e-3  # max |logprob difference| engine vs actor allowed at a parity check
     parity_every: int = 0  # check parity every N syncs (0: only after the first)
@@ -119,15 +123,21 @@ class AlgoConfig:
 
 @dataclass
 class OptimConfig:
-    """Actor optimizer (Megatron distributed Adam) and batching."""
+    """The optimizer (Megatron's Adam), its LR schedule and the batching of updates. This one class
+    goes from the YAML to the worker: mrl.config.derived fills total_steps per phase (RL, SFT, critic)."""
 
     lr: float = 1e-6
     min_lr: float = 0.0
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
     clip_grad: float = 1.0
     warmup_steps: int = 0
     schedule: Literal["constant", "linear", "cosine"] = "constant"
+    total_steps: int | None = None  # the schedule's length (None: trainer.total_steps, or sft_steps for SFT)
+    # None: on with CUDA; off on CPU, where megatron 0.16.1's DistributedOptimizer rejects
+    # non-CUDA parameters (a TypeError on `param.type()`); see mrl.megatron.training.make_trainable.
+    use_distributed_optimizer: bool | None = None
     micro_batch_size: int = 1
     max_tokens_per_micro_batch: int | None = None  # token budget for dynamic batching (None: off)
 

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+from mrl.config.derived import actor_gpus, actor_world_size
 from mrl.config.schema import RunConfig
 from mrl.layout import LayoutError, ModelDims, ParallelLayout
 
@@ -252,31 +253,30 @@ def _even_part(cfg: RunConfig, dims: ModelDims) -> tuple[ModelDims, list[str]]:
 
 
 def _actor_world(cfg: RunConfig, layout: ParallelLayout) -> tuple[int | None, list[str]]:
-    """The actor's world size and any resource shortfall (GPU runs count GPUs; CPU runs processes)."""
+    """The actor's world size (mrl.config.derived) and any resource shortfall (GPU runs count GPUs;
+    CPU runs processes)."""
     launch, need, errors = cfg.launch, layout.min_world_size(), []
     if cfg.sync.transport == "colocated" and launch.placement == "separate":
         errors.append("sync.transport 'colocated' needs launch.placement: colocated; use 'broadcast' for separate placement.")
+    world = actor_world_size(cfg)
     if launch.gpus_per_node == 0:
-        world = cfg.parallel.world_size or need
         if cfg.parallel.world_size is not None and world < need:
             errors.append(f"parallel.world_size {world} is below the {need} processes layout {layout.describe()} needs.")
         return world, errors
-    total = launch.num_nodes * launch.gpus_per_node
-    reserved = launch.rollout_gpus if launch.placement == "separate" else 0
+    total, gpus = launch.num_nodes * launch.gpus_per_node, actor_gpus(cfg)
+    reserved = total - gpus
     if launch.placement == "separate" and not 1 <= reserved < total:
         errors.append(f"launch.placement separate needs 1 <= launch.rollout_gpus < {total} (the cluster's GPUs), got {reserved}.")
         return None, errors
-    actor_gpus = total - reserved
-    if actor_gpus < need:
+    if gpus < need:
         errors.append(
             f"resources too few: layout {layout.describe()} needs at least {need} actor GPUs but launch gives "
-            f"{actor_gpus} (num_nodes {launch.num_nodes} × gpus_per_node {launch.gpus_per_node}"
+            f"{gpus} (num_nodes {launch.num_nodes} × gpus_per_node {launch.gpus_per_node}"
             + (f" - rollout_gpus {reserved}" if reserved else "") + "): add nodes or shrink the layout."
         )
         return None, errors
-    world = cfg.parallel.world_size or actor_gpus
-    if world > actor_gpus:
-        errors.append(f"parallel.world_size {world} exceeds the {actor_gpus} actor GPUs: lower it or add nodes.")
+    if world > gpus:
+        errors.append(f"parallel.world_size {world} exceeds the {gpus} actor GPUs: lower it or add nodes.")
     rollout_gpus = reserved or total
     if rollout_gpus % cfg.rollout.tensor_parallel_size:
         errors.append(

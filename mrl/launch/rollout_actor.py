@@ -6,7 +6,8 @@ from typing import Any, Sequence
 
 import ray
 
-from mrl.rollout.engine import Generation, SamplingSettings, WeightUpdateReport
+from mrl.rollout.engine import Generation, SamplingSettings
+from mrl.sync.wire import WeightUpdateReport
 
 
 class RolloutServer:
@@ -14,7 +15,7 @@ class RolloutServer:
 
     def __init__(self, model: str, engine_options: dict[str, Any], sync_timeout_s: float = 300.0):
         from mrl.rollout.vllm_engine import VLLMEngine
-        from mrl.rollout.weight_sync import WeightReceiver
+        from mrl.sync.receiver import WeightReceiver
 
         self.engine = VLLMEngine(model, **engine_options)
         self.receiver = WeightReceiver(self.engine, host=ray.util.get_node_ip_address(), timeout_s=sync_timeout_s)
@@ -33,10 +34,8 @@ class RolloutServer:
         return self.engine.score(sequences)
 
     def sleep(self) -> None:
+        """Free accelerator memory until the next generate, score or weight update (which wake it)."""
         self.engine.sleep()
-
-    def wake_up(self) -> None:
-        self.engine.wake_up()
 
 
 def start_rollout_actor(model: str, engine_options: dict[str, Any], *, num_cpus: float = 1,

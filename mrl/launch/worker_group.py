@@ -13,7 +13,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mrl.megatron.actor import MegatronActor
+from mrl.workers.actor import MegatronActor
 
 # Workers never print through the driver's console unless asked: their logs stay in Ray's files.
 _WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore::FutureWarning"}

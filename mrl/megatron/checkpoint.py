@@ -58,9 +58,10 @@ def unnest_chunks(nested: dict, count: int) -> list[dict]:
     return [nested] if count == 1 else [nested[f"chunk{i}"] for i in range(count)]
 
 
-def model_sharded_state_dict(trainable: Trainable) -> dict:
-    """The model's sharded state dict, chunks nested (nest_chunks)."""
-    return nest_chunks([chunk.sharded_state_dict() for chunk in trainable.built.chunks])
+def model_sharded_state_dict(built: BuiltModel) -> dict:
+    """The model's sharded state dict, chunks nested (nest_chunks): the one keying of VPP chunks,
+    for training checkpoints and `mrl convert` alike."""
+    return nest_chunks([chunk.sharded_state_dict() for chunk in built.chunks])
 
 
 def _rng_state() -> dict:
@@ -192,7 +193,7 @@ def save_checkpoint(
         tmp = root / f"{cd.TMP_PREFIX}{target.name}-{os.getpid()}"
         tmp.mkdir()
     tmp = _broadcast_path(tmp)
-    model_sd = model_sharded_state_dict(trainable)
+    model_sd = model_sharded_state_dict(trainable.built)
     state = {
         "model": model_sd,
         "optimizer": trainable.optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA),
@@ -308,7 +309,7 @@ def load_checkpoint(path: str | Path, trainable: Trainable, *, load_optimizer: b
     directory = cd.resolve(path)
     manifest = _checked_manifest(directory, trainable.built, value_head=trainable.built.value_head)
     contents = set(manifest.get("contents", []))
-    model_sd = model_sharded_state_dict(trainable)
+    model_sd = model_sharded_state_dict(trainable.built)
     request: dict = {"model": model_sd}
     if load_optimizer and "optimizer" in contents:
         request["optimizer"] = trainable.optimizer.sharded_state_dict(

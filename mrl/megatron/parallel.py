@@ -85,3 +85,16 @@ def from_last_stage(value: Any) -> Any:
     dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
                                group=ps.get_pipeline_model_parallel_group())
     return box[0]
+
+
+def data_parallel_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size()
+
+
+def is_reporter() -> bool:
+    """Whether this rank reports its data-parallel slice's results: the last pipeline stage's TP rank 0."""
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0

@@ -16,28 +16,10 @@ from typing import Any, Callable
 
 import torch
 
+from mrl.config.schema import OptimConfig
 from mrl.megatron.model import BuiltModel
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
-
-
-@dataclass
-class OptimConfig:
-    """Adam, LR schedule and gradient clipping of a run."""
-
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    decay_style: str = "constant"  # "constant", "cosine" or "linear"
-    # None: on with CUDA; off on CPU, where megatron 0.16.1's DistributedOptimizer rejects
-    # non-CUDA parameters (a TypeError on `param.type()`); see make_trainable.
-    use_distributed_optimizer: bool | None = None
 
 
 @dataclass
@@ -70,8 +52,7 @@ def make_trainable(built: BuiltModel, config: OptimConfig) -> Trainable:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if config.decay_style not in ("constant", "cosine", "linear"):
-        raise ValueError(f"decay_style {config.decay_style!r} is not one of constant, cosine, linear")
+    _check_schedule(config)
     distributed = config.use_distributed_optimizer
     if distributed is None:
         distributed = torch.cuda.is_available()
@@ -96,7 +77,7 @@ def make_trainable(built: BuiltModel, config: OptimConfig) -> Trainable:
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
-            adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
+            adam_beta1=config.betas[0], adam_beta2=config.betas[1], adam_eps=config.eps,
             clip_grad=config.clip_grad, bf16=model_config.bf16, params_dtype=model_config.params_dtype,
             use_distributed_optimizer=distributed,
         ),
@@ -104,22 +85,35 @@ def make_trainable(built: BuiltModel, config: OptimConfig) -> Trainable:
     )
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr, min_lr=config.min_lr,
-        lr_warmup_steps=config.warmup_steps, lr_decay_steps=max(config.total_steps, config.warmup_steps + 1),
-        lr_decay_style=config.decay_style, start_wd=config.weight_decay, end_wd=config.weight_decay,
-        wd_incr_steps=max(config.total_steps, 1), wd_incr_style="constant",
+        lr_warmup_steps=config.warmup_steps, lr_decay_steps=_decay_steps(config),
+        lr_decay_style=config.schedule, start_wd=config.weight_decay, end_wd=config.weight_decay,
+        wd_incr_steps=_decay_steps(config), wd_incr_style="constant",
     )
     return Trainable(built, ddp_chunks, optimizer, scheduler, config)
+
+
+def _check_schedule(config: OptimConfig) -> None:
+    if config.schedule not in ("constant", "cosine", "linear"):
+        raise ValueError(f"schedule {config.schedule!r} is not one of constant, cosine, linear")
+    if config.schedule != "constant" and config.total_steps is None:
+        raise ValueError(f"a {config.schedule} LR schedule needs total_steps (mrl.config.derived.optim_for sets it)")
+
+
+def _decay_steps(config: OptimConfig) -> int:
+    """Megatron's scheduler wants a decay length past the warmup, even for a constant schedule."""
+    return max(config.total_steps or 1, config.warmup_steps + 1)
 
 
 def restart_lr_schedule(trainable: Trainable, config: OptimConfig) -> None:
     """Start a new LR schedule (warmup, peak, decay) from step 0, keeping Adam's moments: how an
     SFT warm start hands over to RL, which wants a much smaller learning rate."""
+    _check_schedule(config)
     scheduler = trainable.scheduler
     scheduler.init_lr = 0.0 if config.warmup_steps else config.lr
     scheduler.max_lr, scheduler.min_lr = config.lr, config.min_lr
     scheduler.lr_warmup_steps = config.warmup_steps
-    scheduler.lr_decay_steps = max(config.total_steps, config.warmup_steps + 1)
-    scheduler.lr_decay_style = config.decay_style
+    scheduler.lr_decay_steps = _decay_steps(config)
+    scheduler.lr_decay_style = config.schedule
     for group in trainable.optimizer.param_groups:  # Megatron's groups carry their own peak and floor
         group["max_lr"], group["min_lr"] = config.lr, config.min_lr
     scheduler.num_steps = 0

@@ -7,12 +7,11 @@ view of the engine: the log-probability the engine assigns to each given token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-import torch
+from mrl.sync.wire import Bucket, WeightUpdateReport
 
-Bucket = list[tuple[str, torch.Tensor]]  # (HF name, full tensor) pairs
 
 
 @dataclass(frozen=True)
@@ -40,20 +39,6 @@ class Generation:
     finish_reason: str | None = None
 
 
-@dataclass
-class WeightUpdateReport:
-    """What the engine received in one update: per-tensor checksums and parameters left stale."""
-
-    tensors: int = 0
-    bytes: int = 0
-    checksums: dict[str, tuple[float, float]] = field(default_factory=dict)
-    not_updated: list[str] = field(default_factory=list)  # engine parameters no tensor reached
-    mismatched: list[str] = field(default_factory=list)  # arrived different from what was sent, in order
-    load_seconds: float = 0.0  # inside the backend's load_weights
-    finish_seconds: float = 0.0  # post-load processing (re-packing, derived matrices) and cache reset
-    finished_at: float = 0.0  # wall clock (time.time()) when the engine was ready with the new weights
-
-
 class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
         """Per prompt, `sampling.n` generations."""
@@ -69,6 +54,7 @@ class RolloutEngine(Protocol):
         """Post-load processing (e.g. MLA's derived matrices), prefix-cache reset, the report."""
 
     def sleep(self) -> None:
-        """Release accelerator memory between rollouts where the backend allows it."""
+        """Release accelerator memory between rollouts where the backend allows it. generate,
+        score and begin_weight_update wake the engine themselves: no caller has to remember to."""
 
     def wake_up(self) -> None: ...

@@ -16,8 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
-from mrl.rollout.engine import Bucket, Generation, SamplingSettings, WeightUpdateReport
-from mrl.rollout.weight_sync import tensor_checksum, wire_dtype
+from mrl.rollout.engine import Generation, SamplingSettings
+from mrl.sync.wire import Bucket, WeightUpdateReport, tensor_checksum, wire_dtype
 
 # The engine lives in the caller's process (one engine per process): no hidden engine core process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -168,6 +168,7 @@ class VLLMEngine:
         return {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else prompt
 
     def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
+        self.wake_up()  # whoever slept the engine (colocated training), generating wakes it
         outputs = self.llm.generate([self._prompt(p) for p in prompts], self._params(sampling), use_tqdm=False)
         return [
             [
@@ -184,6 +185,7 @@ class VLLMEngine:
         ]
 
     def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
+        self.wake_up()
         params = self._params(SamplingSettings(max_tokens=1), prompt_logprobs=0)
         outputs = self.llm.generate([self._prompt(list(s)) for s in sequences], params, use_tqdm=False)
         return [
@@ -194,6 +196,7 @@ class VLLMEngine:
     # --- weight updates ---------------------------------------------------------------------
 
     def begin_weight_update(self) -> None:
+        self.wake_up()  # weights load into the engine's memory: it must hold it again
         self._loaded = set()
         self._report = WeightUpdateReport()
         self.llm.collective_rpc(_begin_reload)

@@ -13,7 +13,7 @@ import torch
 
 from mrl.layout import ParallelLayout
 from mrl.megatron.local_launch import run_local
-from mrl.verify import probe_tokens, reference_logits
+from mrl.bridge.verify import probe_tokens, reference_logits
 
 WORLD = 4
 DENSE_LAYOUTS = {

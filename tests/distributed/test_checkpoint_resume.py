@@ -39,7 +39,7 @@ def _setup(hf_dir: str, layout: ParallelLayout):
     spec = model_spec_from_hf(hf_dir)
     built = build_model(spec, layout)
     load_hf_weights(built, coords, hf_dir)
-    trainable = make_trainable(built, OptimConfig(lr=1e-3, warmup_steps=1, decay_style="cosine", total_steps=10))
+    trainable = make_trainable(built, OptimConfig(lr=1e-3, warmup_steps=1, schedule="cosine", total_steps=10))
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, spec.vocab_size, (4, 17), generator=generator) for _ in range(STEPS)]
     return coords, trainable, batches

@@ -27,7 +27,7 @@ import torch
 
 from mrl.layout import ParallelLayout
 from mrl.megatron.local_launch import run_local
-from mrl.verify import probe_tokens, reference_logits
+from mrl.bridge.verify import probe_tokens, reference_logits
 
 TOLERANCE = 1e-4  # max |logit difference| to transformers, as in the parity suite
 

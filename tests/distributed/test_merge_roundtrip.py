@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoints_tools import merge as merge_mod
+from mrl.cli.merge import main as merge_main
 from checkpoints_tools.convert import checkpoint_manifest, copy_hf_metadata
 from mrl import checkpoint_dir as cd
 from mrl.layout import ParallelLayout
@@ -116,7 +117,7 @@ def test_multi_shard_index_and_workers(checkpoints, tiny_model_dir, tmp_path):
 
 
 def test_verify_cli(checkpoints, tmp_path, capsys):
-    rc = merge_mod.main([str(checkpoints["qwen3_moe", "TP2xPP2"]), "--out", str(tmp_path / "hf"), "--verify",
+    rc = merge_main([str(checkpoints["qwen3_moe", "TP2xPP2"]), "--out", str(tmp_path / "hf"), "--verify",
                          "--no-progress"])
     summary = json.loads(capsys.readouterr().out)
     assert rc == 0 and summary["verify"]["ok"], summary
@@ -131,7 +132,7 @@ def _copy(root: Path, tmp_path: Path) -> Path:
 
 
 def _fails(capsys, argv: list[str], match: str) -> None:
-    rc = merge_mod.main(argv + ["--no-progress"])
+    rc = merge_main(argv + ["--no-progress"])
     err = capsys.readouterr().err.strip()
     assert rc == 2, err
     assert len(err.splitlines()) == 1 and match in err, err
@@ -166,7 +167,7 @@ def test_existing_output_needs_force(checkpoints, tmp_path, capsys):
     (tmp_path / "o" / "keep").write_text("x")
     _fails(capsys, [str(checkpoints["qwen3", "TP2"]), "--out", str(tmp_path / "o")], "pass --force")
     assert (tmp_path / "o" / "keep").read_text() == "x"
-    assert merge_mod.main([str(checkpoints["qwen3", "TP2"]), "--out", str(tmp_path / "o"), "--force",
+    assert merge_main([str(checkpoints["qwen3", "TP2"]), "--out", str(tmp_path / "o"), "--force",
                            "--no-progress"]) == 0
     assert not (tmp_path / "o" / "keep").exists() and (tmp_path / "o" / "config.json").is_file()
 

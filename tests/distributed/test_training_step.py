@@ -32,7 +32,7 @@ def _train_layouts(rank: int, world_size: int, hf_dir: str) -> dict:
 
     spec = model_spec_from_hf(hf_dir)
     tokens = torch.randint(0, spec.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
-    config = OptimConfig(lr=1e-3, clip_grad=1.0, warmup_steps=1, decay_style="cosine", total_steps=10)
+    config = OptimConfig(lr=1e-3, clip_grad=1.0, warmup_steps=1, schedule="cosine", total_steps=10)
     results = {}
     for name, layout in LAYOUTS.items():
         coords = initialize_layout(layout)

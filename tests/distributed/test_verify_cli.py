@@ -8,7 +8,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from mrl.verify import main as verify_main
+from mrl.cli.verify import main as verify_main
 
 
 def _copy(src, dst):

@@ -15,9 +15,10 @@ import torch
 
 from mrl.layout import ParallelLayout
 from mrl.megatron.local_launch import WorkerError, run_local
-from mrl.rollout.engine import WeightUpdateReport
-from mrl.rollout.parity import ParityError, check_parity, logprob_gap
-from mrl.rollout.weight_sync import SyncEndpoint, WeightReceiver, tensor_checksum
+from mrl.sync.wire import WeightUpdateReport
+from mrl.sync.parity import ParityError, check_parity, logprob_gap
+from mrl.sync import SyncEndpoint, WeightReceiver
+from mrl.sync.wire import tensor_checksum
 
 
 class RecordingEngine:
@@ -68,7 +69,7 @@ def _push(rank, world, hf_dir, layout, endpoint, transport, timeout_s):
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import initialize_layout
     from mrl.models.registry import model_spec_from_hf
-    from mrl.rollout.weight_sync import WeightSender
+    from mrl.sync.sender import WeightSender
 
     coords = initialize_layout(layout)
     built = build_model(model_spec_from_hf(hf_dir), layout)

@@ -2,7 +2,7 @@
 
 One layout per architecture here (the sync test covers every layout per architecture); the
 engine runs in fp32 so the tolerance can be tight, and once in its default dtype (bf16 for these
-fp32 checkpoints) with the default bf16 tolerance.
+fp32 checkpoints) with the default tolerance: the model's own bf16 noise, measured before the update.
 """
 
 from __future__ import annotations
@@ -11,18 +11,20 @@ import json
 
 import pytest
 
-from mrl.verify import main as verify_main
+from mrl.cli.verify import main as verify_main
 
 CASES = [
     ("llama", ["--tp", "2"], "colocated", "float32"),
     ("qwen2", ["--pp", "2"], "broadcast", "float32"),
-    ("qwen3", ["--tp", "2"], "broadcast", "auto"),
     ("qwen3_moe", ["--ep", "2", "--tp", "2"], "broadcast", "float32"),
     ("deepseek_v3", ["--ep", "2"], "colocated", "float32"),
+    # The defaults on a bf16 engine: a fixed 2e-2 bound failed this correct model (max 0.046);
+    # the bound is now its measured noise before the update.
+    ("deepseek_v3", ["--pp", "2", "--ep", "2"], "broadcast", "auto"),
 ]
 
 
-@pytest.mark.parametrize("arch,layout,transport,dtype", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("arch,layout,transport,dtype", CASES, ids=[f"{c[0]}-{'x'.join(c[1][1::2])}-{c[3]}" for c in CASES])
 def test_verify_rollout(arch, layout, transport, dtype, tiny_model_dir, capsys):
     tol = ["--tol", "1e-4"] if dtype == "float32" else []
     code = verify_main(["--hf", str(tiny_model_dir(arch)), *layout, "--rollout", "vllm", "--transport", transport,
@@ -31,3 +33,4 @@ def test_verify_rollout(arch, layout, transport, dtype, tiny_model_dir, capsys):
     assert code == 0, summary
     assert summary["match"]["tokens_equal"] and summary["changed"]["ok"] and summary["sync"]["ok"]
     assert summary["engine_dtype"] == ("torch.float32" if dtype == "float32" else "torch.bfloat16")
+    assert summary["match"]["tol"] == (1e-4 if dtype == "float32" else max(2e-2, 3 * summary["match"]["noise_before_update"]))

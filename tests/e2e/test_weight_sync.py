@@ -32,7 +32,7 @@ def _push(rank, world, hf_dir, layout, endpoint, transport, sync_id, probe):
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import initialize_layout
     from mrl.models.registry import model_spec_from_hf
-    from mrl.rollout.weight_sync import WeightSender
+    from mrl.sync.sender import WeightSender
 
     coords = initialize_layout(layout)
     built = build_model(model_spec_from_hf(hf_dir), layout)
@@ -48,7 +48,7 @@ def _push(rank, world, hf_dir, layout, endpoint, transport, sync_id, probe):
 def test_sync_makes_vllm_match_megatron(arch, tiny_model_dir, tmp_path, ray_local):
     from mrl.launch.rollout_actor import start_rollout_actor
     from mrl.models.registry import model_spec_from_hf
-    from mrl.rollout.parity import logprob_gap, probe_sequences
+    from mrl.sync.parity import logprob_gap, probe_sequences
 
     models = [tiny_model_dir(arch), write_tiny_model(arch, tmp_path / "b", seed=7)]
     probe = probe_sequences(model_spec_from_hf(models[0]).vocab_size)
@@ -78,7 +78,7 @@ def test_rollout_tp_is_independent_of_the_trainer_layout(tiny_model_dir, tmp_pat
     """A TP2 engine (two vLLM worker processes) fed by a PP2 trainer over two stage channels."""
     from mrl.launch.rollout_actor import start_rollout_actor
     from mrl.models.registry import model_spec_from_hf
-    from mrl.rollout.parity import logprob_gap, probe_sequences
+    from mrl.sync.parity import logprob_gap, probe_sequences
 
     start, target = tiny_model_dir("qwen3"), write_tiny_model("qwen3", tmp_path / "b", seed=7)
     probe = probe_sequences(model_spec_from_hf(start).vocab_size)

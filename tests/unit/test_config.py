@@ -239,7 +239,7 @@ def test_all_errors_are_reported_together():
 
 
 def test_config_cli(capsys):
-    from mrl.config.check import main
+    from mrl.cli.config import main
 
     assert main([str(TINY), "algo.kl_coef=0.5"]) == 0
     out = capsys.readouterr().out

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from mrl.launch.commands import sft, train
+from mrl.cli.train import sft, train
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu_grpo.yaml")
 
@@ -27,7 +27,7 @@ def test_missing_data_file_is_named(capsys):
 def test_an_earlier_sft_checkpoint_is_not_overwritten(tmp_path):
     from mrl import checkpoint_dir as cd
     from mrl.config import load_config
-    from mrl.trainer import refuse_to_overwrite
+    from mrl.run import refuse_to_overwrite
 
     earlier = tmp_path / "ckpt" / "sft" / "iter_0000250"
     earlier.mkdir(parents=True)
@@ -40,7 +40,7 @@ def test_an_earlier_sft_checkpoint_is_not_overwritten(tmp_path):
 
 def test_the_recorded_sft_start_survives_moving_the_checkpoint_tree(tmp_path):
     from mrl import checkpoint_dir as cd
-    from mrl.trainer import located_rl_start, portable_rl_start
+    from mrl.run import located_rl_start, portable_rl_start
 
     run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     for root, step in ((run / "sft", 250), (run, 10), (elsewhere, 7)):

@@ -1,26 +1,23 @@
-"""`mrl verify`: prove that a HuggingFace checkpoint means the same thing in a Megatron layout.
-
-With `--rollout vllm` it proves the weight sync instead (mrl/launch/verify_rollout.py).
+"""Prove that a HuggingFace checkpoint means the same thing in a Megatron layout (`mrl verify`,
+whose command line is mrl/cli/verify.py; `--rollout vllm` proves the weight sync instead).
 
 1. Load the checkpoint into Megatron in the requested layout (local processes, gloo on CPU).
 2. Run probe token ids through the pipeline and compare logits with transformers in fp32.
 3. Export the Megatron shards back to HF tensors and compare each with the file, bitwise.
-Prints a JSON summary; exits 0 when both checks pass, 1 when one fails, 2 on bad input.
+Returns a JSON-ready summary with an "ok" per check.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from typing import Any
 
 import torch
 
-from mrl.layout import LayoutError, ParallelLayout
-from mrl.megatron.local_launch import WorkerError, run_local
-from mrl.models.registry import UnsupportedModelError, model_spec_from_hf
+from mrl.config.schema import DEFAULT_BUCKET_MB
+from mrl.layout import ParallelLayout
+from mrl.megatron.local_launch import run_local
+from mrl.models.registry import model_spec_from_hf
 
 PROBE_SEED = 1234
 PROBE_SHAPE = (2, 16)  # sequences × tokens
@@ -81,7 +78,7 @@ def reference_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def verify(hf_dir: str, layout: ParallelLayout, *, tol: float = 1e-4, transformer_impl: str = "auto",
-           bucket_bytes: int = 512 * 1024**2) -> dict[str, Any]:
+           bucket_bytes: int = DEFAULT_BUCKET_MB << 20) -> dict[str, Any]:
     """Run both checks and return the summary (raises LayoutError/UnsupportedModelError on bad input)."""
     spec = model_spec_from_hf(hf_dir)
     world_size = layout.min_world_size()
@@ -103,55 +100,3 @@ def verify(hf_dir: str, layout: ParallelLayout, *, tol: float = 1e-4, transforme
     }
     summary["ok"] = summary["logits"]["ok"] and export["ok"]
     return summary
-
-
-def parse_layout(args: argparse.Namespace) -> ParallelLayout:
-    return ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp)
-
-
-def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    parser.add_argument("--ep", type=int, default=1, help="expert parallel size")
-    parser.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
-    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mrl verify", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hf", required=True, help="HuggingFace model directory (config.json + safetensors)")
-    add_layout_arguments(parser)
-    parser.add_argument("--tol", type=float, default=None,
-                        help="max |logit diff| vs transformers (default 1e-4, fp32); with --rollout, max "
-                             "|logprob diff| vLLM vs Megatron after the sync (default 2e-2, bf16-safe)")
-    parser.add_argument("--rollout", choices=("vllm",), default=None,
-                        help="instead: train one step, sync to a vLLM engine, check it matches Megatron")
-    parser.add_argument("--transport", choices=("broadcast", "colocated"), default="broadcast",
-                        help="weight-sync transport for --rollout")
-    parser.add_argument("--engine-dtype", default="auto", help="vLLM dtype for --rollout (auto: the checkpoint's)")
-    parser.add_argument("--transformer-impl", default="auto", choices=("auto", "local", "transformer_engine"))
-    parser.add_argument("--bucket-mb", type=int, default=512, help="export bucket size")
-    parser.add_argument("--debug", action="store_true", help="print full worker tracebacks")
-    args = parser.parse_args(argv)
-    try:
-        if args.rollout:
-            from mrl.launch.verify_rollout import verify_rollout
-
-            summary = verify_rollout(args.hf, parse_layout(args), transport=args.transport,
-                                     tol=2e-2 if args.tol is None else args.tol, engine_dtype=args.engine_dtype,
-                                     bucket_bytes=args.bucket_mb * 1024**2)
-        else:
-            summary = verify(args.hf, parse_layout(args), tol=1e-4 if args.tol is None else args.tol,
-                             transformer_impl=args.transformer_impl, bucket_bytes=args.bucket_mb * 1024**2)
-    except (LayoutError, UnsupportedModelError) as err:
-        print(f"mrl verify: {err}", file=sys.stderr)
-        return 2
-    except WorkerError as err:
-        print(f"mrl verify: {err if args.debug else err.summary}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, indent=2, ensure_ascii=False))
-    return 0 if summary["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

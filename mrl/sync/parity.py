@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mrl.rollout.engine import WeightUpdateReport
+from mrl.sync.wire import WeightUpdateReport
 
 PROBE_SEED = 4321
 

@@ -1,4 +1,5 @@
-"""The `mrl` command: one entry point, one module per subcommand."""
+"""The `mrl` command: one entry point, one module per subcommand. The command-line modules live
+here, above the library they call (mrl-merge is mrl.cli.merge)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import sys
 
 # subcommand → (module with main(argv), or module:function, one-line help)
 SUBCOMMANDS = {
-    "verify": ("mrl.verify", "check HF ⇄ Megatron parity (logits and bitwise export) in a layout"),
+    "verify": ("mrl.cli.verify", "check HF ⇄ Megatron parity (logits and bitwise export) in a layout"),
     "tiny-model": ("mrl.models.tiny", "write a tiny random HF model of a supported architecture"),
-    "config": ("mrl.config.check", "validate a run config (recipe + overrides) and print it resolved"),
-    "convert": ("checkpoints_tools.convert", "convert a HuggingFace model into an mrl checkpoint in a layout (hf-to-mcore)"),
-    "train": ("mrl.launch.commands:train", "RL training (SFT warm start when trainer.sft_steps > 0) from a recipe"),
-    "sft": ("mrl.launch.commands:sft", "supervised fine-tuning only, ending in a checkpoint"),
+    "config": ("mrl.cli.config", "validate a run config (recipe + overrides) and print it resolved"),
+    "convert": ("mrl.cli.convert", "convert a HuggingFace model into an mrl checkpoint in a layout (hf-to-mcore)"),
+    "train": ("mrl.cli.train:train", "RL training (SFT warm start when trainer.sft_steps > 0) from a recipe"),
+    "sft": ("mrl.cli.train:sft", "supervised fine-tuning only, ending in a checkpoint"),
 }
 
 

@@ -1,9 +1,11 @@
 """One rank of the Megatron actor (or of a PPO critic): what a trainer worker process holds and the
 work it is asked to do.
 
-A plain class (no Ray): mrl/launch/worker_group.py runs one per process as a Ray actor, tests may
-run it under run_local. Every method except `address` is collective: the driver calls it on every
-rank at once with the same arguments.
+A plain class (no Ray): mrl/launch/worker_group.py runs one per process as a Ray actor, and the
+driver calls it through the typed proxy mrl.launch.proxies.ActorGroup; tests may run it under
+run_local. It sits above megatron, bridge and sync (it joins them), so none of those imports it.
+Every method except `address` is collective: the driver calls it on every rank at once with the
+same arguments.
 
 Batches arrive whole on every rank (see mrl/experience.py for their layout); each rank keeps the
 rows of its data-parallel slice. Results come back from one rank per DP slice (the last pipeline
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mrl.config.schema import OptimConfig
 from mrl.layout import ParallelLayout
 
 
@@ -34,10 +37,8 @@ class ActorSetup:
     params_dtype: str = "float32"
     transformer_impl: str = "auto"
     seed: int = 0
-    optim: dict | None = None  # mrl.megatron.training.OptimConfig fields
+    optim: OptimConfig = field(default_factory=OptimConfig)  # also the update's micro-batching
     reference: bool = False  # keep a frozen copy of the initial weights for the KL term
-    micro_batch_size: int = 1
-    max_tokens_per_micro_batch: int | None = None
     value_head: bool = False  # a PPO critic: the same transformer with a scalar value head
 
 
@@ -47,6 +48,7 @@ class MegatronActor:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.trainable = self.reference = self.coords = self.setup_args = self.sender = self.saver = None
+        self.sender_settings: tuple | None = None
 
     def hostname(self) -> str:
         return socket.gethostname()
@@ -75,7 +77,7 @@ class MegatronActor:
         from mrl.bridge.hf_import import load_hf_weights
         from mrl.megatron.model import build_model
         from mrl.megatron.parallel import initialize_layout
-        from mrl.megatron.training import OptimConfig, make_trainable
+        from mrl.megatron.training import make_trainable
         from mrl.models.registry import model_spec_from_hf
 
         self.setup_args = args
@@ -89,7 +91,7 @@ class MegatronActor:
             load_hf_weights(built, self.coords, args.hf_dir)
             return built
 
-        self.trainable = make_trainable(load(), OptimConfig(**(args.optim or {})))
+        self.trainable = make_trainable(load(), args.optim)
         if args.reference:
             self.reference = load()
             for chunk in self.reference.chunks:
@@ -97,92 +99,97 @@ class MegatronActor:
         params = sum(p.numel() for chunk in self.trainable.built.chunks for p in chunk.parameters())
         return {"rank": self.rank, "coords": vars(self.coords), "params": params}
 
-    def restart_lr_schedule(self, optim: dict) -> None:
+    def restart_lr_schedule(self, optim: OptimConfig) -> None:
         """A new learning-rate schedule from step 0 (SFT → RL hand-over); Adam's moments stay."""
-        from mrl.megatron.training import OptimConfig, restart_lr_schedule
+        from mrl.megatron.training import restart_lr_schedule
 
-        restart_lr_schedule(self.trainable, OptimConfig(**optim))
+        restart_lr_schedule(self.trainable, optim)
 
     # --- per-step work -------------------------------------------------------------------------
 
     def _mine(self, batch: dict) -> dict:
-        from megatron.core import parallel_state as ps
-
+        from mrl.megatron.parallel import data_parallel_size
         from mrl.megatron.policy import data_parallel_rows
 
-        return data_parallel_rows(batch, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        return data_parallel_rows(batch, self.coords.dp, data_parallel_size())
 
-    def _reporter(self) -> bool:
-        from megatron.core import parallel_state as ps
+    def _report(self, result: dict | None) -> dict | None:
+        """{"dp": ..., **result} from the rank that reports its DP slice; None from the others."""
+        from mrl.megatron.parallel import is_reporter
 
-        return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+        return {"dp": self.coords.dp, **result} if result is not None and is_reporter() else None
 
     def logprobs(self, batch: dict, reference: bool = False, with_entropy: bool = False) -> dict | None:
         """Per-token log-probs [B/DP, L] of this rank's slice under the actor (or the reference)."""
         from mrl.megatron.policy import compute_logprobs
 
         model = self.reference if reference else self.trainable
-        args = self.setup_args  # the update's micro-batching: the first step's ratio is then exactly 1
-        out = compute_logprobs(model, self._mine(batch), args.layout.tp, args.micro_batch_size,
-                               with_entropy=with_entropy, max_tokens=args.max_tokens_per_micro_batch)
-        return {"dp": self.coords.dp, **out} if out is not None and self._reporter() else None
+        optim = self.setup_args.optim  # the update's micro-batching: the first step's ratio is then exactly 1
+        return self._report(compute_logprobs(model, self._mine(batch), self.setup_args.layout.tp,
+                                             optim.micro_batch_size, with_entropy=with_entropy,
+                                             max_tokens=optim.max_tokens_per_micro_batch))
 
     def update(self, batch: dict, algo: Any) -> dict | None:
         """One optimizer step of the policy loss on this rank's slice; metrics from the reporters."""
         from mrl.megatron.policy import update_actor
 
-        metrics = update_actor(self.trainable, self._mine(batch), algo, self.setup_args.micro_batch_size,
-                               self.setup_args.max_tokens_per_micro_batch)
-        return {"dp": self.coords.dp, **metrics} if self._reporter() else None
+        optim = self.setup_args.optim
+        return self._report(update_actor(self.trainable, self._mine(batch), algo, optim.micro_batch_size,
+                                         optim.max_tokens_per_micro_batch))
 
     def values(self, batch: dict) -> dict | None:
         """A critic's values [B/DP, L] of this rank's slice (the update's micro-batching)."""
         from mrl.megatron.policy import compute_values
 
-        args = self.setup_args
-        out = compute_values(self.trainable, self._mine(batch), args.micro_batch_size, args.max_tokens_per_micro_batch)
-        return {"dp": self.coords.dp, **out} if out is not None and self._reporter() else None
+        optim = self.setup_args.optim
+        return self._report(compute_values(self.trainable, self._mine(batch), optim.micro_batch_size,
+                                           optim.max_tokens_per_micro_batch))
 
     def update_critic(self, batch: dict, cliprange: float, aggregation: str) -> dict | None:
         """One optimizer step of a critic's clipped value loss on this rank's slice."""
         from mrl.megatron.policy import update_critic
 
-        args = self.setup_args
-        metrics = update_critic(self.trainable, self._mine(batch), cliprange, aggregation, args.micro_batch_size,
-                                args.max_tokens_per_micro_batch)
-        return {"dp": self.coords.dp, **metrics} if self._reporter() else None
+        optim = self.setup_args.optim
+        return self._report(update_critic(self.trainable, self._mine(batch), cliprange, aggregation,
+                                          optim.micro_batch_size, optim.max_tokens_per_micro_batch))
 
     def sft_step(self, batch: dict) -> dict | None:
         """One optimizer step of masked next-token loss (response tokens only)."""
         from mrl.megatron.policy import update_sft
 
-        metrics = update_sft(self.trainable, self._mine(batch), self.setup_args.micro_batch_size,
-                           self.setup_args.max_tokens_per_micro_batch)
-        return {"dp": self.coords.dp, **metrics} if self._reporter() else None
+        optim = self.setup_args.optim
+        return self._report(update_sft(self.trainable, self._mine(batch), optim.micro_batch_size,
+                                       optim.max_tokens_per_micro_batch))
 
     def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]] | None:
         """The trainer's side of the parity gate (full sequences, whole vocabulary; tiny batches)."""
         from mrl.megatron.forward import sequence_logprobs
 
+        from mrl.megatron.parallel import is_reporter
+
         out = sequence_logprobs(self.trainable.built, sequences)
-        return out if out is not None and self._reporter() and self.coords.dp == 0 else None
+        return out if out is not None and is_reporter() and self.coords.dp == 0 else None
 
     # --- weight sync and checkpoints ---------------------------------------------------------
 
     def push_weights(self, endpoint: Any, sync_id: str, transport: str, bucket_bytes: int,
                      timeout_s: float) -> dict | None:
-        """Stream the current weights to the rollout engine; the leader's report, else None."""
-        from mrl.rollout.weight_sync import WeightSender
+        """Stream the current weights to the rollout engine; the leader's report, else None. The
+        sender (and its process groups, a collective) is made at the first sync; a later sync with
+        other settings is refused rather than silently sent with the first's."""
+        from mrl.sync.sender import WeightSender
 
-        if self.sender is None:  # its process groups are made once (a collective)
+        settings = (endpoint, transport, bucket_bytes, timeout_s)
+        if self.sender is None:
             self.sender = WeightSender(endpoint, self.trainable.built, self.coords, transport=transport,
                                        bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+            self.sender_settings = settings
+        elif settings != self.sender_settings:
+            raise ValueError(f"rank {self.rank}: push_weights was first called with {self.sender_settings} "
+                             f"and now with {settings}: one sender per run")
         sent = self.sender.push(sync_id)
         return None if sent is None else {"bytes": sent.bytes, "seconds": sent.seconds,
                                           "checksums": sent.checksums}
-
-    def sync_channels(self) -> int:
-        return 1 if self.sender is None or self.sender.transport == "colocated" else self.setup_args.layout.pp
 
     def save(self, root: str, step: int, data_state: dict, config: dict, keep: int, async_save: bool) -> None:
         """Save iteration `step` under `root`, keep the newest `keep` (an async save publishes at the

@@ -1,0 +1,70 @@
+"""Settings derived from a RunConfig, computed in one place: the launcher, the trainer and
+validation all read them from here (world size, data-parallel size, the optimizer of each phase,
+the engine's options), so no two layers can disagree about them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Literal
+
+from mrl.config.schema import OptimConfig, RunConfig
+from mrl.layout import ParallelLayout
+
+
+def layout_of(cfg: RunConfig) -> ParallelLayout:
+    p = cfg.parallel
+    return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
+                          first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
+
+
+def actor_gpus(cfg: RunConfig) -> int:
+    """GPUs the actor may use: the cluster's, less those reserved for rollout (separate placement)."""
+    launch = cfg.launch
+    reserved = launch.rollout_gpus if launch.placement == "separate" else 0
+    return launch.num_nodes * launch.gpus_per_node - reserved
+
+
+def actor_world_size(cfg: RunConfig) -> int:
+    """Actor processes: parallel.world_size, else every actor GPU (a CPU run: the layout's minimum)."""
+    if cfg.parallel.world_size:
+        return cfg.parallel.world_size
+    if cfg.launch.gpus_per_node == 0:
+        return layout_of(cfg).min_world_size()
+    return actor_gpus(cfg)
+
+
+def data_parallel_size(cfg: RunConfig) -> int:
+    return actor_world_size(cfg) // (cfg.parallel.tp * cfg.parallel.pp)
+
+
+def has_critic(cfg: RunConfig) -> bool:
+    return cfg.algo.advantage_estimator == "gae"
+
+
+def optim_for(cfg: RunConfig, phase: Literal["rl", "sft", "critic"] = "rl") -> OptimConfig:
+    """optim with the schedule of a phase: RL over trainer.total_steps; the SFT warm start at
+    trainer.sft_lr, constant after the warmup, over trainer.sft_steps; the critic as RL at critic.lr."""
+    o = cfg.optim
+    rl = replace(o, total_steps=o.total_steps or cfg.trainer.total_steps)
+    if phase == "sft":
+        return replace(o, lr=cfg.trainer.sft_lr or o.lr, min_lr=0.0, schedule="constant",
+                       total_steps=cfg.trainer.sft_steps)
+    if phase == "critic":
+        lr = cfg.critic.lr or o.lr
+        return replace(rl, lr=lr, min_lr=min(o.min_lr, lr))
+    return rl
+
+
+def engine_options(cfg: RunConfig) -> dict[str, Any]:
+    """vllm.LLM keyword arguments of the rollout section."""
+    r = cfg.rollout
+    options = dict(tensor_parallel_size=r.tensor_parallel_size, dtype=r.dtype, max_model_len=r.max_model_len,
+                   enforce_eager=r.enforce_eager, seed=r.seed, gpu_memory_utilization=r.gpu_memory_utilization)
+    if r.kv_cache_memory_mb is not None:
+        options["kv_cache_memory_bytes"] = r.kv_cache_memory_mb << 20
+    return options
+
+
+def sync_channels(cfg: RunConfig) -> int:
+    """Channels a weight sync opens: one per pipeline stage (broadcast), or one (colocated)."""
+    return 1 if cfg.sync.transport == "colocated" else cfg.parallel.pp

@@ -1,0 +1,146 @@
+"""Typed calls from the driver to its workers: one method per worker method, same name, same
+arguments, so a reader (and an editor's go-to-definition) follows `actor.save(...)` to
+MegatronActor.save and `engine.generate(...)` to RolloutServer.generate.
+
+Every call names the worker method by reference (MegatronActor.save, not "save") and checks its
+arguments against that method's signature before anything is sent: a wrong call fails on the
+driver, at once, with Python's own message.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Sequence
+
+import ray
+import torch
+
+from mrl.config.schema import OptimConfig
+from mrl.launch.rollout_actor import RolloutServer
+from mrl.launch.worker_group import WorkerGroup
+from mrl.rollout.engine import Generation, SamplingSettings
+from mrl.sync.channel import SyncEndpoint
+from mrl.sync.wire import WeightUpdateReport
+from mrl.workers.actor import ActorSetup, MegatronActor
+
+
+def _checked(method: Callable, *args: Any, **kwargs: Any) -> str:
+    """`method`'s name, once its signature accepts these arguments (self excluded)."""
+    inspect.signature(method).bind(None, *args, **kwargs)
+    return method.__name__
+
+
+class ActorGroup:
+    """The Megatron ranks of one worker group (the actor, or a PPO critic): typed collective calls."""
+
+    def __init__(self, group: WorkerGroup):
+        self.group = group
+
+    def _all(self, method: Callable, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        return self.group.call(_checked(method, *args), *args, timeout_s=timeout_s)
+
+    def _by_dp(self, method: Callable, *args: Any) -> list[dict]:
+        return self.group.by_dp(_checked(method, *args), *args)
+
+    def _first(self, method: Callable, *args: Any) -> Any:
+        return self.group.first(_checked(method, *args), *args)
+
+    # --- set-up and schedule ------------------------------------------------------------------
+
+    def setup(self, setup: ActorSetup) -> list[dict]:
+        return self._all(MegatronActor.setup, setup)
+
+    def restart_lr_schedule(self, optim: OptimConfig) -> None:
+        self._all(MegatronActor.restart_lr_schedule, optim)
+
+    # --- per-step work --------------------------------------------------------------------------
+
+    def logprobs(self, batch: dict, reference: bool = False) -> torch.Tensor:
+        """[B, L] log-probs of the whole batch under the policy (or the frozen reference)."""
+        return torch.cat([r["logprobs"] for r in self._by_dp(MegatronActor.logprobs, batch, reference)])
+
+    def values(self, batch: dict) -> torch.Tensor:
+        """[B, L] values of the whole batch (a critic)."""
+        return torch.cat([r["values"] for r in self._by_dp(MegatronActor.values, batch)])
+
+    def update(self, batch: dict, algo: Any) -> list[dict]:
+        """One policy step; each DP slice's metrics."""
+        return self._by_dp(MegatronActor.update, batch, algo)
+
+    def update_critic(self, batch: dict, cliprange: float, aggregation: str) -> list[dict]:
+        return self._by_dp(MegatronActor.update_critic, batch, cliprange, aggregation)
+
+    def sft_step(self, batch: dict) -> list[dict]:
+        return self._by_dp(MegatronActor.sft_step, batch)
+
+    def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return self._first(MegatronActor.probe_logprobs, sequences)
+
+    # --- weight sync and checkpoints ------------------------------------------------------------
+
+    def push_weights(self, endpoint: SyncEndpoint, sync_id: str, transport: str, bucket_bytes: int,
+                     timeout_s: float) -> dict:
+        """The sending leader's report (bytes, seconds, checksums)."""
+        return self._first(MegatronActor.push_weights, endpoint, sync_id, transport, bucket_bytes, timeout_s)
+
+    def save(self, root: str, step: int, data_state: dict, config: dict, keep: int, async_save: bool) -> None:
+        self._all(MegatronActor.save, root, step, data_state, config, keep, async_save)
+
+    def finish_save(self) -> None:
+        self._all(MegatronActor.finish_save)
+
+    def load(self, path: str) -> dict:
+        """{"step", "data"} of the loaded checkpoint (rank 0's; every rank loads the same)."""
+        return self._all(MegatronActor.load, path)[0]
+
+    def load_policy(self, path: str, into_reference: bool = False) -> None:
+        self._all(MegatronActor.load_policy, path, into_reference)
+
+    def shutdown(self, timeout_s: float = 120.0) -> None:
+        """Finish saves and leave the process group, then stop the processes."""
+        try:
+            self._all(MegatronActor.shutdown, timeout_s=timeout_s)
+        finally:
+            self.group.shutdown()
+
+
+class PendingReport:
+    """An engine's weight receipt in progress (the engine blocks in it until the update is whole)."""
+
+    def __init__(self, ref: Any, timeout_s: float):
+        self.ref, self.timeout_s = ref, timeout_s
+
+    def result(self) -> WeightUpdateReport:
+        return ray.get(self.ref, timeout=self.timeout_s)
+
+
+class EngineHandle:
+    """The rollout engine's Ray actor: typed calls, each waited for with a timeout."""
+
+    def __init__(self, actor: Any, timeout_s: float):
+        self.actor, self.timeout_s = actor, timeout_s
+
+    def _call(self, method: Callable, *args: Any, timeout_s: float | None = None) -> Any:
+        ref = getattr(self.actor, _checked(method, *args)).remote(*args)
+        return ray.get(ref, timeout=timeout_s or self.timeout_s)
+
+    def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
+        """Samples per prompt; a sleeping engine wakes first (the engine does it, see VLLMEngine)."""
+        return self._call(RolloutServer.generate, prompts, sampling, timeout_s=self.timeout_s * 4)
+
+    def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
+        return self._call(RolloutServer.score, sequences)
+
+    def sleep(self) -> None:
+        self._call(RolloutServer.sleep)
+
+    def endpoint(self) -> SyncEndpoint:
+        return self._call(RolloutServer.endpoint)
+
+    def receive_weights(self, sync_id: str, channels: int) -> PendingReport:
+        """Start receiving an update; the senders push while this waits (see mrl.sync.driver)."""
+        name = _checked(RolloutServer.receive_weights, sync_id, channels)
+        return PendingReport(getattr(self.actor, name).remote(sync_id, channels), self.timeout_s)
+
+    def close(self) -> None:
+        ray.kill(self.actor)

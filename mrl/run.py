@@ -1,0 +1,185 @@
+"""Run state, apart from the loop: what a run opens before its first step (model, data, reward,
+workers), where it starts from (a fresh model, an SFT checkpoint, or a resumed RL step) and what it
+writes at each checkpoint, so that a resume reproduces the run.
+
+`open_run(cfg)` does the set-up that `mrl train` and `mrl sft` share; the trainer and SFT loops
+(mrl/trainer.py, mrl/sft.py) take the Run it returns.
+
+Checkpoints: the actor under checkpoint.dir, a PPO critic under checkpoint.dir/critic at the same
+steps, the SFT result (RL step 0) under checkpoint.dir/sft. Each RL checkpoint records the sampler,
+the RL step and `rl_start`, the SFT checkpoint RL started from (None: the HF model): the KL
+reference and a fresh critic are loaded from it, also after a resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mrl.checkpoint_dir import list_iterations, read_latest, resolve
+from mrl.config import RunConfig, config_to_dict
+from mrl.config.derived import optim_for
+from mrl.data import EpochSampler, load_splits
+from mrl.inputs import prepare_model, tokenize_samples
+from mrl.launch.cluster import Cluster, start_cluster
+from mrl.rewards import build_reward
+
+
+@dataclass
+class Run:
+    """An open run: its data, reward, workers, and where RL starts."""
+
+    cfg: RunConfig
+    tokenizer: object
+    train_set: list[dict]
+    heldout: list[dict]
+    sampler: EpochSampler
+    reward: object
+    cluster: Cluster
+    start: int = 0  # the RL step resumed from (0: none)
+    rl_start: str | None = None  # the policy checkpoint RL starts from (None: the HF model)
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.trainer.output_dir)
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing trained yet: no RL step, no SFT checkpoint."""
+        return self.start == 0 and self.rl_start is None
+
+    def save(self, step: int) -> None:
+        """Checkpoint RL step `step`: the actor, and the critic beside it."""
+        c = self.cfg.checkpoint
+        data = {"sampler": self.sampler.state_dict(), "rl_step": step,
+                "rl_start": portable_rl_start(self.rl_start, c.dir)}
+        for group, root in zip(self.cluster.trainers(), (c.dir, critic_checkpoint(c.dir))):
+            group.save(str(root), step, data, config_to_dict(self.cfg), c.keep_last, c.async_save)
+
+    def save_sft(self) -> None:
+        """The SFT result as a checkpoint (RL step 0) under checkpoint.dir/sft: RL starts from it."""
+        root = sft_checkpoint_root(self.cfg)
+        self.cluster.actor.save(str(root), self.cfg.trainer.sft_steps, {"rl_step": 0}, config_to_dict(self.cfg), 1,
+                                False)
+        self.rl_start = str(root)
+
+    def start_from_policy(self) -> None:
+        """RL starts from the policy checkpoint `rl_start` (an SFT result), not the HF model: the KL
+        reference is that policy, and so is a fresh critic's transformer unless model.critic_path names one."""
+        if self.rl_start is None:
+            return
+        self.cluster.actor.load_policy(self.rl_start, True)
+        if self.start == 0 and self.cluster.critic is not None and not self.cfg.model.critic_path:
+            self.cluster.critic.load_policy(self.rl_start)
+
+    def close(self) -> None:
+        try:
+            self.cluster.close()
+        finally:
+            self.reward.close()
+
+
+def open_run(cfg: RunConfig, sft_only: bool = False) -> Run:
+    """Everything before the first step: refuse to overwrite an earlier run, prepare the model and
+    the data, start the workers (no engine for `sft_only`) and, for RL, load what to resume from."""
+    if sft_only:
+        refuse_to_overwrite_sft(cfg)
+    else:
+        refuse_to_overwrite(cfg)
+    hf_dir, tokenizer = prepare_model(cfg.model, cfg.trainer.seed)
+    train_set, heldout = (tokenize_samples(s, tokenizer) for s in load_splits(cfg.data, cfg.trainer.seed, tokenizer))
+    sampler = EpochSampler(len(train_set), cfg.data.batch_size, seed=cfg.trainer.seed)
+    reward = build_reward(cfg.reward.name, cfg.reward.timeout_s, cfg.reward.workers)
+    Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        cluster = start_cluster(cfg, hf_dir, len(tokenizer), with_engine=not sft_only)
+    except BaseException:
+        reward.close()
+        raise
+    run = Run(cfg, tokenizer, train_set, heldout, sampler, reward, cluster)
+    if not sft_only:
+        try:
+            run.start, run.rl_start = resume(run)
+        except BaseException:
+            run.close()
+            raise
+    return run
+
+
+def resume(run: Run) -> tuple[int, str | None]:
+    """Load the checkpoint `checkpoint.resume` points at. Returns the RL step it ended (0: fresh) and
+    the policy checkpoint RL started from (None: the HF model). An SFT checkpoint (RL step 0, from
+    `mrl sft`) is where RL starts: the RL learning-rate schedule begins, Adam's moments stay."""
+    cfg, cluster = run.cfg, run.cluster
+    if starts_fresh(cfg):
+        return 0, None
+    mode = cfg.checkpoint.resume
+    path = cfg.checkpoint.dir if mode == "auto" else mode
+    data = cluster.actor.load(path)["data"]
+    if data["rl_step"] == 0:
+        cluster.actor.restart_lr_schedule(optim_for(cfg))
+        print(f"RL starts from the SFT checkpoint {path}", flush=True)
+        return 0, path
+    if cluster.critic is not None:
+        cluster.critic.load(str(critic_checkpoint(path)))
+    run.sampler.load_state_dict(data["sampler"])
+    print(f"resumed from {path} at RL step {data['rl_step']}", flush=True)
+    return int(data["rl_step"]), located_rl_start(data.get("rl_start"), path)
+
+
+def portable_rl_start(rl_start: str | None, checkpoint_dir: str) -> str | None:
+    """`rl_start` as a checkpoint records it: the SFT iteration directory (not a root, whose
+    `latest` could move), relative to the run's checkpoint root when inside it, so the checkpoint
+    tree can be moved or copied whole; absolute otherwise."""
+    if rl_start is None:
+        return None
+    iteration = resolve(rl_start).resolve()
+    root = Path(checkpoint_dir).resolve()
+    return str(iteration.relative_to(root)) if iteration.is_relative_to(root) else str(iteration)
+
+
+def located_rl_start(recorded: str | None, checkpoint_path: str) -> str | None:
+    """The SFT checkpoint a resumed checkpoint's `rl_start` names, found from where that checkpoint
+    is now (a relative one is under the checkpoint's root)."""
+    if recorded is None or Path(recorded).is_absolute():
+        return recorded
+    return str(resolve(checkpoint_path).parent / recorded)
+
+
+def critic_checkpoint(actor_path: str) -> Path:
+    """Where the critic's checkpoint sits beside the actor's: a root's critic/ sub-root, or the
+    same iteration under it (root/iter_N → root/critic/iter_N)."""
+    path = Path(actor_path)
+    return path / "critic" if not path.name.startswith("iter_") else path.parent / "critic" / path.name
+
+
+def sft_checkpoint_root(cfg: RunConfig) -> Path:
+    return Path(cfg.checkpoint.dir) / "sft"
+
+
+def starts_fresh(cfg: RunConfig) -> bool:
+    """No checkpoint to resume: checkpoint.resume is 'never', or 'auto' over an empty checkpoint.dir."""
+    mode = cfg.checkpoint.resume
+    return mode == "never" or (mode == "auto" and read_latest(cfg.checkpoint.dir) is None)
+
+
+def refuse_to_overwrite(cfg: RunConfig) -> None:
+    """A fresh run (resume: never) must not meet an earlier run's checkpoints, nor a fresh run's SFT
+    an earlier SFT checkpoint: it would fail at its save, after the work, or mix two runs in one `latest`."""
+    if cfg.checkpoint.resume == "never" and list_iterations(cfg.checkpoint.dir):
+        raise FileExistsError(
+            f"checkpoint.dir {cfg.checkpoint.dir} already holds checkpoints and checkpoint.resume is 'never': "
+            "resume them (checkpoint.resume=auto), or choose another checkpoint.dir, or remove it"
+        )
+    if starts_fresh(cfg) and cfg.trainer.sft_steps:
+        refuse_to_overwrite_sft(cfg)
+
+
+def refuse_to_overwrite_sft(cfg: RunConfig) -> None:
+    """An SFT that would save where an earlier SFT checkpoint lies stops before the work, not after."""
+    root = sft_checkpoint_root(cfg)
+    if list_iterations(root):
+        raise FileExistsError(
+            f"{root} already holds an SFT checkpoint: start RL from it (checkpoint.resume={root} "
+            "trainer.sft_steps=0), or choose another checkpoint.dir, or remove it"
+        )

@@ -1,0 +1,108 @@
+"""Engine side of the sync: hosts the rendezvous store, receives every channel in parallel and
+loads the buckets into the engine as they arrive (one thread touches the engine)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mrl.sync.channel import Channel, SyncEndpoint
+from mrl.sync.wire import SyncError, WeightUpdateReport, checksums_match, describe, unpack
+
+
+
+class WeightReceiver:
+    """Engine side of the sync: hosts the rendezvous store and loads buckets as they arrive."""
+
+    def __init__(self, engine: Any, host: str = "127.0.0.1", timeout_s: float = 300.0):
+        self.engine, self.timeout_s = engine, timeout_s
+        with socket.socket() as s:  # the port must be reachable by the trainers: bind on host
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        self.store = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout_s),
+                                   wait_for_workers=False)
+        self.endpoint = SyncEndpoint(host, port, str(engine.dtype))
+        self._used_ids: set[str] = set()
+
+    def receive(self, sync_id: str, channels: int) -> WeightUpdateReport:
+        """Receive one complete update from `channels` senders (in parallel) and finish it.
+
+        One thread per channel receives; only this thread calls the engine. vLLM's multi-process
+        executor (rollout TP > 1) hung when its collective_rpc was entered from several threads,
+        even one at a time (measured: a TP2 engine fed by two PP stages never finished).
+        `sync_id` (e.g. the training step) names this update's channels in the store, so it must be
+        new each time: a reused id would make the senders meet the previous update's stale addresses.
+        """
+        if sync_id in self._used_ids:
+            raise ValueError(f"weight sync id {sync_id!r} was already used; give each sync a new id (e.g. the step)")
+        self._used_ids.add(sync_id)
+        self.engine.begin_weight_update()
+        # At most one bucket per channel waits here while the engine loads another: bounded memory.
+        arrivals: queue.Queue = queue.Queue(maxsize=channels)
+        loaded = [threading.Event() for _ in range(channels)]
+        threads = [threading.Thread(target=self._serve, args=(sync_id, c, arrivals, loaded[c]), daemon=True)
+                   for c in range(channels)]
+        for t in threads:
+            t.start()
+        sent: dict[str, tuple[float, float]] = {}
+        open_channels = channels
+        while open_channels:
+            # Every channel wait inside _serve has its own timeout and reports here; this one only
+            # guards against a receiving thread that stopped without a word.
+            try:
+                channel_index, header, bucket = arrivals.get(timeout=self.timeout_s * 2)
+            except queue.Empty:
+                raise SyncError(f"engine: no bucket from any of {open_channels} open channel(s) "
+                                f"within {self.timeout_s * 2:.0f}s (sync {sync_id!r})") from None
+            if isinstance(bucket, BaseException):
+                raise bucket
+            if bucket is None:  # that channel's end marker: everything it sent is loaded
+                loaded[channel_index].set()
+                open_channels -= 1
+                continue
+            sent.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
+            self.engine.load_weights(bucket)
+        for t in threads:
+            t.join(self.timeout_s)
+        report = self.engine.finish_weight_update()
+        report.finished_at = time.time()
+        held = report.checksums
+        report.mismatched = [n for n, c in sent.items() if n not in held or not checksums_match(c, held[n])]
+        return report
+
+    def _serve(self, sync_id: str, channel_index: int, arrivals: queue.Queue, loaded: threading.Event) -> None:
+        """Receive one channel's buckets into `arrivals`; acknowledge once the engine loaded them all."""
+        try:
+            who = f"engine ← PP stage {channel_index}"
+            channel = Channel(self.store, f"{sync_id}/channel{channel_index}", 1, self.timeout_s, who)
+            index = 0
+            while True:
+                header = channel.recv_json(f"waiting for bucket {index}")
+                if header.get("end"):
+                    break
+                flat = self._data(channel, header, f"receiving bucket {index} ({describe(header)})")
+                arrivals.put((channel_index, header, unpack(header, flat)))
+                index += 1
+            arrivals.put((channel_index, header, None))
+            if not loaded.wait(self.timeout_s):
+                raise SyncError(f"{who}: the engine did not finish loading within {self.timeout_s:.0f}s")
+            channel.send_json({"ok": True}, "acknowledging the update")
+        except BaseException as err:  # noqa: BLE001 - surfaced by receive()
+            arrivals.put((channel_index, None, err))
+
+    @staticmethod
+    def _data(channel: Channel, header: dict, what: str) -> torch.Tensor:
+        if "shm" not in header:
+            return channel.recv_bytes(header["nbytes"], what)
+        path = header["shm"]
+        flat = torch.from_file(path, shared=True, size=max(header["nbytes"], 1), dtype=torch.uint8)
+        os.unlink(path)  # the mapping stays valid; the memory goes when both sides drop it
+        return flat[: header["nbytes"]]

@@ -1,0 +1,110 @@
+"""Trainer side of the sync: the bridge's export, bucket by bucket, packed and sent to the engine."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mrl.bridge.export import export_hf_weights
+from mrl.sync.channel import Channel, SyncEndpoint
+from mrl.sync.wire import Bucket, SyncError, describe, dtype_named, nbytes, pack
+
+TRANSPORTS = ("colocated", "broadcast")
+SHM_DIR = "/dev/shm"
+
+
+# --- trainer side ------------------------------------------------------------------------------
+
+@dataclass
+class SentReport:
+    """What one leader sent: per-tensor checksums in send order, bytes and seconds."""
+
+    checksums: dict[str, tuple[float, float]] = field(default_factory=dict)
+    bytes: int = 0
+    seconds: float = 0.0
+    started_at: float = 0.0  # wall clock (time.time()) when this rank began exporting
+
+
+class WeightSender:
+    """Trainer side of the sync: construct on every rank (collective), then `push` on every rank."""
+
+    def __init__(self, endpoint: SyncEndpoint, built: Any, coords: Any, *, transport: str = "broadcast",
+                 bucket_bytes: int, timeout_s: float = 300.0):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"unknown weight-sync transport {transport!r}; choose one of {TRANSPORTS}")
+        self.endpoint, self.built, self.coords = endpoint, built, coords
+        self.transport, self.bucket_bytes, self.timeout_s = transport, bucket_bytes, timeout_s
+        self.engine_dtype = dtype_named(endpoint.dtype)
+        self.group, self.leader, self.stage = self._export_group()
+
+    def _export_group(self) -> tuple[Any, int, int]:
+        """Colocated: the whole world exports to rank 0. Broadcast: one group per pipeline stage."""
+        if self.transport == "colocated":
+            return None, 0, 0
+        stages: list[int] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(stages, self.coords.pp)
+        mine = None
+        for stage in sorted(set(stages)):  # every rank creates every group, in the same order
+            ranks = [r for r, s in enumerate(stages) if s == stage]
+            group = dist.new_group(ranks)
+            if stage == self.coords.pp:
+                mine = group, min(ranks), stage
+        return mine  # type: ignore[return-value]
+
+    @property
+    def channels(self) -> int:
+        """How many channels the engine must open for this layout."""
+        return 1 if self.transport == "colocated" else self.built.layout.pp
+
+    def push(self, sync_id: str) -> SentReport | None:
+        """Export and send every tensor; returns the leader's report (None on other ranks)."""
+        start = time.perf_counter()
+        report = SentReport(started_at=time.time())
+        is_leader = self.coords.rank == self.leader
+        channel = self._connect(sync_id) if is_leader else None
+        buckets = export_hf_weights(self.built, self.coords, bucket_bytes=self.bucket_bytes, dst=self.leader,
+                                    group=self.group, timeout_s=self.timeout_s)
+        for index, bucket in enumerate(buckets):
+            header, flat = self._pack(bucket, sync_id, index)
+            del bucket
+            what = f"sending bucket {index} ({describe(header)})"
+            channel.send_json(header, what)
+            if "shm" not in header:
+                channel.send_bytes(flat, what)
+            report.checksums.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
+            report.bytes += header["nbytes"]
+            del header, flat  # before the next bucket is assembled: one bucket in flight, not two
+        if channel is not None:
+            channel.send_json({"end": True, "tensors": len(report.checksums)}, "sending the end marker")
+            channel.recv_json("waiting for the engine to finish loading")  # the engine's ack
+        report.seconds = time.perf_counter() - start
+        return report if is_leader else None
+
+    def _connect(self, sync_id: str) -> Channel:
+        who = f"rank {self.coords.rank} (PP stage {self.stage}) → engine at {self.endpoint.host}:{self.endpoint.port}"
+        try:
+            store = dist.TCPStore(self.endpoint.host, self.endpoint.port, is_master=False,
+                                  timeout=timedelta(seconds=self.timeout_s))
+        except (RuntimeError, OSError) as err:
+            raise SyncError(f"{who}: cannot reach the engine's weight-sync store: {err}") from err
+        return Channel(store, f"{sync_id}/channel{self.stage}", 0, self.timeout_s, who)
+
+    def _pack(self, bucket: Bucket, sync_id: str, index: int) -> tuple[dict, torch.Tensor]:
+        if self.transport != "colocated":
+            return pack(bucket, self.engine_dtype)
+        # Pack straight into a shared-memory file: one copy on this side, none on the engine's.
+        size = sum(nbytes(n, t, self.engine_dtype) for n, t in bucket)
+        path = os.path.join(SHM_DIR, f"mrl-sync-{sync_id.replace('/', '_')}-{index}-{uuid.uuid4().hex[:8]}")
+        flat = torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)[:size]
+        header, flat = pack(bucket, self.engine_dtype, out=flat)
+        header["shm"] = path
+        return header, flat
+
+

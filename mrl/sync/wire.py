@@ -1,0 +1,106 @@
+"""The wire format of a weight sync: what travels from a trainer leader to an engine, and the
+checksums both sides compute on it.
+
+A bucket is a list of (HF name, full tensor) pairs. pack() casts them to the engine's dtype and
+concatenates them into one uint8 buffer; its JSON header gives each tensor's name, shape, dtype,
+byte offset and checksum. unpack() gives views into the received buffer (no copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+Bucket = list[tuple[str, torch.Tensor]]  # (HF name, full tensor) pairs
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+_KEEP_FP32 = ("e_score_correction_bias",)  # DeepSeek-V3's routing bias is fp32 in every engine
+
+
+class SyncError(RuntimeError):
+    """A weight sync failed or timed out; the message says who waited for what."""
+
+
+def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float]:
+    """fp64 sums of two interleaved samples (every 61st element, offsets 0 and 30).
+
+    Cheap on purpose, since it runs on both sides of every sync: summing every element in fp64 was
+    measured ~40× slower (~0.35 s per 128 MB on 2 cores). A stale or lost tensor changes both
+    sums; a handful of corrupted elements may not. It names the tensor behind a failed parity
+    check; it is not a hash.
+    """
+    flat = tensor.reshape(-1)
+    return (flat[::61].sum(dtype=torch.float64).item(), flat[30::61].sum(dtype=torch.float64).item())
+
+
+def checksums_match(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    # Equal bytes at equal offsets reduce identically; the tolerance only absorbs a summation
+    # order that differs with the buffers' alignment.
+    return all(abs(x - y) <= 1e-6 * max(1.0, abs(x), abs(y)) for x, y in zip(a, b))
+
+
+
+@dataclass
+class WeightUpdateReport:
+    """What the engine received in one update: per-tensor checksums and parameters left stale."""
+
+    tensors: int = 0
+    bytes: int = 0
+    checksums: dict[str, tuple[float, float]] = field(default_factory=dict)
+    not_updated: list[str] = field(default_factory=list)  # engine parameters no tensor reached
+    mismatched: list[str] = field(default_factory=list)  # arrived different from what was sent, in order
+    load_seconds: float = 0.0  # inside the backend's load_weights
+    finish_seconds: float = 0.0  # post-load processing (re-packing, derived matrices) and cache reset
+    finished_at: float = 0.0  # wall clock (time.time()) when the engine was ready with the new weights
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """The torch dtype of its str() (as endpoints and headers carry it)."""
+    return _DTYPES[name]
+
+
+def wire_dtype(name: str, engine_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor travels and lives in on the engine."""
+    return torch.float32 if name.endswith(_KEEP_FP32) else engine_dtype
+
+
+def nbytes(name: str, tensor: torch.Tensor, engine_dtype: torch.dtype) -> int:
+    return tensor.numel() * torch.empty((), dtype=wire_dtype(name, engine_dtype)).element_size()
+
+
+def pack(bucket: Bucket, engine_dtype: torch.dtype, out: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
+    """Cast and concatenate a bucket's tensors into one uint8 buffer (`out` if given); the header says where."""
+    entries, offset = [], 0
+    for name, tensor in bucket:
+        entries.append({"name": name, "shape": list(tensor.shape), "dtype": str(wire_dtype(name, engine_dtype)),
+                        "offset": offset})
+        offset += nbytes(name, tensor, engine_dtype)
+    flat = out if out is not None else torch.empty(offset, dtype=torch.uint8)
+    for entry, (_, tensor) in zip(entries, bucket):
+        view = _view(flat, entry)
+        view.copy_(tensor)
+        entry["checksum"] = tensor_checksum(view)
+    return {"tensors": entries, "nbytes": offset}, flat
+
+
+def _view(flat: torch.Tensor, entry: dict) -> torch.Tensor:
+    dtype = _DTYPES[entry["dtype"]]
+    numel = 1
+    for d in entry["shape"]:
+        numel *= d
+    size = numel * torch.empty((), dtype=dtype).element_size()
+    return flat[entry["offset"] : entry["offset"] + size].view(dtype).view(entry["shape"])
+
+
+def unpack(header: dict, flat: torch.Tensor) -> Bucket:
+    """Views into `flat`: no copy on the receiving side."""
+    return [(entry["name"], _view(flat, entry)) for entry in header["tensors"]]
+
+
+
+
+def describe(header: dict) -> str:
+    names = [e["name"] for e in header["tensors"]]
+    return f"{names[0]} … {names[-1]} ({len(names)} tensors)" if len(names) > 1 else names[0]
+

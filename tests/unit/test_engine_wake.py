@@ -1,0 +1,54 @@
+"""A slept (colocated) engine wakes on whatever it is asked next: a step that skips the weight sync
+(dynamic sampling with no informative group) must not generate on a sleeping engine."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from mrl.rollout.engine import SamplingSettings
+from mrl.rollout.vllm_engine import VLLMEngine
+
+
+class FakeLLM:
+    """Records the order of calls; fails a generate or an RPC made while asleep, as CUDA would."""
+
+    def __init__(self):
+        self.calls, self.asleep = [], False
+
+    def sleep(self, level):
+        self.calls.append("sleep")
+        self.asleep = True
+
+    def wake_up(self):
+        self.calls.append("wake_up")
+        self.asleep = False
+
+    def generate(self, prompts, params, use_tqdm):
+        assert not self.asleep, "generate on a sleeping engine"
+        self.calls.append("generate")
+        out = SimpleNamespace(prompt_token_ids=[1, 2], prompt_logprobs=[None, {2: SimpleNamespace(logprob=-1.0)}],
+                              outputs=[])
+        return [out for _ in prompts]
+
+    def collective_rpc(self, fn, args=()):
+        assert not self.asleep, "weights loaded into a sleeping engine"
+        self.calls.append("rpc")
+        return [[]]
+
+
+def slept_engine() -> VLLMEngine:
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM: the sleep/wake bookkeeping is what is tested
+    engine.llm, engine._sleeping = FakeLLM(), False
+    type(engine).supports_sleep = property(lambda self: True)
+    engine.sleep()
+    return engine
+
+
+@pytest.mark.parametrize("call", ["generate", "score", "begin_weight_update"])
+def test_a_slept_engine_wakes_on_its_next_call(call, monkeypatch):
+    monkeypatch.setattr(VLLMEngine, "_params", lambda self, sampling, **extra: None)
+    engine = slept_engine()
+    {"generate": lambda: engine.generate([[1, 2]], SamplingSettings()),
+     "score": lambda: engine.score([[1, 2]]),
+     "begin_weight_update": engine.begin_weight_update}[call]()
+    assert engine.llm.calls[:2] == ["sleep", "wake_up"] and not engine.llm.asleep
