@@ -34,7 +34,7 @@ class Run:
     train_set: list[dict]
     heldout: list[dict]
     sampler: EpochSampler
-    reward: object
+    reward: object | None  # None for SFT only
     cluster: Cluster
     start: int = 0  # the RL step resumed from (0: none)
     rl_start: str | None = None  # the policy checkpoint RL starts from (None: the HF model)
@@ -76,7 +76,8 @@ class Run:
         try:
             self.cluster.close()
         finally:
-            self.reward.close()
+            if self.reward is not None:
+                self.reward.close()
 
 
 def open_run(cfg: RunConfig, sft_only: bool = False) -> Run:
@@ -89,12 +90,13 @@ def open_run(cfg: RunConfig, sft_only: bool = False) -> Run:
     hf_dir, tokenizer = prepare_model(cfg.model, cfg.trainer.seed)
     train_set, heldout = (tokenize_samples(s, tokenizer) for s in load_splits(cfg.data, cfg.trainer.seed, tokenizer))
     sampler = EpochSampler(len(train_set), cfg.data.batch_size, seed=cfg.trainer.seed)
-    reward = build_reward(cfg.reward.name, cfg.reward.timeout_s, cfg.reward.workers)
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
+    reward = None if sft_only else build_reward(cfg.reward.name, cfg.reward.timeout_s, cfg.reward.workers)
     try:
         cluster = start_cluster(cfg, hf_dir, len(tokenizer), with_engine=not sft_only)
     except BaseException:
-        reward.close()
+        if reward is not None:
+            reward.close()
         raise
     run = Run(cfg, tokenizer, train_set, heldout, sampler, reward, cluster)
     if not sft_only:

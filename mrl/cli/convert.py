@@ -15,7 +15,7 @@ from mrl.models.registry import UnsupportedModelError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mrl convert", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="mrl convert", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("direction", choices=("hf-to-mcore",), help="conversion direction")
     parser.add_argument("--hf", required=True, help="HuggingFace model directory")
     parser.add_argument("--out", required=True, help="checkpoint root to write (iter_0000000 + latest)")

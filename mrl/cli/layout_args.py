@@ -1,4 +1,4 @@
-"""The layout flags shared by `mrl verify`, `mrl convert` and the benchmarks."""
+"""The layout flags shared by `mrl verify` and `mrl convert`."""
 
 from __future__ import annotations
 

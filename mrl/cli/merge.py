@@ -11,7 +11,7 @@ from checkpoints_tools.merge import DTYPES, MergeError, merge, verify_merged
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mrl-merge", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="mrl-merge", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("checkpoint", help="checkpoint root (follows `latest`) or one iteration directory")
     parser.add_argument("--out", required=True, help="HuggingFace directory to write")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")

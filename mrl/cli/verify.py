@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             summary = verify(args.hf, parse_layout(args), tol=1e-4 if args.tol is None else args.tol,
                              transformer_impl=args.transformer_impl, bucket_bytes=args.bucket_mb * 1024**2)
-    except (LayoutError, UnsupportedModelError) as err:
+    except (LayoutError, UnsupportedModelError, ValueError) as err:
         print(f"mrl verify: {err}", file=sys.stderr)
         return 2
     except WorkerError as err:

@@ -134,7 +134,7 @@ class OptimConfig:
     clip_grad: float = 1.0
     warmup_steps: int = 0
     schedule: Literal["constant", "linear", "cosine"] = "constant"
-    total_steps: int | None = None  # the schedule's length (None: trainer.total_steps, or sft_steps for SFT)
+    total_steps: int | None = None  # the RL schedule's length (None: trainer.total_steps); SFT's is sft_steps
     # None: on with CUDA; off on CPU, where megatron 0.16.1's DistributedOptimizer rejects
     # non-CUDA parameters (a TypeError on `param.type()`); see mrl.megatron.training.make_trainable.
     use_distributed_optimizer: bool | None = None

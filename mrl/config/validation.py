@@ -49,6 +49,8 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("optim.min_lr", lambda v: v >= 0, ">= 0"),
     ("optim.weight_decay", lambda v: v >= 0, ">= 0"),
     ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+    ("optim.eps", lambda v: v > 0, "> 0"),
+    ("optim.total_steps", lambda v: v is None or v >= 1, ">= 1 (or null: trainer.total_steps)"),
     ("optim.clip_grad", lambda v: v > 0, "> 0"),
     ("optim.warmup_steps", lambda v: v >= 0, ">= 0"),
     ("optim.micro_batch_size", lambda v: v >= 1, ">= 1"),

@@ -51,14 +51,20 @@ class Cluster:
         return [self.actor] + ([self.critic] if self.critic is not None else [])
 
     def close(self) -> None:
-        try:
-            for group in self.trainers():
+        """Stop every group, the engine and an owned Ray, whatever fails on the way (the first
+        error is raised at the end)."""
+        errors = []
+        for group in self.trainers():
+            try:
                 group.shutdown()
-        finally:
-            if self.engine is not None:
-                self.engine.close()
-            if self.owns_ray:
-                ray.shutdown()
+            except Exception as err:  # noqa: BLE001 - the other groups must stop too
+                errors.append(err)
+        if self.engine is not None:
+            self.engine.close()
+        if self.owns_ray:
+            ray.shutdown()
+        if errors:
+            raise errors[0]
 
 
 def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: bool = True) -> Cluster:
@@ -84,6 +90,8 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
             groups.append(ActorGroup(WorkerGroup(world, cpus_per_worker=1, gpus_per_worker=share,
                                                  timeout_s=max(600.0, cfg.sync.timeout_s))))
             groups[-1].setup(role_setup)
+        sync = None if engine is None else WeightSync(groups[0], engine, cfg.sync, sync_channels(cfg),
+                                                      probe_sequences(vocab_size))
     except BaseException:
         for group in groups:
             group.group.shutdown()
@@ -92,8 +100,6 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
         if owns_ray:
             ray.shutdown()
         raise
-    sync = None if engine is None else WeightSync(groups[0], engine, cfg.sync, sync_channels(cfg),
-                                                  probe_sequences(vocab_size))
     return Cluster(cfg, groups[0], engine, owns_ray, critic=groups[1] if critic else None, sync=sync)
 
 

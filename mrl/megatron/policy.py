@@ -369,11 +369,15 @@ class ActorLoss:
 
     @classmethod
     def of(cls, algo: Any) -> "ActorLoss":
-        """From an ActorLoss, an AlgoConfig-like object or a dict (missing fields: defaults)."""
+        """From an ActorLoss, an AlgoConfig-like object or a dict (missing fields: defaults; a missing
+        aggregation: the policy loss's own, as AlgoConfig resolves it)."""
+        from mrl.algo import default_aggregation
+
         if isinstance(algo, cls):
             return algo
         read = algo.get if isinstance(algo, dict) else lambda name, default: getattr(algo, name, default)
-        return cls(**{f.name: read(f.name, f.default) for f in fields(cls)})
+        values = {f.name: read(f.name, f.default) for f in fields(cls) if f.name != "aggregation"}
+        return cls(**values, aggregation=read("aggregation", None) or default_aggregation(values["policy_loss"]))
 
     @property
     def kl_in_loss(self) -> bool:

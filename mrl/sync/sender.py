@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mrl.bridge.export import export_hf_weights
 from mrl.sync.channel import Channel, SyncEndpoint
 from mrl.sync.wire import Bucket, SyncError, describe, dtype_named, nbytes, pack
 
@@ -65,6 +64,8 @@ class WeightSender:
 
     def push(self, sync_id: str) -> SentReport | None:
         """Export and send every tensor; returns the leader's report (None on other ranks)."""
+        from mrl.bridge.export import export_hf_weights  # trainer side only: engines never load the bridge
+
         start = time.perf_counter()
         report = SentReport(started_at=time.time())
         is_leader = self.coords.rank == self.leader

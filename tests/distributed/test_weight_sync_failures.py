@@ -46,7 +46,7 @@ class RecordingEngine:
 
 
 def _engine_process(endpoints, results, engine_kwargs, channels, delay_s):
-    receiver = WeightReceiver(RecordingEngine(**engine_kwargs), timeout_s=20)
+    receiver = WeightReceiver(RecordingEngine(**engine_kwargs), timeout_s=60)
     endpoints.put(receiver.endpoint)
     time.sleep(delay_s)
     try:

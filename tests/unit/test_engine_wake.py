@@ -39,7 +39,6 @@ class FakeLLM:
 def slept_engine() -> VLLMEngine:
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM: the sleep/wake bookkeeping is what is tested
     engine.llm, engine._sleeping = FakeLLM(), False
-    type(engine).supports_sleep = property(lambda self: True)
     engine.sleep()
     return engine
 
@@ -47,6 +46,7 @@ def slept_engine() -> VLLMEngine:
 @pytest.mark.parametrize("call", ["generate", "score", "begin_weight_update"])
 def test_a_slept_engine_wakes_on_its_next_call(call, monkeypatch):
     monkeypatch.setattr(VLLMEngine, "_params", lambda self, sampling, **extra: None)
+    monkeypatch.setattr(VLLMEngine, "supports_sleep", property(lambda self: True))  # as on CUDA
     engine = slept_engine()
     {"generate": lambda: engine.generate([[1, 2]], SamplingSettings()),
      "score": lambda: engine.score([[1, 2]]),
