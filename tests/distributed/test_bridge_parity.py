@@ -36,6 +36,7 @@ CASES = {
     "qwen3": DENSE_LAYOUTS,
     "qwen3_moe": MOE_LAYOUTS,
     "deepseek_v3": MOE_LAYOUTS,
+    "deepseek_v3_groups": VARIANT_LAYOUTS,  # group-limited routing with topk/topk_group = 3/2
     "qwen3_moe_unnormed": VARIANT_LAYOUTS,  # norm_topk_prob=false
 }
 
