@@ -1,4 +1,4 @@
-"""Patches that let megatron-core 0.16.1 run on CPU with gloo.
+"""Patches that let megatron-core 0.16.1 run on CPU with gloo, and compute what HF checkpoints mean.
 
 Nothing else in mrl monkeypatches megatron. Each patch lives in its own module with a docstring
 that says what upstream does, which versions need the patch and when to drop it. Call
@@ -29,6 +29,7 @@ PATCH_MODULES = (
     "uneven_sequence_collectives",
     "te_placeholders",
     "cpu_grad_clipping",
+    "group_routing_top2",
 )
 
 _applied: set[str] = set()

@@ -62,6 +62,7 @@ def _base(hf: dict) -> dict[str, Any]:
                 f"{flag}=true is not supported (it adds biases Megatron's layers here do not have); "
                 "use a checkpoint without it."
             )
+    _refuse_other_attention_and_activation(hf)
     heads = hf["num_attention_heads"]
     return dict(
         num_layers=hf["num_hidden_layers"],
@@ -88,10 +89,33 @@ def _base(hf: dict) -> dict[str, Any]:
     )
 
 
+def _refuse_other_attention_and_activation(hf: dict) -> None:
+    """Settings transformers honours that the Megatron layers built here would silently ignore."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(
+            f"hidden_act={hf['hidden_act']!r} is not supported: the MLPs here are SwiGLU (silu); "
+            "use a checkpoint with hidden_act='silu'."
+        )
+    sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+    # transformers drops the window when sliding_window is null (4096 when left out).
+    if (hf.get("use_sliding_window") and hf.get("sliding_window", 4096) is not None) or sliding:
+        raise UnsupportedModelError(
+            "sliding-window attention (use_sliding_window=true or sliding layer_types) is not supported: "
+            "Megatron attends over the full context here. Set use_sliding_window=false if the model was "
+            "trained without it."
+        )
+
+
 def _rope(hf: dict) -> dict[str, Any]:
     """GPTModel rotary arguments; Llama-3 scaling is the only scaling Megatron's RoPE implements."""
     rope = dict(position_embedding_type="rope", rotary_base=_rope_theta(hf))
     scaling = _rope_scaling(hf)
+    partial = (scaling or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor={partial} is not supported: RoPE here rotates the whole head; "
+            "use a checkpoint without it."
+        )
     if scaling is None:
         return rope
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -127,7 +151,8 @@ def qwen2(hf: dict) -> dict[str, Any]:
 
 
 def qwen3(hf: dict) -> dict[str, Any]:
-    return _base(hf) | dict(qk_layernorm=True)
+    # Qwen3Config defaults head_dim to 128, not hidden_size // heads (Qwen3-MoE derives it).
+    return _base(hf | {"head_dim": hf.get("head_dim") or 128}) | dict(qk_layernorm=True)
 
 
 def _moe_common(hf: dict, experts: int, topk: int) -> dict[str, Any]:
@@ -150,7 +175,8 @@ def qwen3_moe(hf: dict) -> dict[str, Any]:
     step = hf.get("decoder_sparse_step", 1)
     pattern = [0 if (i in dense_layers or (i + 1) % step) else 1 for i in range(layers)]
     return (
-        qwen3(hf)
+        _base(hf)
+        | dict(qk_layernorm=True)
         # Hub configs say num_experts; transformers 5 writes num_local_experts.
         | _moe_common(hf, hf.get("num_experts") or hf["num_local_experts"], hf["num_experts_per_tok"])
         # softmax over the top-k logits == softmax over all then renormalised (norm_topk_prob).
@@ -158,25 +184,24 @@ def qwen3_moe(hf: dict) -> dict[str, Any]:
     )
 
 
+# transformers' DeepseekV3Config defaults for the fields read below with a default: a config.json
+# that leaves one out means this value to transformers and vLLM (which reads the same config class).
+DEEPSEEK_V3_DEFAULTS: dict[str, Any] = dict(
+    n_group=8, topk_group=4, routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=3,
+    q_lora_rank=1536, norm_topk_prob=True, rope_interleave=True,
+)
+
+
 def deepseek_v3(hf: dict) -> dict[str, Any]:
-    if not hf.get("norm_topk_prob", True):
-        raise UnsupportedModelError(
-            "DeepSeek-V3 with norm_topk_prob=false is not supported: Megatron's sigmoid router always "
-            "normalises the top-k scores. Use a checkpoint with norm_topk_prob=true."
-        )
-    if hf.get("scoring_func", "sigmoid") != "sigmoid":
-        raise UnsupportedModelError(f"DeepSeek-V3 scoring_func {hf['scoring_func']!r}: only 'sigmoid' is supported.")
-    if not hf.get("rope_interleave", True):
+    hf = DEEPSEEK_V3_DEFAULTS | hf
+    _refuse_other_deepseek_v3_routing(hf)
+    if not hf["rope_interleave"]:
         raise UnsupportedModelError(
             "DeepSeek-V3 with rope_interleave=false is not supported: Megatron's MLA expects the "
             "interleaved rotary layout of the released checkpoints."
         )
     layers = hf["num_hidden_layers"]
-    first_dense = hf.get("first_k_dense_replace", 0)
-    scaling = _rope_scaling(hf) or {}
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in ("yarn", "default"):
-        raise UnsupportedModelError(f"DeepSeek-V3 rope_scaling {scaling}: only YaRN is supported.")
-    yarn = scaling.get("rope_type", scaling.get("type")) == "yarn"
+    first_dense = hf["first_k_dense_replace"]
     config = _base(hf) | _moe_common(hf, hf["n_routed_experts"], hf["num_experts_per_tok"])
     config.pop("add_qkv_bias")
     config |= dict(
@@ -184,30 +209,102 @@ def deepseek_v3(hf: dict) -> dict[str, Any]:
         kv_channels=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
         multi_latent_attention=True,
         qk_layernorm=True,  # the local spec builds q_a/kv_a layernorms only with this flag
-        q_lora_rank=hf.get("q_lora_rank"),
+        q_lora_rank=hf["q_lora_rank"],
         kv_lora_rank=hf["kv_lora_rank"],
         qk_head_dim=hf["qk_nope_head_dim"],
         qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
         v_head_dim=hf["v_head_dim"],
-        rope_type="yarn" if yarn else "rope",
         rotary_base=_rope_theta(hf),
-        rotary_scaling_factor=float(scaling.get("factor", 1.0)),
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=hf["routed_scaling_factor"],
+        # Groups are ranked by their top-2 experts, as in HF: megatron_patches/group_routing_top2.py.
+        moe_router_num_groups=hf["n_group"],
+        moe_router_group_topk=hf["topk_group"],
+        moe_shared_expert_intermediate_size=hf["moe_intermediate_size"] * hf["n_shared_experts"] or None,
+        moe_layer_freq=[0] * first_dense + [1] * (layers - first_dense),
+    )
+    return config | _mla_rope(hf)
+
+
+def _refuse_other_deepseek_v3_routing(hf: dict) -> None:
+    """Routing settings whose HF meaning Megatron's sigmoid router (or vLLM) would not reproduce."""
+    for key, value, why in (
+        ("scoring_func", "sigmoid", "transformers always uses sigmoid, vLLM defaults to softmax"),
+        ("topk_method", "noaux_tc", "transformers always adds e_score_correction_bias, vLLM only then"),
+    ):
+        if hf.get(key) != value:
+            raise UnsupportedModelError(
+                f"DeepSeek-V3 {key}={hf.get(key)!r} is not supported ({why}); "
+                f"use a checkpoint whose config.json says {key}={value!r}."
+            )
+    topk = hf["num_experts_per_tok"]
+    if not hf["norm_topk_prob"] or topk == 1:
+        raise UnsupportedModelError(
+            f"DeepSeek-V3 with norm_topk_prob={str(hf['norm_topk_prob']).lower()} and num_experts_per_tok="
+            f"{topk} is not supported: Megatron's sigmoid router normalises the top-k weights exactly "
+            "when topk > 1. Use a checkpoint with norm_topk_prob=true and num_experts_per_tok > 1."
+        )
+    experts, groups, top_groups = hf["n_routed_experts"], hf["n_group"], hf["topk_group"]
+    fields = (
+        f"n_routed_experts={experts}, n_group={groups}, topk_group={top_groups}, num_experts_per_tok={topk}"
+    )
+    if not groups or not top_groups or experts % groups or experts // groups < 2:
+        raise UnsupportedModelError(
+            f"DeepSeek-V3 group-limited routing with {fields} is not supported: n_group must divide "
+            "n_routed_experts into groups of at least 2 experts (a group is scored by its top 2)."
+        )
+    if top_groups > groups or topk > top_groups * (experts // groups):
+        raise UnsupportedModelError(
+            f"DeepSeek-V3 routing with {fields} is inconsistent: topk_group must be at most n_group and "
+            "num_experts_per_tok at most topk_group × (n_routed_experts / n_group)."
+        )
+
+
+def _mla_rope(hf: dict) -> dict[str, Any]:
+    """MLA rotary settings: plain RoPE, or YaRN with HF's attention factor (mscale) rule."""
+    scaling = _rope_scaling(hf) or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        # MLA computes its softmax scale from these even without YaRN; factor 1 makes it 1/sqrt(d).
+        return dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    if kind != "yarn":
+        raise UnsupportedModelError(f"DeepSeek-V3 rope_scaling {scaling}: only YaRN is supported.")
+    _refuse_other_yarn(scaling)
+    return dict(
+        rope_type="yarn",
+        rotary_scaling_factor=float(scaling["factor"]),
         original_max_position_embeddings=scaling.get(
             "original_max_position_embeddings", hf.get("max_position_embeddings", 4096)
         ),
-        beta_fast=float(scaling.get("beta_fast", 32)),
-        beta_slow=float(scaling.get("beta_slow", 1)),
+        # transformers: `get("beta_fast") or 32`, so an explicit 0 or null also means the default.
+        beta_fast=float(scaling.get("beta_fast") or 32),
+        beta_slow=float(scaling.get("beta_slow") or 1),
         mscale=float(scaling.get("mscale", 1.0)),
         mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)),
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_topk_scaling_factor=hf.get("routed_scaling_factor", 1.0),
-        moe_router_num_groups=hf.get("n_group"),
-        moe_router_group_topk=hf.get("topk_group"),
-        moe_shared_expert_intermediate_size=hf["moe_intermediate_size"] * hf.get("n_shared_experts", 0) or None,
-        moe_layer_freq=[0] * first_dense + [1] * (layers - first_dense),
     )
-    return config
+
+
+def _refuse_other_yarn(scaling: dict) -> None:
+    """YaRN settings Megatron's YarnRotaryEmbedding would compute differently from transformers.
+
+    transformers scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim) only when
+    both are non-zero, else by mscale(factor, 1); Megatron always uses the ratio (mscale defaulting
+    to 1, mscale_all_dim to 0). They agree when both are set, or when mscale_all_dim is unset or 0
+    and mscale is unset or 1.
+    """
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    problems = []
+    if scaling.get("factor") is None:
+        problems.append("it has no factor")
+    if scaling.get("attention_factor") is not None:
+        problems.append("attention_factor is set (Megatron derives it from mscale)")
+    if not scaling.get("truncate", True):
+        problems.append("truncate=false (Megatron always rounds the correction range)")
+    if not (mscale and mscale_all_dim) and (mscale_all_dim or mscale not in (None, 1, 1.0)):
+        problems.append(f"mscale={mscale} with mscale_all_dim={mscale_all_dim} (set both, or neither)")
+    if problems:
+        raise UnsupportedModelError(f"DeepSeek-V3 YaRN rope_scaling {scaling} is not supported: {'; '.join(problems)}.")
 
 
 # HF `architectures[0]` → (short name, translator). Adding a model means adding one row here and

@@ -86,6 +86,20 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                           beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
     ),
 }
+# Variants: an architecture's tiny config with fields changed (None removes a field). Each covers a
+# semantic the five defaults leave out, so the parity suite catches a silent difference from HF there.
+TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Group-limited routing where num_experts_per_tok / topk_group != 2 (HF scores a group by its top
+    # 2 experts, Megatron by its top topk/topk_group), two shared experts, qk_nope/v head dims that
+    # differ from each other and from the base, plain RoPE in MLA (no YaRN).
+    "deepseek_v3_groups": ("deepseek_v3", dict(
+        n_routed_experts=12, n_group=4, topk_group=2, num_experts_per_tok=3, n_shared_experts=2,
+        qk_nope_head_dim=24, v_head_dim=40, rope_scaling=None,
+    )),
+    # Qwen3-MoE without renormalised top-k weights: softmax over all experts, top-k taken as is.
+    "qwen3_moe_unnormed": ("qwen3_moe", dict(norm_topk_prob=False)),
+}
+TINY_MODELS = TINY_ARCHS + tuple(TINY_VARIANTS)
 _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -96,11 +110,13 @@ _WEIGHT_STD, _NORM_NOISE, _ROUTER_BIAS_STD = 0.05, 0.1, 0.1
 
 
 def tiny_hf_config(arch: str) -> dict[str, Any]:
-    """The config.json contents of the tiny model of `arch` (a fresh copy each call)."""
-    if arch not in TINY_CONFIGS:
-        raise ValueError(f"unknown tiny architecture {arch!r}; supported: {', '.join(TINY_ARCHS)}")
+    """The config.json contents of the tiny model of `arch`, an architecture or a variant (a fresh copy each call)."""
+    base, changes = TINY_VARIANTS.get(arch, (arch, {}))
+    if base not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; supported: {', '.join(TINY_MODELS)}")
+    config = _COMMON | TINY_CONFIGS[base] | changes
     # Deep copy: transformers edits nested dicts (rope_scaling) it is given.
-    return copy.deepcopy(_COMMON | TINY_CONFIGS[arch])
+    return copy.deepcopy({k: v for k, v in config.items() if not (k in changes and v is None)})
 
 
 def _corpus() -> list[str]:
@@ -244,7 +260,7 @@ def _replace_dir(new: Path, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """`mrl tiny-model --arch ARCH --out DIR [--seed N] [--force]`; returns the exit status."""
     parser = argparse.ArgumentParser(prog="mrl tiny-model", description="Write a tiny random HF model.")
-    parser.add_argument("--arch", required=True, choices=TINY_ARCHS)
+    parser.add_argument("--arch", required=True, choices=TINY_MODELS)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")

@@ -27,12 +27,17 @@ MOE_LAYOUTS = DENSE_LAYOUTS | {
     "EP2xTP2": ParallelLayout(ep=2, tp=2),
     "ETP2": ParallelLayout(etp=2),
 }
+# Tiny-zoo variants (mrl/models/tiny.py TINY_VARIANTS) test one semantic each, not the layouts:
+# TP2xPP2 (every rank a quarter of the weights) and EP2xTP2 (experts split, sequence parallel).
+VARIANT_LAYOUTS = {"TP2xPP2": ParallelLayout(tp=2, pp=2), "EP2xTP2": ParallelLayout(ep=2, tp=2)}
 CASES = {
     "llama": DENSE_LAYOUTS | {"PP2xVPP2": ParallelLayout(pp=2, vpp=2)},
     "qwen2": DENSE_LAYOUTS,  # 1 KV head: TP2 splits fewer KV heads than ranks
     "qwen3": DENSE_LAYOUTS,
     "qwen3_moe": MOE_LAYOUTS,
     "deepseek_v3": MOE_LAYOUTS,
+    "deepseek_v3_groups": VARIANT_LAYOUTS,  # group-limited routing with topk/topk_group = 3/2
+    "qwen3_moe_unnormed": VARIANT_LAYOUTS,  # norm_topk_prob=false
 }
 
 

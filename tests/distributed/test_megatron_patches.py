@@ -12,6 +12,9 @@ processes:
    applies the missing patch (all of them are applied then), rebuilds Megatron's process groups and
    the model, loads the HF weights and runs the same forward, whose logits must match transformers.
 
+A patch that changes numbers instead of failing (group_routing_top2) is shown the same way by its
+logits: off parity with transformers without it, on parity with it.
+
 Re-running in the same processes is safe because every rank fails at the same point, before any
 collective could pair up with a rank that went on. The parity suite (test_bridge_parity.py) runs
 every architecture and layout with all patches applied from the start.
@@ -229,3 +232,30 @@ def test_cpu_grad_clipping_is_necessary_and_sufficient(tiny_model_dir):
     assert failure is not None, "a clipped step ran without cpu_grad_clipping: is the patch still needed?"
     assert "megatron/core/optimizer/clip_grads.py" in failure and "AssertionError" in failure, failure[-3000:]
     assert result["skipped"] is False and result["grad_norm"] > 1e-3, result
+
+
+def _logits_without_then_with(rank: int, world_size: int, fix: str, hf_dir: str, layout: ParallelLayout) -> dict:
+    """Logits of the same forward without `fix`, then with every patch (a fix that changes numbers)."""
+    import os
+
+    import megatron_patches
+
+    os.environ["MRL_SKIP_PATCHES"] = fix
+    without = _build_and_forward(hf_dir, layout)
+    applied_without = megatron_patches.applied()
+    os.environ.pop("MRL_SKIP_PATCHES")
+    megatron_patches.apply()
+    return {"without": without, "applied_without": applied_without, "with": _build_and_forward(hf_dir, layout)}
+
+
+def test_group_routing_top2_is_necessary_and_sufficient(tiny_model_dir):
+    """3 experts per token from 2 of 4 groups: Megatron ranks groups by their top 3 // 2 = 1, HF by 2."""
+    hf_dir = str(tiny_model_dir("deepseek_v3_groups"))
+    (result,) = run_local(
+        _logits_without_then_with, 1, "group_routing_top2", hf_dir, ParallelLayout(), timeout_s=180
+    )
+    assert "group_routing_top2" not in result["applied_without"]
+    without = (result["without"] - _reference(hf_dir)).abs().max().item()
+    with_fix = (result["with"] - _reference(hf_dir)).abs().max().item()
+    assert without > TOLERANCE, f"parity without group_routing_top2 ({without:.3g}): is the patch still needed?"
+    assert with_fix <= TOLERANCE, f"max |logit diff| to transformers with the patch {with_fix:.3g} > {TOLERANCE}"

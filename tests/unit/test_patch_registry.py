@@ -122,6 +122,7 @@ def test_real_patches_are_idempotent():
                 "_AllToAll.forward": mappings._AllToAll.forward,
                 "_gather_along_first_dim": mappings._gather_along_first_dim,
                 "_reduce_scatter_along_first_dim": mappings._reduce_scatter_along_first_dim,
+                "group_limited_topk": moe_utils.group_limited_topk,
             }
 
         upstream = patched()

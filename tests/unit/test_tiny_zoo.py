@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from mrl.models.tiny import TINY_ARCHS, main, tiny_hf_config, write_tiny_model
+from mrl.models.tiny import TINY_ARCHS, TINY_MODELS, main, tiny_hf_config, write_tiny_model
 
 MOE_ARCHS = ("qwen3_moe", "deepseek_v3")
 
@@ -49,7 +49,7 @@ def test_loads_in_transformers_and_tokenizes(arch, tiny_model_dir):
     assert all(f.stat().st_mode & 0o777 == 0o644 for f in path.iterdir())
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", TINY_MODELS)  # variants too: their point is the fields they change
 def test_config_json_is_the_table_and_transformers_reads_it_as_meant(arch, tiny_model_dir):
     from transformers import AutoConfig
 
@@ -140,3 +140,13 @@ def test_unknown_arch():
         write_tiny_model("gpt2", "/nonexistent/never-written")
     with pytest.raises(SystemExit):
         main(["--arch", "gpt2", "--out", "/nonexistent/never-written"])
+
+
+def test_variants_change_only_their_fields():
+    groups = tiny_hf_config("deepseek_v3_groups")
+    assert "rope_scaling" not in groups  # None in a variant removes the field
+    assert {k: v for k, v in tiny_hf_config("deepseek_v3").items() if k != "rope_scaling"} == groups | dict(
+        n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, n_shared_experts=1,
+        qk_nope_head_dim=32, v_head_dim=32,
+    )
+    assert tiny_hf_config("qwen3_moe_unnormed") == tiny_hf_config("qwen3_moe") | dict(norm_topk_prob=False)
