@@ -28,7 +28,7 @@ def train(cfg: RunConfig) -> dict:
     hf_dir, tokenizer = prepare_model(cfg.model, cfg.trainer.seed)
     train_set, heldout = (tokenize_samples(s, tokenizer) for s in load_splits(cfg.data, cfg.trainer.seed, tokenizer))
     sampler = EpochSampler(len(train_set), cfg.data.batch_size, seed=cfg.trainer.seed)
-    reward = build_reward(cfg.reward.name, cfg.reward.timeout_s, cfg.reward.workers)
+    reward = build_reward(cfg.reward)
     out = Path(cfg.trainer.output_dir)
     refuse_to_overwrite(cfg)
     out.mkdir(parents=True, exist_ok=True)
