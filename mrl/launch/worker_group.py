@@ -116,12 +116,13 @@ class WorkerGroup:
         if errors:
             elapsed = time.monotonic() - start
             if not _deaths(errors):  # a peer's death may explain this error: give Ray time to report it
-                self._gather(refs, pending, time.monotonic() + _DEATH_REPORT_S, results, errors,
-                             lambda: bool(_deaths(errors)))
+                pending = self._gather(refs, pending, time.monotonic() + _DEATH_REPORT_S, results, errors,
+                                       lambda: bool(_deaths(errors)))
             self._fail(*self._failure(errors, method, elapsed), unfinished=pending)
         if pending:
             stuck = sorted(refs.index(ref) for ref in pending)
-            self._fail(f"ranks {stuck} did not finish {method} within {timeout_s:.0f}s (the others did)")
+            self._fail(f"ranks {stuck} did not finish {method} within {timeout_s:.0f}s (the others did)",
+                       unfinished=pending)
         return [results[rank] for rank in range(len(refs))]
 
     @staticmethod
