@@ -91,7 +91,7 @@ def open_run(cfg: RunConfig, sft_only: bool = False) -> Run:
     train_set, heldout = (tokenize_samples(s, tokenizer) for s in load_splits(cfg.data, cfg.trainer.seed, tokenizer))
     sampler = EpochSampler(len(train_set), cfg.data.batch_size, seed=cfg.trainer.seed)
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
-    reward = None if sft_only else build_reward(cfg.reward.name, cfg.reward.timeout_s, cfg.reward.workers)
+    reward = None if sft_only else build_reward(cfg.reward)
     try:
         cluster = start_cluster(cfg, hf_dir, len(tokenizer), with_engine=not sft_only)
     except BaseException:

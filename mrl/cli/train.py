@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 import time
+import traceback
+from pathlib import Path
 from typing import Callable
 
 from mrl.config import ConfigError, RunConfig, load_config
@@ -25,12 +27,25 @@ def _run(prog: str, argv: list[str] | None, job: Callable[[RunConfig], dict]) ->
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    from mrl.launch.worker_group import WorkerGroupError
+
     start = time.perf_counter()
-    summary = job(cfg)
+    try:
+        summary = job(cfg)
+    except WorkerGroupError as exc:  # a rank died or failed: its one line, the tracebacks in a file
+        print(f"{prog}: {exc} (traceback: {write_traceback(exc, cfg.trainer.output_dir)})", file=sys.stderr)
+        return 1
     summary["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(summary, indent=2))
     print(headline(summary))
     return 0
+
+
+def write_traceback(exc: BaseException, output_dir: str) -> Path:
+    path = Path(output_dir) / "error.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(traceback.format_exception(exc)))
+    return path
 
 
 def headline(summary: dict) -> str:

@@ -19,7 +19,7 @@ from mrl.models.registry import UnsupportedModelError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mrl verify", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="mrl verify", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--hf", required=True, help="HuggingFace model directory (config.json + safetensors)")
     add_layout_arguments(parser)
     parser.add_argument("--tol", type=float, default=None,

@@ -166,12 +166,10 @@ def _check_reward(cfg: RunConfig, check_files: bool) -> list[str]:
 
     name = cfg.reward.name
     if name == "reward_model":
-        path = cfg.reward.model_path
-        if not path:
-            return ["reward.name 'reward_model' needs reward.model_path (an HF sequence-classification model)."]
-        if check_files and not (Path(path) / "config.json").is_file():
-            return [f"reward.model_path {path} has no config.json: point it at an HF model directory."]
-        return []
+        from mrl.rewards.reward_model import reward_model_problem
+
+        problem = reward_model_problem(cfg.reward.model_path, check_files)
+        return [problem] if problem else []
     if name in REWARD_FUNCTIONS:
         return []
     if ":" not in name:

@@ -7,7 +7,8 @@ timeout: a rank that raises or dies is reported by number, a stuck collective is
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -27,6 +28,30 @@ def local_ranks(hosts: list[str]) -> list[int]:
         ranks.append(seen.get(host, 0))
         seen[host] = ranks[-1] + 1
     return ranks
+
+
+# After a rank raised: how long to wait for Ray to report a dead peer. A killed rank's peers fail
+# at once in their collectives ("Connection reset by peer"), and those errors can reach the driver
+# before the death that caused them.
+_DEATH_REPORT_S = 5.0
+
+
+def _deaths(errors: dict[int, Exception]) -> list[int]:
+    """The ranks whose process died or became unreachable (not an exception in our code)."""
+    return [rank for rank, err in errors.items() if isinstance(err, ray.exceptions.RayActorError)]
+
+
+def _death_reason(err: Exception) -> str:
+    if isinstance(err, ray.exceptions.ActorUnavailableError):
+        return "unreachable"
+    return "its process exited: killed, out of memory or crashed; Ray's worker log of that pid may say which"
+
+
+def _one_line(err: Exception) -> str:
+    """`Type: first line` of the exception a rank raised (the remote traceback stays in __cause__)."""
+    cause = getattr(err, "cause", None) or err
+    first = next(iter(str(cause).strip().splitlines()), "")
+    return f"{type(cause).__name__}: {first}"
 
 
 class WorkerGroupError(RuntimeError):
@@ -57,9 +82,12 @@ class WorkerGroup:
             ).remote(rank, world_size)
             for rank in range(world_size)
         ]
+        self.places: list[str] = []  # "pid P on HOST" by rank: a failure names the process and node
         master = self._get([self.workers[0].address.remote()], "address")[0]
+        hosts = self.call("hostname")
+        self.places = [f"pid {pid} on {host}" for pid, host in zip(self.call("pid"), hosts, strict=True)]
         joins = [worker.init_process_group.remote(master, local_rank)
-                 for worker, local_rank in zip(self.workers, local_ranks(self.call("hostname")), strict=True)]
+                 for worker, local_rank in zip(self.workers, local_ranks(hosts), strict=True)]
         self._get(joins, "init_process_group")
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
@@ -77,24 +105,75 @@ class WorkerGroup:
         return sorted(results, key=lambda r: r["dp"])
 
     def _get(self, refs: list, method: str, timeout_s: float | None = None) -> list[Any]:
+        """The results of `refs` (rank i's call is refs[i]) by rank. On the first failure the group
+        stops and WorkerGroupError names the rank: its peers are then stuck in, or failing out of,
+        a collective with it, so waiting for them would only delay (or misattribute) the error."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        for ref in done:  # a failure on any rank first: the others may be waiting for it
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError as err:
-                self._fail(f"rank {refs.index(ref)} failed in {method}: {err}")
+        start = time.monotonic()
+        results: dict[int, Any] = {}
+        errors: dict[int, Exception] = {}
+        pending = self._gather(refs, list(refs), start + timeout_s, results, errors, lambda: bool(errors))
+        if errors:
+            elapsed = time.monotonic() - start
+            if not _deaths(errors):  # a peer's death may explain this error: give Ray time to report it
+                pending = self._gather(refs, pending, time.monotonic() + _DEATH_REPORT_S, results, errors,
+                                       lambda: bool(_deaths(errors)))
+            self._fail(*self._failure(errors, method, elapsed), unfinished=pending)
         if pending:
             stuck = sorted(refs.index(ref) for ref in pending)
-            self._fail(f"ranks {stuck} did not finish {method} within {timeout_s:.0f}s (the others did)")
-        return ray.get(refs)
+            self._fail(f"ranks {stuck} did not finish {method} within {timeout_s:.0f}s (the others did)",
+                       unfinished=pending)
+        return [results[rank] for rank in range(len(refs))]
 
-    def _fail(self, message: str) -> None:
+    @staticmethod
+    def _gather(refs: list, pending: list, deadline: float, results: dict, errors: dict,
+                stop: Callable[[], bool]) -> list:
+        """Wait for `pending` one completion at a time until `stop()` or the deadline; file each
+        result or error under its rank. Returns what is still pending."""
+        while pending and not stop():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            for ref in done:
+                try:
+                    results[refs.index(ref)] = ray.get(ref)
+                except ray.exceptions.RayError as err:
+                    errors[refs.index(ref)] = err
+        return pending
+
+    def _failure(self, errors: dict[int, Exception], method: str, elapsed: float) -> tuple[str, Exception]:
+        """One line naming the rank to blame (a dead one before those that failed because of it)."""
+        dead = _deaths(errors)
+        rank = min(dead or errors)
+        if dead:
+            others = f"; also dead: ranks {sorted(dead)[1:]}" if len(dead) > 1 else ""
+            message = (f"{self._where(rank)} died during {method}, {elapsed:.1f} s in ({_death_reason(errors[rank])})"
+                       f"{others}; the other ranks were stopped")
+        else:
+            message = (f"{self._where(rank)} failed in {method} after {elapsed:.1f} s: {_one_line(errors[rank])}; "
+                       "the other ranks were stopped")
+        return message, errors[rank]
+
+    def _where(self, rank: int) -> str:
+        return f"rank {rank}" + (f" ({self.places[rank]})" if rank < len(self.places) else "")
+
+    def _fail(self, message: str, cause: Exception | None = None, unfinished: list = ()) -> None:
         self.shutdown()
-        raise WorkerGroupError(message)
+        # The stopped ranks' calls end in errors too: fetch them, or Ray prints each one's traceback
+        # as "Unhandled error" beside our one-line message.
+        done, _ = ray.wait(list(unfinished), num_returns=len(unfinished), timeout=_DEATH_REPORT_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                pass
+        raise WorkerGroupError(message) from cause
 
     def shutdown(self) -> None:
+        """Kill every rank and free the placement (again after a failure: a no-op)."""
         for worker in self.workers:
             ray.kill(worker)
-        remove_placement_group(self.placement)
-        self.workers = []
+        if self.placement is not None:
+            remove_placement_group(self.placement)
+        self.workers, self.placement = [], None

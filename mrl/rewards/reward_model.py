@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from mrl.rewards.base import RewardInput, RewardResult
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def reward_model_problem(path: str | None, check_files: bool = True) -> str | None:
+    """Why `path` cannot serve as reward.model_path, in one line naming the fix; None when it can.
+    Reads config.json only, so a config check does not load the model."""
+    if not path:
+        return ("reward.name 'reward_model' needs reward.model_path: set it to an HF sequence-classification "
+                "model directory (num_labels=1).")
+    if not check_files:
+        return None
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return f"reward.model_path {path} has no config.json: point it at an HF model directory."
+    config = json.loads(config_file.read_text())
+    architectures = config.get("architectures") or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        return (f"reward.model_path {path} holds {'/'.join(architectures) or 'a model of no stated architecture'}, "
+                "not a reward model: point it at a *ForSequenceClassification directory with num_labels=1.")
+    labels = len(config["id2label"]) if config.get("id2label") else config.get("num_labels", 2)  # HF omits 2
+    if labels != 1:
+        return (f"reward.model_path {path} has num_labels={labels}: a reward model gives one score; "
+                "point it at a model with num_labels=1.")
+    if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        return f"reward.model_path {path} has no tokenizer: save the reward model's tokenizer into that directory."
+    return None
 
 
 class RewardModelScorer:

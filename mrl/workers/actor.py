@@ -53,6 +53,10 @@ class MegatronActor:
     def hostname(self) -> str:
         return socket.gethostname()
 
+    def pid(self) -> int:
+        """This rank's process id: a failure report names it (and tests kill it)."""
+        return os.getpid()
+
     def address(self) -> tuple[str, int]:
         """Host and a free port for the default group's rendezvous (asked of rank 0)."""
         host = socket.gethostbyname(socket.gethostname())

@@ -8,6 +8,7 @@ Three runs share one local Ray instance:
   3. SFT warm start (packed rows), then GRPO, on a tiny MoE model with EP2, merged to HF and scored
      with vLLM.
   4. PPO with a Megatron critic (GAE) on a tiny dense model in TP2.
+  5. One GRPO step scored by a reward model (reward.name: reward_model), on one rank.
 """
 
 from __future__ import annotations
@@ -182,3 +183,29 @@ def test_ppo_with_a_megatron_critic(tmp_path, tiny_model_dir, ray_local):
     assert sorted(resumed) == [3]
     for key in ("critic/vf_loss", "critic/vpred_mean", "critic/grad_norm", "actor/pg_loss", "actor/ppo_kl"):
         assert resumed[3][key] == metrics[3][key], key
+
+
+def test_a_reward_model_scores_the_rollouts(tmp_path, tiny_model_dir, tiny_reward_model, reward_model_scores,
+                                            ray_local, monkeypatch):
+    from mrl.rewards.reward_model import RewardModelScorer
+    from mrl.trainer import train
+
+    scored = []  # every batch the run's scorer was given (held-out evaluations and the step's rollouts)
+    real = RewardModelScorer.score_batch
+
+    def recorded(self, samples):
+        scored.append(list(samples))
+        return real(self, samples)
+
+    monkeypatch.setattr(RewardModelScorer, "score_batch", recorded)
+    cfg = load_config(RECIPE, _overrides(tmp_path, tiny_model_dir("qwen3"), "model.tiny=null", "parallel.tp=1",
+                                         "parallel.ep=1", "trainer.total_steps=1", "checkpoint.save_every=0",
+                                         "reward.name=reward_model", f"reward.model_path={tiny_reward_model}"))
+    train(cfg)
+    step = _metrics(tmp_path / "run")[1]
+    (rollouts,) = [batch for batch in scored if len(batch) == 16]  # 4 prompts × 4 samples; held-out batches are 8
+    # The step's scores are the reward model's, computed apart from the run (transformers, one sample at a time).
+    expected = reward_model_scores(rollouts)
+    assert len({round(v, 4) for v in expected}) > 1, expected
+    assert step["critic/score/mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
+    assert (step["critic/score/min"], step["critic/score/max"]) == pytest.approx((min(expected), max(expected)), abs=1e-5)

@@ -229,6 +229,30 @@ def test_missing_files(tmp_path):
         "reward.name 'mrl_nowhere_xyz.mod:score': module 'mrl_nowhere_xyz.mod' cannot be found: check the import path / PYTHONPATH."]
 
 
+def test_reward_model_path_must_hold_a_reward_model(tmp_path):
+    def model_dir(name, config, tokenizer=True):
+        (tmp_path / name).mkdir()
+        write(tmp_path / name / "config.json", json.dumps(config))
+        if tokenizer:
+            write(tmp_path / name / "tokenizer.json", "{}")
+        return tmp_path / name
+
+    causal = model_dir("causal", {"architectures": ["LlamaForCausalLM"]})
+    two = model_dir("two", {"architectures": ["LlamaForSequenceClassification"]})  # HF omits the default 2
+    bare = model_dir("bare", {"architectures": ["LlamaForSequenceClassification"], "id2label": {"0": "LABEL_0"}},
+                     tokenizer=False)
+    assert errors_of(TINY, "reward.name=reward_model", f"reward.model_path={causal}") == [
+        f"reward.model_path {causal} holds LlamaForCausalLM, not a reward model: point it at a "
+        "*ForSequenceClassification directory with num_labels=1."]
+    assert errors_of(TINY, "reward.name=reward_model", f"reward.model_path={two}") == [
+        f"reward.model_path {two} has num_labels=2: a reward model gives one score; point it at a model with "
+        "num_labels=1."]
+    assert errors_of(TINY, "reward.name=reward_model", f"reward.model_path={bare}") == [
+        f"reward.model_path {bare} has no tokenizer: save the reward model's tokenizer into that directory."]
+    (bare / "tokenizer_config.json").write_text("{}")
+    assert load_config(TINY, ["reward.name=reward_model", f"reward.model_path={bare}"]).reward.model_path == str(bare)
+
+
 def test_all_errors_are_reported_together():
     with pytest.raises(ConfigError) as info:
         load_config(TINY, ["algo.kl_coeff=1", "parallel.tp=3", "rollout.top_p=0", "data.path=/nope.jsonl"])

@@ -5,8 +5,8 @@ import textwrap
 import time
 
 import pytest
-import torch
 
+from mrl.config.schema import RewardConfig
 from mrl.registry import UnknownNameError
 from mrl.rewards import REWARD_FUNCTIONS, RewardInput, RewardLoadError, SandboxedReward, build_reward
 from mrl.rewards.rule_based import answers_equal, boxed_math, exact_answer, last_boxed
@@ -68,10 +68,10 @@ def test_answers_equal_by_value():
 
 def test_registry_and_build_reward_errors():
     assert set(REWARD_FUNCTIONS.names()) >= {"exact_answer", "boxed_math"}
-    scores = build_reward("exact_answer").score_batch([RewardInput("1+1=", "2", "2"), RewardInput("1+1=", "3", "2")])
+    scores = build_reward(RewardConfig("exact_answer")).score_batch([RewardInput("1+1=", "2", "2"), RewardInput("1+1=", "3", "2")])
     assert [r.score for r in scores] == [1.0, 0.0]
     with pytest.raises(UnknownNameError, match="did you mean 'exact_answer'.*package.module:function"):
-        build_reward("exact_answr")
+        build_reward(RewardConfig("exact_answr"))
 
 
 USER_REWARD = textwrap.dedent(
@@ -118,7 +118,7 @@ def test_custom_reward_survives_raise_hang_and_exit(tmp_path, caplog):
 def test_custom_reward_by_module_path(tmp_path, monkeypatch):
     (tmp_path / "mrl_test_user_rewards.py").write_text(USER_REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))
-    with build_reward("mrl_test_user_rewards:score", timeout_s=5, workers=1) as reward:
+    with build_reward(RewardConfig("mrl_test_user_rewards:score", timeout_s=5, workers=1)) as reward:
         assert [r.score for r in reward.score_batch([RewardInput("p", "abc")])] == [3.0]
 
 
@@ -138,35 +138,22 @@ def test_bad_custom_reward_spec_fails_at_construction(tmp_path, spec, message):
         SandboxedReward(spec.format(user=path), workers=1)
 
 
-def _write_reward_model(out):
-    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
-
-    from mrl.models.tiny import build_tokenizer
-
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), pad_token="<pad>", eos_token="</s>")
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForSequenceClassification(config)
-    model.score.weight.data.normal_(0, 1.0)  # a visible spread of scores
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return model.eval(), tokenizer
-
-
-def test_reward_model_scorer_batches_like_single_samples(tmp_path):
+def test_reward_model_scorer_batches_like_single_samples(tmp_path, tiny_reward_model, reward_model_scores):
     from mrl.rewards.reward_model import RewardModelScorer
 
-    model, tokenizer = _write_reward_model(tmp_path / "rm")
     samples = [RewardInput("What is 2+2? ", "4"), RewardInput("Hello ", "a much longer answer than the others"),
                RewardInput("x", "y")]
-    scorer = RewardModelScorer(tmp_path / "rm", batch_size=2)
+    scorer = RewardModelScorer(tiny_reward_model, batch_size=2)
     batched = [r.score for r in scorer.score_batch(samples)]
-    with torch.no_grad():
-        single = [model(**tokenizer(s.prompt + s.response, return_tensors="pt")).logits[0, 0].item() for s in samples]
-    assert batched == pytest.approx(single, abs=1e-5)
+    assert batched == pytest.approx(reward_model_scores(samples), abs=1e-5)
     assert len(set(round(v, 4) for v in batched)) == 3, "different texts should score differently"
     with pytest.raises(FileNotFoundError, match="config.json"):
         RewardModelScorer(tmp_path / "nothing")
+
+
+def test_reward_name_reward_model_builds_the_model_at_reward_model_path(tiny_reward_model, reward_model_scores):
+    samples = [RewardInput("3+4=", "7"), RewardInput("3+4=", "12</s>")]
+    scorer = build_reward(RewardConfig("reward_model", model_path=str(tiny_reward_model)))
+    assert [r.score for r in scorer.score_batch(samples)] == pytest.approx(reward_model_scores(samples), abs=1e-5)
+    with pytest.raises(ValueError, match="^reward.name 'reward_model' needs reward.model_path: set it to"):
+        build_reward(RewardConfig("reward_model"))

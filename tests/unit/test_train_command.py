@@ -57,3 +57,21 @@ def test_the_recorded_sft_start_survives_moving_the_checkpoint_tree(tmp_path):
     outside = portable_rl_start(str(elsewhere), str(moved))
     assert outside == str((elsewhere / "iter_0000007").resolve())
     assert located_rl_start(outside, str(moved)) == outside and located_rl_start(None, str(moved)) is None
+
+
+def test_a_failed_rank_is_one_line_and_exit_1_with_the_traceback_in_a_file(capsys, tmp_path):
+    from mrl.cli.train import _run
+    from mrl.launch.worker_group import WorkerGroupError
+
+    def job(cfg):
+        try:
+            raise ValueError("the remote traceback")
+        except ValueError as cause:
+            raise WorkerGroupError("rank 1 (pid 7 on node-a) died during update, 3.0 s in") from cause
+
+    code = _run("mrl train", [RECIPE, f"trainer.output_dir={tmp_path}"], job)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err == (f"mrl train: rank 1 (pid 7 on node-a) died during update, 3.0 s in "
+                   f"(traceback: {tmp_path / 'error.log'})\n")
+    assert "ValueError: the remote traceback" in (tmp_path / "error.log").read_text()
