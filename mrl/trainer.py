@@ -106,6 +106,7 @@ def rl_step(step: int, cfg: RunConfig, cluster: Cluster, train_set: list[dict], 
                 values = cluster.critic.by_dp("values", critic_inputs(batch))
                 batch["values"] = torch.cat([r["values"] for r in values])
         batch["advantages"], batch["returns"] = advantages(batch, cfg)
+        metrics.update(algo.advantage_metrics(batch))
         if cluster.critic is not None:
             with timer("update_critic", metrics):
                 metrics.update(train_epochs(cluster.critic, "update_critic", cfg, critic_inputs(batch),
