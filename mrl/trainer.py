@@ -92,6 +92,7 @@ def rl_step(step: int, run: Run) -> dict:
             with timer("values", metrics):
                 batch["values"] = cluster.critic.values(critic_inputs(batch))
         batch["advantages"], batch["returns"] = advantages(batch, cfg)
+        metrics.update(algo.advantage_metrics(batch))
         if cluster.critic is not None:
             with timer("update_critic", metrics):
                 critic = cluster.critic

@@ -3,6 +3,7 @@
 from mrl.algo.advantages import ADVANTAGE_ESTIMATORS, compute_advantages, discounted_returns
 from mrl.algo.aggregation import AGGREGATIONS, aggregate
 from mrl.algo.dapo import informative_groups, overlong_penalty, penalise_overlong
+from mrl.algo.diagnostics import advantage_metrics, explained_variance
 from mrl.algo.entropy import entropy_bonus
 from mrl.algo.kl import KL_ESTIMATORS, kl_loss, kl_penalized_rewards
 from mrl.algo.policy_loss import POLICY_LOSSES, default_aggregation, policy_loss
@@ -10,7 +11,7 @@ from mrl.algo.value_loss import clipped_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES",
-    "aggregate", "clipped_value_loss", "compute_advantages", "default_aggregation", "discounted_returns",
-    "entropy_bonus", "informative_groups", "kl_loss", "kl_penalized_rewards", "overlong_penalty",
-    "penalise_overlong", "policy_loss",
+    "advantage_metrics", "aggregate", "clipped_value_loss", "compute_advantages", "default_aggregation",
+    "discounted_returns", "entropy_bonus", "explained_variance", "informative_groups", "kl_loss",
+    "kl_penalized_rewards", "overlong_penalty", "penalise_overlong", "policy_loss",
 ]

@@ -165,6 +165,8 @@ def test_ppo_with_a_megatron_critic(tmp_path, tiny_model_dir, ray_local):
     assert first["actor/ppo_kl"] == 0.0 and first["actor/ratio_mean"] == 1.0
     # The zero-initialised value head predicts 0 for the first batch, exactly as the values pass did.
     assert first["critic/vpred_mean"] == 0.0 and first["critic/vf_clipfrac"] == 0.0
+    assert first["critic/values_mean"] == 0.0 and first["critic/vf_explained_var"] == 0.0  # GAE's values: the same 0
+    assert 0.0 <= first["critic/returns_min"] <= first["critic/returns_mean"] <= first["critic/returns_max"]
     assert first["critic/grad_norm"] > 0 and first["timing_s/values"] > 0 and first["timing_s/update_critic"] > 0
     assert metrics[3]["critic/vpred_mean"] != 0.0, "the critic did not learn"
     # The critic is checkpointed beside the actor, at the same steps; a resume from step 2 restores
@@ -181,7 +183,8 @@ def test_ppo_with_a_megatron_critic(tmp_path, tiny_model_dir, ray_local):
     train(load_config(PPO_RECIPE, _overrides(again, tiny_model_dir("qwen3"), *ppo)))
     resumed = _metrics(again / "run")
     assert sorted(resumed) == [3]
-    for key in ("critic/vf_loss", "critic/vpred_mean", "critic/grad_norm", "actor/pg_loss", "actor/ppo_kl"):
+    for key in ("critic/vf_loss", "critic/vpred_mean", "critic/grad_norm", "critic/vf_explained_var", "actor/pg_loss",
+                "actor/ppo_kl"):
         assert resumed[3][key] == metrics[3][key], key
 
 

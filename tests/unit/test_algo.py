@@ -112,6 +112,25 @@ def test_gae_by_hand_with_padding():
     assert whitened[1, 2] == 0
 
 
+def test_gae_on_a_rollout_batch_puts_the_score_on_the_last_response_token():
+    """The trainer's path: rollout_batch places each score on its last response label, the critic's
+    values are aligned to the same labels, and GAE bootstraps 0 after the last response token. With
+    lam = gamma = 1 every response token's return is the score and A_t = score - V_t, whatever sits
+    on prompt and padding columns."""
+    from mrl.experience import rollout_batch
+    from mrl.rollout.engine import Generation
+
+    groups = [[Generation([5, 6, 7], [8, 9], "", [-0.1, -0.2]), Generation([5, 6, 7], [10], "", [-0.3])],
+              [Generation([11], [12, 13, 14], "", [-0.4, -0.5, -0.6])]]
+    batch = rollout_batch(groups, [1.0, 0.0, 0.5])
+    mask = batch["response_mask"]
+    values = t([[9.0, 9.0, 0.25, 0.5], [9.0, 9.0, 0.4, 9.0], [0.1, 0.2, 0.3, 9.0]])  # 9.0: prompt or padding
+    adv, returns = compute_advantages("gae", token_level_rewards=batch["token_level_rewards"], response_mask=mask,
+                                      values=values, gamma=1.0, lam=1.0, whiten=False)
+    close(returns, [[0, 0, 1.0, 1.0], [0, 0, 0.0, 0], [0.5, 0.5, 0.5, 0]])
+    close(adv, [[0, 0, 0.75, 0.5], [0, 0, -0.4, 0], [0.4, 0.3, 0.2, 0]])
+
+
 def test_clipped_value_loss_by_hand():
     old = t([[0.0, 1.0, 0.0]])
     returns = t([[1.0, 0.0, 5.0]])

@@ -36,6 +36,12 @@ def test_ppo_recipe_adds_a_critic_to_the_tiny_recipe():
     cfg = load_config(CONFIGS / "tiny_cpu_ppo.yaml")
     assert cfg.algo.advantage_estimator == "gae" and cfg.critic.lr == 1e-3 and cfg.critic.cliprange_value == 0.5
     assert (cfg.parallel.tp, cfg.parallel.ep) == (2, 2) and cfg.model.tiny == "deepseek_v3"  # inherited
+    # An SFT step sees as many sequences as an RL step: PPO must start RL from GRPO's SFT'd model
+    # (a recipe with half the sequences a step warm-started a weaker model, from which PPO lost accuracy).
+    grpo = load_config(TINY)
+    assert cfg.data.batch_size * cfg.rollout.n_samples_per_prompt == grpo.data.batch_size * grpo.rollout.n_samples_per_prompt
+    assert (cfg.trainer.sft_steps, cfg.trainer.sft_lr, cfg.trainer.total_steps) == (
+        grpo.trainer.sft_steps, grpo.trainer.sft_lr, grpo.trainer.total_steps)
 
 
 def test_packing_refuses_transformer_engine():
