@@ -5,8 +5,9 @@
 2. Load the checkpoint into Megatron in the requested layout (local gloo processes) and take one
    real optimizer step on a probe batch, so the weights differ from what the engine started with.
 3. Sync the new weights to the engine over the chosen transport.
-4. Check that (a) the engine's greedy tokens equal Megatron's greedy decoding and their logprobs
-   agree within --tol, (b) they differ from before the update, and (c) every tensor arrived intact
+4. Check that (a) the engine's log-probs of Megatron's greedy continuation (teacher-forced) agree
+   with Megatron's within the tolerance (see `tolerance`), and with an fp32 engine its greedy tokens
+   equal Megatron's, (b) they differ from before the update, and (c) every tensor arrived intact
    and every engine parameter was updated. JSON summary; exit 0 pass, 1 fail, 2 bad input.
 """
 
@@ -46,7 +47,7 @@ def _trainer(rank: int, world: int, hf_dir: str, layout: ParallelLayout, endpoin
     # The engine's continuations before the update, scored here on the same (HF) weights: the gap
     # is this model's numerical noise in the engine's dtype, measured before anything is synced.
     scored = sequence_logprobs(built, before)
-    baseline = None if scored is None else [row[-NEW_TOKENS:] for row in scored]
+    baseline = None if scored is None else _continuation(scored)
     # One real optimizer step (Megatron DDP + Adam) on next-token loss over the probe prompts.
     trainable = make_trainable(built, OptimConfig(lr=lr, weight_decay=0.0, clip_grad=0.0))
     step = train_step(trainable, lm_micro_batches(torch.tensor(prompts), layout.tp))
@@ -57,6 +58,11 @@ def _trainer(rank: int, world: int, hf_dir: str, layout: ParallelLayout, endpoin
     greedy = greedy_decode(built, prompts, NEW_TOKENS)
     return {"greedy": greedy, "baseline": baseline, "loss": step.loss, "sent": None if sent is None else {"tensors": len(sent.checksums),
             "bytes": sent.bytes, "seconds": round(sent.seconds, 3)}}
+
+
+def _continuation(scored: list[list[float]]) -> list[list[float]]:
+    """The log-probs of each sequence's last NEW_TOKENS tokens (the continuation after the prompt)."""
+    return [row[-NEW_TOKENS:] for row in scored]
 
 
 def verify_rollout(hf_dir: str, layout: ParallelLayout, *, transport: str = "broadcast", tol: float | None = None,
@@ -73,18 +79,23 @@ def verify_rollout(hf_dir: str, layout: ParallelLayout, *, transport: str = "bro
             prompts = probe_sequences(spec.vocab_size, count=2, length=16)
             greedy = SamplingSettings(max_tokens=NEW_TOKENS, ignore_eos=True)
             before = [g[0] for g in engine.generate(prompts, greedy)]
+            continued = [p + g.token_ids for p, g in zip(prompts, before)]
+            before_scored = _continuation(engine.score(continued))
             endpoint = engine.endpoint()
             receipt = engine.receive_weights("verify", 1 if transport == "colocated" else layout.pp)
-            continued = [p + g.token_ids for p, g in zip(prompts, before)]
             results = run_local(_trainer, world, hf_dir, layout, endpoint, transport, bucket_bytes, prompts,
                                 continued, lr)
             report = receipt.result()
             after = [g[0] for g in engine.generate(prompts, greedy)]
+            tokens, logprobs = next(r["greedy"] for r in results if r["greedy"] is not None)
+            # Both sides score the same sequences (Megatron's continuation, teacher-forced in the
+            # engine): after a near-tie flips a greedy token, free-running continuations differ and
+            # their log-probs are no longer comparable.
+            after_scored = _continuation(engine.score([p + t for p, t in zip(prompts, tokens)]))
         finally:
             engine.close()
-    tokens, logprobs = next(r["greedy"] for r in results if r["greedy"] is not None)
-    gap = logprob_gap([g.logprobs for g in after], logprobs)
-    noise = logprob_gap([g.logprobs for g in before], next(r["baseline"] for r in results if r["baseline"] is not None))
+    gap = logprob_gap(after_scored, logprobs)
+    noise = logprob_gap(before_scored, next(r["baseline"] for r in results if r["baseline"] is not None))
     tol, tol_source = tolerance(tol, endpoint.dtype, noise["rollout/logprob_abs_diff_max"])
     moved = logprob_gap([g.logprobs for g in after], [g.logprobs for g in before])["rollout/logprob_abs_diff_max"]
     summary = {
@@ -101,7 +112,10 @@ def verify_rollout(hf_dir: str, layout: ParallelLayout, *, transport: str = "bro
                     "logprob_max_change": moved, "min_change": CHANGED},
         "seconds": round(time.perf_counter() - start, 1),
     }
-    summary["match"]["ok"] = summary["match"]["tokens_equal"] and gap["rollout/logprob_abs_diff_max"] <= tol
+    # An fp32 engine must also decode Megatron's greedy tokens; a bf16 one may flip a near-tie
+    # (reported in tokens_equal), which the teacher-forced log-prob bound already covers.
+    strict = endpoint.dtype == "torch.float32"
+    summary["match"]["ok"] = (summary["match"]["tokens_equal"] or not strict) and gap["rollout/logprob_abs_diff_max"] <= tol
     summary["changed"]["ok"] = moved > CHANGED
     summary["ok"] = summary["sync"]["ok"] and summary["match"]["ok"] and summary["changed"]["ok"]
     return summary

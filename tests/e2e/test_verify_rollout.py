@@ -31,6 +31,7 @@ def test_verify_rollout(arch, layout, transport, dtype, tiny_model_dir, capsys):
                         "--engine-dtype", dtype, *tol])
     summary = json.loads(capsys.readouterr().out)
     assert code == 0, summary
-    assert summary["match"]["tokens_equal"] and summary["changed"]["ok"] and summary["sync"]["ok"]
+    assert summary["match"]["ok"] and summary["changed"]["ok"] and summary["sync"]["ok"]
+    assert summary["match"]["tokens_equal"] or dtype != "float32"  # bf16 may flip a near-tie
     assert summary["engine_dtype"] == ("torch.float32" if dtype == "float32" else "torch.bfloat16")
     assert summary["match"]["tol"] == (1e-4 if dtype == "float32" else max(2e-2, 3 * summary["match"]["noise_before_update"]))
