@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from mrl.algo.masked import add_on_last_token
+
 
 def informative_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Keep-mask [B] (bool): True for samples whose group's scores are not all equal.
@@ -53,11 +55,5 @@ def penalise_overlong(
     that scored 0 has no non-zero reward and would otherwise escape its penalty."""
     lengths = response_mask.sum(-1)
     penalty = overlong_penalty(lengths, max_length, buffer_length, penalty_factor)
-    return token_level_rewards + penalty[:, None] * last_token_mask(response_mask), penalty
+    return add_on_last_token(token_level_rewards, response_mask, penalty), penalty
 
-
-def last_token_mask(response_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] 1.0 at each row's last response position (rows without one: all 0)."""
-    positions = torch.arange(response_mask.shape[-1], device=response_mask.device)
-    last = torch.where(response_mask != 0, positions, -1).max(dim=-1).values
-    return (positions == last[:, None]).to(response_mask.dtype)

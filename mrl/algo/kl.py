@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from mrl.algo.masked import add_on_last_token
 from mrl.registry import Registry
 
 KL_ESTIMATORS: Registry = Registry("KL estimator")
@@ -67,17 +68,4 @@ def kl_penalized_rewards(
 
     scores: [B]; response_mask, kl: [B, T]; returns [B, T]. A row with no response token gets 0.
     """
-    mask = response_mask.to(kl.dtype)
-    rewards = -kl_coef * kl * mask
-    lengths = response_mask.sum(-1).long()
-    has_tokens = lengths > 0
-    rows = torch.arange(scores.shape[0], device=scores.device)[has_tokens]
-    last = _last_token_index(response_mask)[has_tokens]
-    rewards[rows, last] += scores[has_tokens].to(rewards.dtype)
-    return rewards
-
-
-def _last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
-    """Position of the last 1 in each row of the mask (0 for an empty row)."""
-    positions = torch.arange(response_mask.shape[-1], device=response_mask.device)
-    return (positions * response_mask.bool()).amax(-1)
+    return add_on_last_token(-kl_coef * kl * response_mask.to(kl.dtype), response_mask, scores)

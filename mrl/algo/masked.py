@@ -28,6 +28,17 @@ def masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return chosen.max() if chosen.numel() else values.new_zeros(())
 
 
+def add_on_last_token(values: torch.Tensor, mask: torch.Tensor, per_row: torch.Tensor) -> torch.Tensor:
+    """`values` [B, T] with per_row[b] [B] added at row b's last response position (a row without
+    one gets nothing): where an outcome score or a sequence-level penalty sits."""
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    last = (positions * mask.bool()).amax(-1)
+    rows = (mask != 0).any(-1).nonzero().flatten()
+    out = values.clone()
+    out[rows, last[rows]] += per_row[rows].to(out.dtype)
+    return out
+
+
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(values - mean) / sqrt(var + eps) over the masked entries (biased variance), 0 on padding."""
     mask = mask.to(values.dtype)
