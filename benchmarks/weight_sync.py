@@ -33,6 +33,7 @@ from export_throughput import peak_rss, write_model  # noqa: E402
 from mrl.layout import ParallelLayout  # noqa: E402
 from mrl.launch.rollout_actor import start_rollout_actor  # noqa: E402
 from mrl.megatron.local_launch import run_local  # noqa: E402
+from mrl.sync.channel import channel_count  # noqa: E402
 
 LAYOUTS = {"tp2": ParallelLayout(tp=2), "pp2": ParallelLayout(pp=2), "ep2": ParallelLayout(ep=2)}
 TRANSPORTS = ("colocated", "broadcast")
@@ -110,7 +111,7 @@ def run(hf_dir: Path, layouts: list[str]) -> list[dict]:
     for key in layouts:
         layout = LAYOUTS[key]
         for transport in TRANSPORTS:
-            channels = 1 if transport == "colocated" else layout.pp
+            channels = channel_count(transport, layout.pp)
             # An actor runs its calls one at a time in submission order: queue every case's
             # (RSS start, receive, RSS stop) before the trainers start pushing.
             queued = {}

@@ -26,6 +26,7 @@ from mrl.layout import ParallelLayout
 from mrl.megatron.local_launch import run_local
 from mrl.models.registry import model_spec_from_hf
 from mrl.rollout.engine import SamplingSettings
+from mrl.sync.channel import channel_count
 from mrl.sync.parity import logprob_gap, probe_sequences
 
 NEW_TOKENS = 8
@@ -82,7 +83,7 @@ def verify_rollout(hf_dir: str, layout: ParallelLayout, *, transport: str = "bro
             continued = [p + g.token_ids for p, g in zip(prompts, before)]
             before_scored = _continuation(engine.score(continued))
             endpoint = engine.endpoint()
-            receipt = engine.receive_weights("verify", 1 if transport == "colocated" else layout.pp)
+            receipt = engine.receive_weights("verify", channel_count(transport, layout.pp))
             results = run_local(_trainer, world, hf_dir, layout, endpoint, transport, bucket_bytes, prompts,
                                 continued, lr)
             report = receipt.result()

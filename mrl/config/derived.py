@@ -64,7 +64,3 @@ def engine_options(cfg: RunConfig) -> dict[str, Any]:
         options["kv_cache_memory_bytes"] = r.kv_cache_memory_mb << 20
     return options
 
-
-def sync_channels(cfg: RunConfig) -> int:
-    """Channels a weight sync opens: one per pipeline stage (broadcast), or one (colocated)."""
-    return 1 if cfg.sync.transport == "colocated" else cfg.parallel.pp

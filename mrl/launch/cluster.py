@@ -11,11 +11,12 @@ from typing import Iterator
 import ray
 
 from mrl.config import RunConfig
-from mrl.config.derived import actor_world_size, engine_options, has_critic, layout_of, optim_for, sync_channels
+from mrl.config.derived import actor_world_size, engine_options, has_critic, layout_of, optim_for
 from mrl.launch.proxies import ActorGroup, EngineHandle
 from mrl.launch.rollout_actor import start_rollout_actor
 from mrl.launch.worker_group import WorkerGroup
 from mrl.rollout.engine import Generation, SamplingSettings
+from mrl.sync.channel import channel_count
 from mrl.sync.driver import WeightSync
 from mrl.sync.parity import probe_sequences
 from mrl.workers.actor import ActorSetup
@@ -71,7 +72,9 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
     """Ray, the engine (started first: its weights come from `hf_dir` too), the actor ranks and,
     for PPO, the critic ranks (a second group in the same layout, with a value head)."""
     launch, world, critic = cfg.launch, actor_world_size(cfg), has_critic(cfg)
-    owns_ray = _init_ray(cfg, processes=world * (1 + critic) + 2)
+    # Logical CPUs for every process we start, whatever the machine's count.
+    owns_ray = init_ray(launch.address, max(launch.cpus_per_node, world * (1 + critic) + 2),
+                        launch.gpus_per_node or None)
     colocated = launch.placement == "colocated"
     # Processes that share each GPU: actor and critic ranks, and the engine when colocated.
     share = 0.0 if launch.gpus_per_node == 0 else 1 / (1 + critic + colocated)
@@ -90,7 +93,7 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
             groups.append(ActorGroup(WorkerGroup(world, cpus_per_worker=1, gpus_per_worker=share,
                                                  timeout_s=max(600.0, cfg.sync.timeout_s))))
             groups[-1].setup(role_setup)
-        sync = None if engine is None else WeightSync(groups[0], engine, cfg.sync, sync_channels(cfg),
+        sync = None if engine is None else WeightSync(groups[0], engine, cfg.sync, channel_count(cfg.sync.transport, cfg.parallel.pp),
                                                       probe_sequences(vocab_size))
     except BaseException:
         for group in groups:
@@ -103,25 +106,22 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
     return Cluster(cfg, groups[0], engine, owns_ray, critic=groups[1] if critic else None, sync=sync)
 
 
-def _init_ray(cfg: RunConfig, processes: int) -> bool:
-    """Join launch.address, or start a local instance; whether this run owns (and ends) Ray."""
-    launch = cfg.launch
+def init_ray(address: str | None, num_cpus: int, num_gpus: int | None = None) -> bool:
+    """Join `address`, or start a local instance with these logical resources; False (and nothing
+    done) when Ray is already running. True: the caller owns Ray and shuts it down."""
     if ray.is_initialized():
         return False
-    if launch.address:
-        ray.init(address=launch.address, log_to_driver=False)
-    else:  # logical CPUs for every process we start, whatever the machine's count
-        ray.init(num_cpus=max(launch.cpus_per_node, processes), num_gpus=launch.gpus_per_node or None,
-                 include_dashboard=False, log_to_driver=False)
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
     return True
 
 
 @contextmanager
 def local_ray(num_cpus: int) -> Iterator[None]:
     """A local Ray instance for the block, unless one is running already (then it is left running)."""
-    owns = not ray.is_initialized()
-    if owns:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    owns = init_ray(None, num_cpus)
     try:
         yield
     finally:

@@ -23,6 +23,12 @@ class SyncEndpoint:
     dtype: str  # the engine's parameter dtype: tensors are cast before they travel
 
 
+def channel_count(transport: str, pipeline_stages: int) -> int:
+    """Channels one sync opens: one per pipeline stage (broadcast: stages send in parallel), or one
+    (colocated: rank 0 exports the whole model)."""
+    return 1 if transport == "colocated" else pipeline_stages
+
+
 class Channel:
     """Sender (member 0) and engine (member 1) of one stage; every operation waits with a timeout."""
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mrl.sync.channel import Channel, SyncEndpoint
+from mrl.sync.channel import Channel, SyncEndpoint, channel_count
 from mrl.sync.wire import Bucket, SyncError, describe, dtype_named, nbytes, pack
 
 TRANSPORTS = ("colocated", "broadcast")
@@ -60,7 +60,7 @@ class WeightSender:
     @property
     def channels(self) -> int:
         """How many channels the engine must open for this layout."""
-        return 1 if self.transport == "colocated" else self.built.layout.pp
+        return channel_count(self.transport, self.built.layout.pp)
 
     def push(self, sync_id: str) -> SentReport | None:
         """Export and send every tensor; returns the leader's report (None on other ranks)."""
