@@ -20,6 +20,7 @@ setup(
         "tqdm",
         "tensorboard",  # run metrics (mrl/metrics.py); wandb is optional and not listed
         "matplotlib",  # curves.png from metrics.jsonl
+        "prometheus_client",  # logging.prometheus_port: step metrics on an HTTP endpoint
     ],
     extras_require={
         # CPU development and CI: requirements/cpu.txt pins the exact stack.

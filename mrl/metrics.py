@@ -5,6 +5,8 @@ Sinks (each optional except the console bar, which `progress=False` turns off):
   jsonl        <output_dir>/metrics.jsonl, one JSON object per step: {"step": 3, "critic/score/mean": ...}
   tensorboard  <output_dir>/tensorboard/, one scalar per metric (torch's SummaryWriter)
   wandb        Weights & Biases, only when asked for (it is not part of the pinned stack)
+  prometheus   gauges on an HTTP endpoint of this process, labelled run=<run_name>, only when a port
+               is given (mrl/prometheus.py; 0 takes any free port)
 
 Metric names follow verl: critic/score/mean, actor/entropy, actor/ppo_kl, actor/pg_clipfrac,
 actor/grad_norm, response_length/mean, response_length/clip_ratio, timing_s/gen,
@@ -17,7 +19,7 @@ from metrics.jsonl (and purged from TensorBoard) before the run appends; N = 0 i
 starts from an empty file. Without resume_step nothing is dropped.
 
 `plot_metrics` draws curves.png from metrics.jsonl; `timer` measures a phase into timing_s/<name>.
-tensorboard, matplotlib and wandb are imported lazily, when the sink that needs them is used.
+tensorboard, matplotlib, wandb and prometheus_client are imported lazily, when the sink that needs them is used.
 """
 
 from __future__ import annotations
@@ -58,6 +60,18 @@ def _wandb_module():
         raise ImportError("wandb logging was asked for but wandb is not installed; fix: pip install wandb "
                           "(and log in), or set logging.wandb=false") from None
     return wandb
+
+
+def _prometheus_exporter(port: int, run_name: str):
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise ImportError("Prometheus export was asked for but prometheus_client is not installed; fix: "
+                          "pip install prometheus_client==0.26.0 (requirements/cpu.txt), or set "
+                          "logging.prometheus_port=null") from None
+    from mrl.prometheus import PrometheusExporter
+
+    return PrometheusExporter(port, run_name)
 
 
 def _scalar(name: str, value: Any) -> float | int | None:
@@ -130,7 +144,7 @@ class MetricsLogger:
     def __init__(self, output_dir: str | os.PathLike, total_steps: int, *, jsonl: bool = True,
                  tensorboard: bool = True, wandb: bool = False, wandb_project: str = "mrl",
                  run_name: str | None = None, config: dict | None = None, resume_step: int | None = None,
-                 progress: bool = True):
+                 progress: bool = True, prometheus_port: int | None = None):
         if not isinstance(total_steps, int) or total_steps < 0:
             raise ValueError(f"total_steps={total_steps!r}; fix: pass the run's number of steps (an int >= 0)")
         if resume_step is not None and (not isinstance(resume_step, int) or resume_step < 0):
@@ -140,9 +154,11 @@ class MetricsLogger:
         wandb_module = _wandb_module() if wandb else None
 
         self.output_dir = Path(output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
         self.run_name = run_name or self.output_dir.resolve().name
+        # First of the sinks that open something: a port that cannot be opened leaves nothing open.
+        self._prometheus = None if prometheus_port is None else _prometheus_exporter(prometheus_port, self.run_name)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
         # The first step the interrupted run logged but this one logs again (0: a fresh run).
         first_dropped = None if resume_step is None else (resume_step + 1 if resume_step else 0)
         self._closed = False
@@ -191,6 +207,8 @@ class MetricsLogger:
             self._writer.flush()
         if self._wandb_run is not None:
             self._wandb_run.log(values, step=step)
+        if self._prometheus is not None:
+            self._prometheus.update(step, values)
         if self._bar is not None:
             shown = [f"{label} {values[name]:.4g}" for name, label in CONSOLE_KEYS.items() if name in values]
             self._bar.set_postfix_str(" ".join(shown), refresh=False)
@@ -213,6 +231,8 @@ class MetricsLogger:
             self._writer.close()
         if self._wandb_run is not None:
             self._wandb_run.finish()
+        if self._prometheus is not None:
+            self._prometheus.close()
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -216,6 +216,7 @@ class LoggingConfig:
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "mrl"
+    prometheus_port: int | None = None  # step metrics at http://<driver>:PORT/metrics (0: any free port; None: off)
 
 
 @dataclass

@@ -69,6 +69,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("launch.gpus_per_node", lambda v: v >= 0, ">= 0 (0: CPU)"),
     ("launch.cpus_per_node", lambda v: v >= 1, ">= 1"),
     ("launch.rollout_gpus", lambda v: v >= 0, ">= 0"),
+    ("logging.prometheus_port", lambda v: v is None or 0 <= v <= 65535, "in [0, 65535] (or null: off)"),
 ]
 
 # (dotted key, value, what to use instead): accepted by the schema, not built yet
@@ -78,14 +79,14 @@ _NOT_BUILT: list[tuple[str, Any, str]] = [
 
 
 def validate(cfg: RunConfig, check_files: bool = True) -> list[str]:
-    """Every problem in `cfg`; check_files=False skips what needs files on this machine
-    (model, data, reward files), e.g. to check a cluster recipe on a laptop."""
+    """Every problem in `cfg`; check_files=False skips what needs this machine (model, data, reward
+    files, a free Prometheus port), e.g. to check a cluster recipe on a laptop."""
     errors = _check_ranges(cfg) + _check_algo(cfg) + _check_data(cfg) + _check_reward(cfg, check_files)
     dims, model_errors = _model_dims(cfg, check_files)
     errors += model_errors
     errors += _check_layout(cfg, dims)
     if check_files:
-        errors += _check_files(cfg)
+        errors += _check_files(cfg) + _check_port(cfg)
     return errors
 
 
@@ -304,3 +305,12 @@ def _check_files(cfg: RunConfig) -> list[str]:
     if resume not in ("auto", "never") and not Path(resume).exists():
         errors.append(f"checkpoint.resume {resume} not found: give a checkpoint path, 'auto' or 'never'.")
     return errors
+
+
+def _check_port(cfg: RunConfig) -> list[str]:
+    """A busy logging.prometheus_port stops the run here, before Ray starts, not after SFT."""
+    from mrl.prometheus import port_problem
+
+    port = cfg.logging.prometheus_port
+    problem = port_problem(port) if port is not None and 0 < port <= 65535 else None  # 0: any free port
+    return [problem] if problem else []
