@@ -38,7 +38,8 @@ def train(cfg: RunConfig) -> dict:
         logger = MetricsLogger(run.out, cfg.trainer.total_steps, jsonl=cfg.logging.jsonl,
                                tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                                wandb_project=cfg.logging.wandb_project, run_name=cfg.trainer.name,
-                               config=config_to_dict(cfg), resume_step=run.start)
+                               config=config_to_dict(cfg), resume_step=run.start,
+                               prometheus_port=cfg.logging.prometheus_port)
         # The engine starts from the HF weights; SFT or a resume changed them. This first sync is
         # always parity-checked.
         first = run.cluster.sync_weights()
@@ -75,6 +76,7 @@ def rl_step(step: int, run: Run) -> dict:
         prompts = [run.train_set[i] for i in run.sampler.next_batch()]
         with timer("gen", metrics):
             groups = cluster.generate([p["prompt_ids"] for p in prompts], sampling_for(cfg, step))
+        metrics["perf/gen_tokens_per_s"] = sum(len(g.token_ids) for gs in groups for g in gs) / metrics["timing_s/gen"]
         cluster.release_engine()
         with timer("reward", metrics):
             scores = score(run.reward, prompts, groups, run.out / "reward_errors.jsonl")

@@ -3,7 +3,8 @@
 Three runs share one local Ray instance:
   1. GRPO on a tiny dense model in PP2 with a custom reward (a stand-in score that varies with the
      response) that raises on some prompts and hangs on others: training goes on, those score 0; first step ppo_kl == 0 and ratio == 1
-     exactly; the parity gate ran; checkpoints at steps 2 and 4.
+     exactly; the parity gate ran; checkpoints at steps 2 and 4; a thread scrapes the Prometheus
+     endpoint while it trains.
   2. The same run resumed from its step-2 checkpoint reproduces steps 3 and 4 exactly.
   3. SFT warm start (packed rows), then GRPO, on a tiny MoE model with EP2, merged to HF and scored
      with vLLM.
@@ -15,7 +16,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import textwrap
+import threading
+import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -57,6 +62,41 @@ def _metrics(run_dir: Path) -> dict[int, dict]:
     return {row["step"]: row for row in map(json.loads, lines) if "actor/ppo_kl" in row}
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def _scraping(port: int, into: Path, every_s: float = 0.5):
+    """While the block runs, scrape http://127.0.0.1:PORT/metrics from a thread; write the distinct
+    scrapes ({metric: [value, labels]}) to `into` as JSON."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    scrapes, stop = [], threading.Event()
+
+    def scrape_until_stopped():
+        while not stop.wait(every_s):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                    text = response.read().decode()
+            except OSError:  # not serving yet (set-up) or any more (after the run)
+                continue
+            scrape = {s.name: [s.value, s.labels] for f in text_string_to_metric_families(text) for s in f.samples}
+            if scrape and (not scrapes or scrape != scrapes[-1]):
+                scrapes.append(scrape)
+
+    thread = threading.Thread(target=scrape_until_stopped, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        into.write_text(json.dumps(scrapes))
+
+
 @pytest.fixture(scope="module")
 def dense_run(tmp_path_factory, tiny_model_dir, ray_local):
     from mrl.trainer import train
@@ -64,9 +104,13 @@ def dense_run(tmp_path_factory, tiny_model_dir, ray_local):
     tmp = tmp_path_factory.mktemp("dense")
     reward = tmp / "flaky_reward.py"
     reward.write_text(textwrap.dedent(FLAKY_REWARD))
+    port = _free_port()
     cfg = load_config(RECIPE, _overrides(tmp, tiny_model_dir("qwen3"), "model.tiny=null", "parallel.tp=1",
-                                         "parallel.pp=2", "parallel.ep=1", f"reward.name={reward}:score"))
-    return tmp, cfg, train(cfg)
+                                         "parallel.pp=2", "parallel.ep=1", f"reward.name={reward}:score",
+                                         f"logging.prometheus_port={port}"))
+    with _scraping(port, tmp / "prometheus_scrapes.json"):
+        summary = train(cfg)
+    return tmp, cfg, summary
 
 
 def test_grpo_first_step_is_on_policy_and_metrics_are_logged(dense_run):
@@ -93,6 +137,34 @@ def test_a_failing_or_hanging_reward_scores_zero_and_training_goes_on(dense_run)
     reasons = {json.loads(line)["error"] for line in rewards_log}
     assert any("ValueError: user code failed" in r for r in reasons), reasons
     assert any("timed out" in r for r in reasons), reasons
+
+
+def test_prometheus_served_each_step_metrics_jsonl_logged_while_the_run_trained(dense_run):
+    from mrl.metrics import read_metrics
+    from mrl.prometheus import metric_name, port_problem
+
+    tmp, cfg, _ = dense_run
+    rows = sorted(read_metrics(tmp / "run" / "metrics.jsonl"), key=lambda row: row["step"])
+    scrapes = json.loads((tmp / "prometheus_scrapes.json").read_text())
+    # Steps 0-3 each stay on the endpoint for a whole RL step; step 4 only while its checkpoint saves.
+    assert {0, 1, 2, 3} <= {int(scrape["mrl_step"][0]) for scrape in scrapes}, scrapes
+    for scrape in scrapes:
+        step = int(scrape["mrl_step"][0])
+        expected = {"mrl_step": step}  # every metric at the last step <= `step` that logged it
+        for row in rows:
+            if row["step"] <= step:
+                expected.update({metric_name(k): v for k, v in row.items() if k != "step"})
+        assert {name: value for name, (value, _) in scrape.items()} == expected, step
+        assert all(labels == {"run": cfg.trainer.name} for _, labels in scrape.values()), scrape
+    assert port_problem(cfg.logging.prometheus_port) is None  # the run stopped its server
+
+
+def test_engine_throughput_is_generated_tokens_per_second_of_generation(dense_run):
+    tmp, cfg, _ = dense_run
+    samples = cfg.data.batch_size * cfg.rollout.n_samples_per_prompt
+    for step, row in _metrics(tmp / "run").items():
+        tokens = row["response_length/mean"] * samples
+        assert row["perf/gen_tokens_per_s"] == pytest.approx(tokens / row["timing_s/gen"]), step
 
 
 def test_resume_reproduces_the_uninterrupted_run(dense_run, tmp_path):
