@@ -159,6 +159,19 @@ def test_prometheus_served_each_step_metrics_jsonl_logged_while_the_run_trained(
     assert port_problem(cfg.logging.prometheus_port) is None  # the run stopped its server
 
 
+def test_grafana_dashboard_panels_get_data_from_a_grpo_run(dense_run):
+    import re
+
+    tmp, _, _ = dense_run
+    dashboard = json.loads((RECIPE.parents[1] / "docs" / "grafana" / "mrl.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"\bmrl_[A-Za-z0-9_]+", target["expr"])}
+    served = {name for scrape in json.loads((tmp / "prometheus_scrapes.json").read_text()) for name in scrape}
+    not_in_this_run = {"mrl_actor_kl_loss", "mrl_critic_vf_loss", "mrl_critic_vf_explained_var",  # kl_coef 0, no critic
+                       "mrl_timing_s_values", "mrl_timing_s_update_critic"}
+    assert queried - served == not_in_this_run
+
+
 def test_engine_throughput_is_generated_tokens_per_second_of_generation(dense_run):
     tmp, cfg, _ = dense_run
     samples = cfg.data.batch_size * cfg.rollout.n_samples_per_prompt

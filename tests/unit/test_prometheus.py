@@ -1,6 +1,8 @@
 """mrl/prometheus.py: step metrics scraped from the real HTTP server, names, labels, last values, a
-busy port; MetricsLogger's prometheus sink; the config check."""
+busy port; MetricsLogger's prometheus sink; the config check; the Grafana dashboard's queries."""
 
+import json
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -14,6 +16,25 @@ from mrl.metrics import MetricsLogger
 from mrl.prometheus import PrometheusExporter, PrometheusPortError, metric_name, port_problem
 
 ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "docs" / "grafana" / "mrl.json"
+
+# Every metric a GRPO or PPO step logs (metrics.jsonl of the tiny recipes, plus the engine's
+# throughput); tests/e2e/test_trainer.py checks the GRPO ones against a real run's endpoint.
+PPO_ONLY = {"critic/grad_norm", "critic/lr", "critic/skipped", "critic/values_max", "critic/values_mean",
+            "critic/values_min", "critic/vf_clipfrac", "critic/vf_explained_var", "critic/vf_loss",
+            "critic/vpred_mean", "timing_s/update_critic", "timing_s/values"}
+STEP_METRICS = PPO_ONLY | {
+    "actor/entropy", "actor/grad_norm", "actor/lr", "actor/pg_clipfrac", "actor/pg_loss", "actor/ppo_kl",
+    "actor/ratio_max", "actor/ratio_mean", "actor/skipped", "actor/kl_loss", "actor/kept_sample_fraction",
+    "critic/advantages_max", "critic/advantages_mean", "critic/advantages_min", "critic/returns_max",
+    "critic/returns_mean", "critic/returns_min", "critic/score/max", "critic/score/mean", "critic/score/min",
+    "eval/accuracy", "perf/throughput", "perf/gen_tokens_per_s", "response_length/clip_ratio",
+    "response_length/max", "response_length/mean", "rollout/logprob_abs_diff_max", "rollout/logprob_abs_diff_mean",
+    "rollout/train_logprob_abs_diff_max", "rollout/train_logprob_abs_diff_mean", "sync/bytes", "sync/engine_load_s",
+    "timing_s/gen", "timing_s/old_log_prob", "timing_s/reward", "timing_s/step", "timing_s/sync_weights",
+    "timing_s/update_actor",
+}
+
 
 def scrape(port: int) -> dict[str, dict]:
     """{metric name: {"value", "labels", "help", "type"}} from the endpoint's text exposition."""
@@ -115,3 +136,30 @@ def test_config_checks_the_port_before_the_run(exporter):
         load_config(recipe, ["logging.prometheus_port=70000"])
     # A cluster recipe checked on a laptop: the port is the driver machine's business.
     load_config(recipe, [f"logging.prometheus_port={exporter.port}"], check_files=False)
+
+
+def dashboard_metrics(dashboard: dict) -> set[str]:
+    """Every mrl_* metric a panel's query names."""
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    return {name for e in exprs for name in re.findall(r"\bmrl_[A-Za-z0-9_]+", e)}
+
+
+def test_grafana_dashboard_queries_only_metrics_the_exporter_emits(exporter):
+    dashboard = json.loads(DASHBOARD.read_text())
+    exporter.update(3, {name: 1.0 for name in STEP_METRICS})
+    emitted = set(scrape(exporter.port))
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len(panels) >= 6
+    missing = {p["title"]: sorted(dashboard_metrics({"panels": [p]}) - emitted) for p in panels}
+    assert not {title: names for title, names in missing.items() if names}, missing
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert 'run=~"$run"' in target["expr"], (panel["title"], target["expr"])
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert variables["run"]["query"]["query"] == "label_values(mrl_step, run)"
+    titles = " ".join(p["title"].lower() for p in panels)
+    for topic in ("reward", "accuracy", "kl", "clip", "entropy", "length", "timing", "sync", "throughput"):
+        assert topic in titles, topic
