@@ -19,7 +19,8 @@ from metrics.jsonl (and purged from TensorBoard) before the run appends; N = 0 i
 starts from an empty file. Without resume_step nothing is dropped.
 
 `plot_metrics` draws curves.png from metrics.jsonl; `timer` measures a phase into timing_s/<name>.
-tensorboard, matplotlib, wandb and prometheus_client are imported lazily, when the sink that needs them is used.
+tensorboard, matplotlib, wandb and prometheus_client are imported lazily, when the sink that needs
+them is used.
 """
 
 from __future__ import annotations
@@ -154,11 +155,11 @@ class MetricsLogger:
         wandb_module = _wandb_module() if wandb else None
 
         self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
         self.run_name = run_name or self.output_dir.resolve().name
-        # First of the sinks that open something: a port that cannot be opened leaves nothing open.
+        # First of the sinks that open something: a port that cannot be opened leaves no file open.
         self._prometheus = None if prometheus_port is None else _prometheus_exporter(prometheus_port, self.run_name)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
         # The first step the interrupted run logged but this one logs again (0: a fresh run).
         first_dropped = None if resume_step is None else (resume_step + 1 if resume_step else 0)
         self._closed = False
