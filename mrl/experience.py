@@ -6,6 +6,8 @@ Layout (B sequences, every row right-padded with PAD_ID to the longest one, L + 
   token_level_rewards float [B, L]    the sequence score on its last response label, 0 elsewhere
   rollout_logprobs    float [B, L]    the engine's log-prob of each sampled response token
   group_ids           long  [B]       index of the prompt a sample answers (GRPO, RLOO groups)
+  sample_ids          long  [B]       the row's place in the step's sample order (kept through select_rows,
+                                      so the rollout trace finds each row's generation after dynamic sampling)
 Per-token tensors are aligned to the labels, so position t scores tokens[:, t+1] given tokens[:, :t+1].
 """
 
@@ -52,7 +54,7 @@ def rollout_batch(groups: Sequence[Sequence[Generation]], scores: Sequence[float
             logprobs[index, start : start + len(sample.logprobs)] = torch.tensor(sample.logprobs)
     group_ids = torch.tensor([g for g, group in enumerate(groups) for _ in group])
     return {"tokens": tokens, "response_mask": mask, "token_level_rewards": rewards,
-            "rollout_logprobs": logprobs, "group_ids": group_ids}
+            "rollout_logprobs": logprobs, "group_ids": group_ids, "sample_ids": torch.arange(len(samples))}
 
 
 def sft_batch(prompts: Sequence[list[int]], targets: Sequence[list[int]]) -> dict[str, torch.Tensor]:

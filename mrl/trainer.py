@@ -18,8 +18,9 @@ from mrl.config.derived import data_parallel_size
 from mrl.experience import actor_inputs, critic_inputs, rollout_batch, select_rows
 from mrl.launch.cluster import generate_once
 from mrl.metrics import MetricsLogger, plot_metrics, timer
-from mrl.rewards import RewardInput
+from mrl.rewards import RewardInput, RewardResult
 from mrl.rollout.engine import SamplingSettings
+from mrl.rollout_trace import trace_rollouts
 from mrl.run import Run, open_run
 from mrl.sft import run_sft
 
@@ -79,7 +80,8 @@ def rl_step(step: int, run: Run) -> dict:
         metrics["perf/gen_tokens_per_s"] = sum(len(g.token_ids) for gs in groups for g in gs) / metrics["timing_s/gen"]
         cluster.release_engine()
         with timer("reward", metrics):
-            scores = score(run.reward, prompts, groups, run.out / "reward_errors.jsonl")
+            rewards = reward_results(run.reward, prompts, groups, run.out / "reward_errors.jsonl")
+        scores = torch.tensor([r.score for r in rewards], dtype=torch.float32)
         batch = rollout_batch(groups, scores.tolist())
         metrics.update(rollout_metrics(batch, groups, scores))
         batch = shape_rewards(batch, scores, cfg, metrics)
@@ -95,6 +97,7 @@ def rl_step(step: int, run: Run) -> dict:
                 batch["values"] = cluster.critic.values(critic_inputs(batch))
         batch["advantages"], batch["returns"] = advantages(batch, cfg)
         metrics.update(algo.advantage_metrics(batch))
+        trace_rollouts(run, step, prompts, groups, rewards, batch)  # every logging.trace_every steps
         if cluster.critic is not None:
             with timer("update_critic", metrics):
                 critic = cluster.critic
@@ -121,6 +124,11 @@ def greedy_settings(cfg: RunConfig) -> SamplingSettings:
 
 def score(reward, prompts: list[dict], groups, error_log: Path | None = None) -> torch.Tensor:
     """Scores in sample order; failed reward calls (scored 0) are appended to `error_log`."""
+    return torch.tensor([r.score for r in reward_results(reward, prompts, groups, error_log)], dtype=torch.float32)
+
+
+def reward_results(reward, prompts: list[dict], groups, error_log: Path | None = None) -> list[RewardResult]:
+    """Scores with their details in sample order; failed calls (scored 0) are appended to `error_log`."""
     inputs = [RewardInput(p["prompt"], g.text, p["ground_truth"], p["metadata"])
               for p, group in zip(prompts, groups) for g in group]
     results = reward.score_batch(inputs)
@@ -128,7 +136,7 @@ def score(reward, prompts: list[dict], groups, error_log: Path | None = None) ->
     if failed and error_log is not None:
         with open(error_log, "a") as log:
             log.writelines(json.dumps(row) + "\n" for row in failed)
-    return torch.tensor([r.score for r in results], dtype=torch.float32)
+    return results
 
 
 def shape_rewards(batch: dict, scores: torch.Tensor, cfg: RunConfig, metrics: dict) -> dict | None:

@@ -217,6 +217,12 @@ class LoggingConfig:
     wandb: bool = False
     wandb_project: str = "mrl"
     prometheus_port: int | None = None  # step metrics at http://<driver>:PORT/metrics (0: any free port; None: off)
+    # Rollout trace (mrl/rollout_trace.py): every N steps the step's samples go to
+    # OUTPUT_DIR/rollouts/step_XXXXXX.jsonl (0: off), at most trace_samples of them, each text field
+    # cut to trace_chars characters (what was cut is named in the record).
+    trace_every: int = 0
+    trace_samples: int = 64
+    trace_chars: int = 2000
 
 
 @dataclass

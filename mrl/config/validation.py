@@ -70,6 +70,9 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("launch.cpus_per_node", lambda v: v >= 1, ">= 1"),
     ("launch.rollout_gpus", lambda v: v >= 0, ">= 0"),
     ("logging.prometheus_port", lambda v: v is None or 0 <= v <= 65535, "in [0, 65535] (or null: off)"),
+    ("logging.trace_every", lambda v: v >= 0, ">= 0 (0: no rollout trace)"),
+    ("logging.trace_samples", lambda v: v >= 1, ">= 1"),
+    ("logging.trace_chars", lambda v: v >= 16, ">= 16"),
 ]
 
 # (dotted key, value, what to use instead): accepted by the schema, not built yet

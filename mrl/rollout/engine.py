@@ -30,13 +30,17 @@ class SamplingSettings:
 
 @dataclass
 class Generation:
-    """One sampled response: token ids, text, and the log-probability of each sampled token."""
+    """One sampled response: token ids, text, and the log-probability of each sampled token.
+
+    `weight_version` is the number of weight updates the engine had finished when it generated
+    this (0: the weights it started with), so a trace can tell which policy produced a sample."""
 
     prompt_ids: list[int]
     token_ids: list[int]
     text: str
     logprobs: list[float]
     finish_reason: str | None = None
+    weight_version: int | None = None
 
 
 class RolloutEngine(Protocol):
@@ -51,7 +55,8 @@ class RolloutEngine(Protocol):
     def load_weights(self, bucket: Bucket) -> None: ...
 
     def finish_weight_update(self) -> WeightUpdateReport:
-        """Post-load processing (e.g. MLA's derived matrices), prefix-cache reset, the report."""
+        """Post-load processing (e.g. MLA's derived matrices), prefix-cache reset, the report; the
+        engine's weight version (stamped on each Generation) goes up by one."""
 
     def sleep(self) -> None:
         """Release accelerator memory between rollouts where the backend allows it. generate,

@@ -151,6 +151,7 @@ class VLLMEngine:
         self._loaded: set[str] = set()
         self._report = WeightUpdateReport()
         self._sleeping = False
+        self.weight_version = 0  # weight updates finished: the version each Generation carries
 
     # --- generation -------------------------------------------------------------------------
 
@@ -178,6 +179,7 @@ class VLLMEngine:
                     text=c.text,
                     logprobs=[step[t].logprob for t, step in zip(c.token_ids, c.logprobs)],
                     finish_reason=c.finish_reason,
+                    weight_version=self.weight_version,
                 )
                 for c in out.outputs
             ]
@@ -218,6 +220,7 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self._report.finish_seconds = time.perf_counter() - start
         self._report.not_updated = [p for p in params if p not in self._loaded]
+        self.weight_version += 1
         return self._report
 
     # --- memory -----------------------------------------------------------------------------

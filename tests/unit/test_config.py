@@ -282,3 +282,11 @@ def test_config_cli(capsys):
 def test_cluster_recipe_checks_without_local_files():
     cfg = load_config(DSV3, ["reward.name=/cluster/rewards/math.py:score"], check_files=False)
     assert cfg.reward.name == "/cluster/rewards/math.py:score" and cfg.launch.num_nodes == 16
+
+
+def test_rollout_trace_settings_are_checked():
+    assert errors_of(TINY, "logging.trace_every=-1") == ["logging.trace_every must be >= 0 (0: no rollout trace), got -1."]
+    assert errors_of(TINY, "logging.trace_samples=0") == ["logging.trace_samples must be >= 1, got 0."]
+    assert errors_of(TINY, "logging.trace_chars=8") == ["logging.trace_chars must be >= 16, got 8."]
+    assert load_config(TINY).logging.trace_every == 0  # off unless asked
+

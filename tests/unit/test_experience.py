@@ -25,6 +25,7 @@ def test_rollout_batch_aligns_responses_rewards_and_logprobs_with_labels():
     assert batch["group_ids"].tolist() == [0, 0, 1]
     kept = select_rows(batch, torch.tensor([True, False, True]))
     assert kept["tokens"].shape == (2, 5) and kept["group_ids"].tolist() == [0, 1]
+    assert kept["sample_ids"].tolist() == [0, 2]  # a kept row still knows which sample it is
 
 
 def test_sft_batch_trains_on_the_target_only():

@@ -1,0 +1,158 @@
+"""Rollout trace: the samples behind a step's averages, for reading (`mrl report` shows them).
+
+Every `logging.trace_every` steps (0: never) the trainer writes OUTPUT_DIR/rollouts/step_XXXXXX.jsonl,
+one JSON object per sample, in the step's sample order (prompt by prompt, n samples each):
+
+  step, sample, of, group       the step; the sample's index; the step's sample count; its prompt's index
+  prompt, response, ground_truth
+  score, reward_info, reward_error   the reward function's score, its details (e.g. what it extracted),
+                                     and its error when it failed (then the score is 0)
+  reward                        the sequence reward the advantages saw: score + DAPO's overlong penalty
+  advantage                     the mean over the response tokens (an outcome estimator puts the same
+                                value on every token; GAE's vary)
+  logprob_drift_mean, logprob_drift_max
+                                |engine's sampling log-prob - trainer's log-prob| over the response tokens
+  response_tokens, finish_reason   the engine's reason: "stop" (EOS or a stop string) or "length"
+  weight_version                the weight updates the engine had received when it sampled this
+  policy_step                   the trainer step whose weights those were (None: the weights it loaded)
+  kept                          false: dynamic sampling dropped the sample's group, so reward,
+                                advantage and drift are None
+  truncated                     {field: its full length in characters} for each text field cut short
+
+Bounds, so a trace stays readable and small: at most `logging.trace_samples` records a step (the
+first ones, so whole groups when it is a multiple of n_samples_per_prompt; `of` says how many there
+were) and `logging.trace_chars` characters per text field (reward_info counts as its JSON text). A
+step whose groups dynamic sampling dropped entirely is not traced (it trains on nothing).
+A step's file is written whole, atomically: a resumed run that repeats the step replaces it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from mrl.rewards import RewardResult
+    from mrl.rollout.engine import Generation
+    from mrl.run import Run
+
+TRACE_DIR = "rollouts"
+TEXT_FIELDS = ("prompt", "response", "ground_truth", "reward_error")
+
+
+def trace_path(output_dir: str | os.PathLike, step: int) -> Path:
+    return Path(output_dir) / TRACE_DIR / f"step_{step:06d}.jsonl"
+
+
+def trace_rollouts(run: Run, step: int, prompts: Sequence[dict], groups: Sequence[Sequence[Generation]],
+                   rewards: Sequence[RewardResult], batch: dict) -> Path | None:
+    """Write step `step`'s trace when `logging.trace_every` says so; returns the file written."""
+    log = run.cfg.logging
+    if not log.trace_every or step % log.trace_every:
+        return None
+    records = trace_records(step, prompts, groups, rewards, batch, start_step=run.start,
+                            max_samples=log.trace_samples, max_chars=log.trace_chars)
+    return write_trace(trace_path(run.out, step), records)
+
+
+def trace_records(step: int, prompts: Sequence[dict], groups: Sequence[Sequence[Generation]],
+                  rewards: Sequence[RewardResult], batch: dict, *, start_step: int, max_samples: int,
+                  max_chars: int) -> list[dict]:
+    """The step's first `max_samples` samples as trace records (see the module docstring).
+
+    `batch` is the one the actor trains on: rows may be missing (dynamic sampling); its
+    `sample_ids` say which sample each remaining row is. `start_step` is the step the run started
+    or resumed from, whose weights the run's first sync carried."""
+    samples = [(g, prompt, generation) for g, (prompt, group) in enumerate(zip(prompts, groups))
+               for generation in group]
+    if len(samples) != len(rewards):
+        raise ValueError(f"{len(rewards)} reward results for {len(samples)} samples")
+    trained = _trained_rows(batch)
+    records = []
+    for index, (group, prompt, generation) in enumerate(samples[:max_samples]):
+        result = rewards[index]
+        record = {
+            "step": step, "sample": index, "of": len(samples), "group": group,
+            "prompt": prompt.get("prompt"), "response": generation.text, "ground_truth": prompt.get("ground_truth"),
+            "score": result.score, "reward_info": _json_safe(result.info), "reward_error": result.error,
+            "reward": None, "advantage": None, "logprob_drift_mean": None, "logprob_drift_max": None,
+            "response_tokens": len(generation.token_ids), "finish_reason": generation.finish_reason,
+            "weight_version": generation.weight_version,
+            "policy_step": _policy_step(generation.weight_version, start_step),
+            "kept": index in trained,
+        }
+        record.update(trained.get(index, {}))
+        records.append(_bounded(record, max_chars))
+    return records
+
+
+def _trained_rows(batch: dict) -> dict[int, dict[str, float]]:
+    """Per sample id still in the batch: the reward, advantage and log-prob drift it trained with."""
+    mask = batch["response_mask"].bool()
+    drift = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs()
+    rows = {}
+    for row, sample in enumerate(batch["sample_ids"].tolist()):
+        tokens = mask[row]
+        empty = not bool(tokens.any())  # an empty response has no token to average over
+        rows[sample] = {
+            "reward": float(batch["token_level_rewards"][row].sum()),
+            "advantage": None if empty else float(batch["advantages"][row][tokens].mean()),
+            "logprob_drift_mean": None if empty else float(drift[row][tokens].mean()),
+            "logprob_drift_max": None if empty else float(drift[row][tokens].max()),
+        }
+    return rows
+
+
+def _policy_step(weight_version: int | None, start_step: int) -> int | None:
+    """The trainer step whose weights the engine held at `weight_version`: the run's first sync
+    carries the start step's weights, each later sync the step just trained. Version 0 is the
+    model the engine loaded at start (no trainer step)."""
+    if not weight_version:
+        return None
+    return start_step + weight_version - 1
+
+
+def _json_safe(info: dict) -> Any:
+    """A reward's details as plain JSON (a custom reward may return numpy numbers or objects)."""
+    return json.loads(json.dumps(info, default=str))
+
+
+def _bounded(record: dict, max_chars: int) -> dict:
+    """Cut each text field to `max_chars` characters; `truncated` names each cut field's full length."""
+    truncated = {}
+    for field in TEXT_FIELDS:
+        text = record[field]
+        if isinstance(text, str) and len(text) > max_chars:
+            truncated[field] = len(text)
+            record[field] = text[:max_chars]
+    info = json.dumps(record["reward_info"])
+    if len(info) > max_chars:  # too long to keep as a dict: keep the start of its JSON text
+        truncated["reward_info"] = len(info)
+        record["reward_info"] = info[:max_chars]
+    record["truncated"] = truncated
+    return record
+
+
+def write_trace(path: Path, records: list[dict]) -> Path:
+    """Write `records` as JSON lines to `path`, atomically (a reader never sees half a step)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+    return path
+
+
+def read_traces(output_dir: str | os.PathLike) -> list[dict]:
+    """Every traced sample of a run, by step then sample; lines that do not parse are skipped."""
+    records = []
+    for path in sorted((Path(output_dir) / TRACE_DIR).glob("step_*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+    return records
