@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mrl.checkpoint_dir import list_iterations, read_latest, resolve
-from mrl.config import RunConfig, config_to_dict
+from mrl.config import RunConfig, config_to_dict, save_config
 from mrl.config.derived import optim_for
 from mrl.data import EpochSampler, load_splits
 from mrl.inputs import prepare_model, tokenize_samples
@@ -90,7 +90,7 @@ def open_run(cfg: RunConfig, sft_only: bool = False) -> Run:
     hf_dir, tokenizer = prepare_model(cfg.model, cfg.trainer.seed)
     train_set, heldout = (tokenize_samples(s, tokenizer) for s in load_splits(cfg.data, cfg.trainer.seed, tokenizer))
     sampler = EpochSampler(len(train_set), cfg.data.batch_size, seed=cfg.trainer.seed)
-    Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
+    save_config(cfg)  # also creates the output directory
     reward = None if sft_only else build_reward(cfg.reward)
     try:
         cluster = start_cluster(cfg, hf_dir, len(tokenizer), with_engine=not sft_only)

@@ -11,6 +11,8 @@ from mrl.config.loading import ConfigError, apply_overrides, build, read_recipe
 from mrl.config.schema import RunConfig
 from mrl.config.validation import validate
 
+SAVED_NAME = "config.yaml"  # the resolved config in a run's output directory, beside metrics.jsonl
+
 
 def load_config(path: str | Path, overrides: Sequence[str] = (), check_files: bool = True) -> RunConfig:
     """Read a recipe, apply "section.key=value" overrides, build and validate the RunConfig.
@@ -32,4 +34,15 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-__all__ = ["ConfigError", "RunConfig", "config_to_dict", "load_config", "validate"]
+def save_config(cfg: RunConfig) -> Path:
+    """Write the resolved config to OUTPUT_DIR/config.yaml: what `mrl report` shows, and a recipe
+    that runs it again. A resumed run rewrites it with the settings it runs with."""
+    import yaml
+
+    path = Path(cfg.trainer.output_dir) / SAVED_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    return path
+
+
+__all__ = ["ConfigError", "RunConfig", "SAVED_NAME", "config_to_dict", "load_config", "save_config", "validate"]

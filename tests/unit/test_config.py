@@ -290,3 +290,11 @@ def test_rollout_trace_settings_are_checked():
     assert errors_of(TINY, "logging.trace_chars=8") == ["logging.trace_chars must be >= 16, got 8."]
     assert load_config(TINY).logging.trace_every == 0  # off unless asked
 
+
+def test_the_saved_config_is_the_resolved_run_config(tmp_path):
+    from mrl.config import save_config
+
+    cfg = load_config(TINY, [f"trainer.output_dir={tmp_path / 'run'}", "algo.kl_coef=0.01", "logging.trace_every=5"])
+    path = save_config(cfg)
+    assert path == tmp_path / "run" / "config.yaml"
+    assert load_config(path) == cfg  # a recipe that runs the same run again
