@@ -8,6 +8,7 @@ setup(
     description="Megatron-core actor, vLLM rollout, Ray launch: RL post-training up to DeepSeek-V3",
     python_requires=">=3.10",
     packages=find_packages(include=["mrl", "mrl.*", "megatron_patches", "checkpoints_tools", "checkpoints_tools.*"]),
+    package_data={"mrl.report": ["page.html", "page.css", "page.js"]},  # inlined into every report
     install_requires=[
         "torch>=2.6",
         "megatron-core==0.16.1",  # megatron_patches are checked against this exact version

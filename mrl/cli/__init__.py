@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "convert": ("mrl.cli.convert", "convert a HuggingFace model into an mrl checkpoint in a layout (hf-to-mcore)"),
     "train": ("mrl.cli.train:train", "RL training (SFT warm start when trainer.sft_steps > 0) from a recipe"),
     "sft": ("mrl.cli.train:sft", "supervised fine-tuning only, ending in a checkpoint"),
+    "report": ("mrl.cli.report", "write a run's report: curves, config and traced samples in one HTML page"),
 }
 
 
