@@ -72,7 +72,7 @@ def collect_run(run_dir: str | Path) -> dict[str, Any]:
         raise ReportError(f"{run / JSONL_NAME} has no step rows yet; fix: report on a run that has logged a step")
     config, config_source = read_config(run)
     return {
-        "run": run.resolve().name,
+        "run": _run_name(config) or run.resolve().name,
         "path": str(run.resolve()),
         "steps": steps,
         "series": series,
@@ -160,6 +160,16 @@ def read_config(run: Path) -> tuple[str | None, str]:
         if config:
             return yaml.safe_dump(config, sort_keys=False), f"{common} (no {CONFIG_NAME} in the run directory)"
     return None, f"no {CONFIG_NAME} in {run} and no checkpoint under {run / 'checkpoints'} records one"
+
+
+def _run_name(config: str | None) -> str | None:
+    """trainer.name of the config: the run's own name, whatever its directory is called."""
+    try:
+        tree = yaml.safe_load(config) if config else None
+    except yaml.YAMLError:
+        return None
+    name = (tree.get("trainer") or {}).get("name") if isinstance(tree, dict) else None
+    return str(name) if name else None
 
 
 def _checkpoint_config(common: Path) -> dict | None:

@@ -156,7 +156,7 @@ function drawSummary() {
     ["steps", `${DATA.steps[0]} – ${DATA.steps[DATA.steps.length - 1]}`],
     ["last score (mean)", fmt(last("critic/score/mean"))],
     ["last held-out accuracy", fmt(last("eval/accuracy"))],
-    ["training time", seconds ? `${seconds.toFixed(0)} s` : "–"],
+    ["time in RL steps", seconds ? `${seconds.toFixed(0)} s` : "–"],
     ["traced samples", String(DATA.samples.length)],
   ];
   const root = document.getElementById("summary");
@@ -170,8 +170,8 @@ const COLUMNS = [
   ["response", r => cut(r, "response"), "text"], ["answer", r => cut(r, "ground_truth"), "text"],
   ["score", r => fmt(r.score), "num"], ["reward details", details, "text"], ["advantage", r => fmt(r.advantage), "num"],
   ["drift mean", r => fmt(r.logprob_drift_mean), "num"], ["drift max", r => fmt(r.logprob_drift_max), "num"],
-  ["tokens", r => r.response_tokens, "num"], ["finish", r => r.finish_reason ?? "–", ""],
-  ["weights", r => `v${r.weight_version ?? "?"} · step ${r.policy_step ?? "–"}`, ""],
+  ["tokens", r => r.response_tokens, "num"], ["finish", r => r.finish_reason ?? "–", "tag"],
+  ["weights", r => `v${r.weight_version ?? "?"} · step ${r.policy_step ?? "–"}`, "tag"],
 ];
 
 // A text field, with a mark when the trace cut it (logging.trace_chars).
@@ -226,7 +226,7 @@ function drawSamples() {
     body.replaceChildren(...matches.slice(0, MAX_ROWS).map(({ record }) => {
       const cells = COLUMNS.map(([, value, kind]) => {
         const content = value(record);
-        return el("td", kind ? { class: kind } : {}, ...(Array.isArray(content) ? content : [String(content)]));
+        return el("td", { class: kind }, ...(Array.isArray(content) ? content : [String(content)]));
       });
       return el("tr", { class: record.kept === false ? "sample dropped" : "sample" }, ...cells);
     }));

@@ -17,7 +17,7 @@ def _embedded(page: str) -> dict:
 
 def test_metrics_become_charts_grouped_by_section(synthetic_run):
     data = collect_run(synthetic_run)
-    assert data["run"] == "synthetic-run" and data["steps"] == [0, 1, 2, 3, 4, 5, 6]
+    assert data["run"] == "tiny-cpu-grpo" and data["steps"] == [0, 1, 2, 3, 4, 5, 6]  # trainer.name
     assert data["series"]["critic/score/mean"][4] == 0.99  # step 4 logged twice: the later row
     assert data["series"]["actor/ppo_kl"][5] is None  # NaN: JSON has none
     assert data["series"]["critic/score/mean"][0] is None  # step 0 logs no score
@@ -59,7 +59,8 @@ def test_a_run_without_config_yaml_shows_the_checkpointed_config(synthetic_run):
     from mrl import checkpoint_dir as cd
 
     (synthetic_run / "config.yaml").unlink()
-    assert collect_run(synthetic_run)["config"] is None
+    data = collect_run(synthetic_run)
+    assert data["config"] is None and data["run"] == "synthetic-run"  # no config: the directory's name
     iteration = synthetic_run / "checkpoints" / "iter_0000006"
     iteration.mkdir(parents=True)
     torch.save({"step": 6, "config": {"trainer": {"name": "from-checkpoint"}}}, iteration / "common.pt")
@@ -82,7 +83,7 @@ def test_the_page_is_self_contained_and_its_data_cannot_break_out(synthetic_run)
 def test_write_report_defaults_into_the_run_directory(synthetic_run, tmp_path):
     assert write_report(synthetic_run) == synthetic_run / "report.html"
     out = write_report(synthetic_run, tmp_path / "pages" / "r.html")
-    assert _embedded(out.read_text())["run"] == "synthetic-run"
+    assert _embedded(out.read_text())["path"] == str(synthetic_run.resolve())
 
 
 def test_bad_run_directories_get_one_line_naming_the_fix(tmp_path, capsys):
