@@ -288,7 +288,9 @@ def test_rollout_trace_settings_are_checked():
     assert errors_of(TINY, "logging.trace_every=-1") == ["logging.trace_every must be >= 0 (0: no rollout trace), got -1."]
     assert errors_of(TINY, "logging.trace_samples=0") == ["logging.trace_samples must be >= 1, got 0."]
     assert errors_of(TINY, "logging.trace_chars=8") == ["logging.trace_chars must be >= 16, got 8."]
-    assert load_config(TINY).logging.trace_every == 0  # off unless asked
+    from mrl.config.schema import LoggingConfig
+
+    assert LoggingConfig().trace_every == 0 and load_config(TINY).logging.trace_every == 5  # off unless asked
 
 
 def test_the_saved_config_is_the_resolved_run_config(tmp_path):
