@@ -69,7 +69,7 @@ def trace_records(step: int, prompts: Sequence[dict], groups: Sequence[Sequence[
                for generation in group]
     if len(samples) != len(rewards):
         raise ValueError(f"{len(rewards)} reward results for {len(samples)} samples")
-    trained = _trained_rows(batch)
+    trained = _trained_rows(batch, max_samples)
     records = []
     for index, (group, prompt, generation) in enumerate(samples[:max_samples]):
         result = rewards[index]
@@ -88,12 +88,15 @@ def trace_records(step: int, prompts: Sequence[dict], groups: Sequence[Sequence[
     return records
 
 
-def _trained_rows(batch: dict) -> dict[int, dict[str, float]]:
-    """Per sample id still in the batch: the reward, advantage and log-prob drift it trained with."""
+def _trained_rows(batch: dict, limit: int) -> dict[int, dict[str, float]]:
+    """Per sample id below `limit` still in the batch: the reward, advantage and log-prob drift it
+    trained with (only the traced ones: a batch can hold thousands of rows)."""
     mask = batch["response_mask"].bool()
     drift = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs()
     rows = {}
     for row, sample in enumerate(batch["sample_ids"].tolist()):
+        if sample >= limit:
+            continue
         tokens = mask[row]
         empty = not bool(tokens.any())  # an empty response has no token to average over
         rows[sample] = {
