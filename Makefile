@@ -17,7 +17,9 @@ demo: setup
 	rm -rf runs/tiny-cpu-grpo
 	$(MRL) train configs/tiny_cpu_grpo.yaml
 
-test: setup setup-browser
+# A browser that cannot be installed does not stop the suite: tests/browser then fails, naming the fix.
+test: setup
+	-bash scripts/setup_browser.sh
 	$(PY) -m pytest
 
 test-fast: setup
