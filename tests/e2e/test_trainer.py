@@ -4,7 +4,7 @@ Three runs share one local Ray instance:
   1. GRPO on a tiny dense model in PP2 with a custom reward (a stand-in score that varies with the
      response) that raises on some prompts and hangs on others: training goes on, those score 0; first step ppo_kl == 0 and ratio == 1
      exactly; the parity gate ran; checkpoints at steps 2 and 4; a thread scrapes the Prometheus
-     endpoint while it trains.
+     endpoint while it trains; steps 2 and 4 are traced (rollouts/).
   2. The same run resumed from its step-2 checkpoint reproduces steps 3 and 4 exactly.
   3. SFT warm start (packed rows), then GRPO, on a tiny MoE model with EP2, merged to HF and scored
      with vLLM.
