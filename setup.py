@@ -22,6 +22,7 @@ setup(
         "tensorboard",  # run metrics (mrl/metrics.py); wandb is optional and not listed
         "matplotlib",  # curves.png from metrics.jsonl
         "prometheus_client",  # logging.prometheus_port: step metrics on an HTTP endpoint
+        "math-verify",  # the math_verify reward (sympy answer equivalence)
     ],
     extras_require={
         # CPU development and CI: requirements/cpu.txt pins the exact stack.

@@ -165,7 +165,7 @@ def _check_data(cfg: RunConfig) -> list[str]:
 
 
 def _check_reward(cfg: RunConfig, check_files: bool) -> list[str]:
-    from mrl.rewards import REWARD_FUNCTIONS
+    from mrl.rewards import REWARD_FUNCTIONS, InWorkers
     from mrl.rewards.sandbox import RewardLoadError, parse_spec
 
     name = cfg.reward.name
@@ -175,6 +175,9 @@ def _check_reward(cfg: RunConfig, check_files: bool) -> list[str]:
         problem = reward_model_problem(cfg.reward.model_path, check_files)
         return [problem] if problem else []
     if name in REWARD_FUNCTIONS:
+        builtin = REWARD_FUNCTIONS.get(name)
+        if check_files and isinstance(builtin, InWorkers) and importlib.util.find_spec(builtin.package) is None:
+            return [f"reward.name {name!r} needs the {builtin.package} package, not installed here: {builtin.install}."]
         return []
     if ":" not in name:
         return [f"reward.name: {REWARD_FUNCTIONS.unknown_message(name)} Or 'reward_model', or 'module:function'."]

@@ -19,6 +19,7 @@ import multiprocessing
 import time
 import traceback
 from collections import deque
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Sequence
@@ -30,6 +31,17 @@ log = logging.getLogger(__name__)
 
 class RewardLoadError(ValueError):
     """A custom reward spec that cannot be loaded; the message names the spec and the fix."""
+
+
+@dataclass(frozen=True)
+class InWorkers:
+    """A built-in reward scored in the sandbox's worker processes, named by import path so that the
+    driver never imports it: for code that can run unbounded or that needs a process's main thread.
+    `package` is the library it needs (checked by config validation), `install` how to get it."""
+
+    spec: str
+    package: str
+    install: str
 
 
 def parse_spec(spec: str, check_file: bool = True) -> tuple[str, str]:

@@ -259,6 +259,16 @@ def test_reward_model_path_must_hold_a_reward_model(tmp_path):
     assert load_config(TINY, ["reward.name=reward_model", f"reward.model_path={bare}"]).reward.model_path == str(bare)
 
 
+def test_math_verify_reward_needs_its_package(monkeypatch):
+    import importlib.util
+
+    assert load_config(TINY, ["reward.name=math_verify"]).reward.name == "math_verify"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else find_spec(name, *a))
+    assert errors_of(TINY, "reward.name=math_verify") == [
+        "reward.name 'math_verify' needs the math_verify package, not installed here: pip install math-verify==0.9.0."]
+    assert load_config(TINY, ["reward.name=math_verify"], check_files=False).reward.name == "math_verify"
+
 def test_all_errors_are_reported_together():
     with pytest.raises(ConfigError) as info:
         load_config(TINY, ["algo.kl_coeff=1", "parallel.tp=3", "rollout.top_p=0", "data.path=/nope.jsonl"])

@@ -2,6 +2,7 @@
 
 import logging
 import textwrap
+import threading
 import time
 
 import pytest
@@ -67,7 +68,7 @@ def test_answers_equal_by_value():
 
 
 def test_registry_and_build_reward_errors():
-    assert set(REWARD_FUNCTIONS.names()) >= {"exact_answer", "boxed_math"}
+    assert set(REWARD_FUNCTIONS.names()) >= {"exact_answer", "boxed_math", "math_verify"}
     scores = build_reward(RewardConfig("exact_answer")).score_batch([RewardInput("1+1=", "2", "2"), RewardInput("1+1=", "3", "2")])
     assert [r.score for r in scores] == [1.0, 0.0]
     with pytest.raises(UnknownNameError, match="did you mean 'exact_answer'.*package.module:function"):
@@ -157,3 +158,67 @@ def test_reward_name_reward_model_builds_the_model_at_reward_model_path(tiny_rew
     assert [r.score for r in scorer.score_batch(samples)] == pytest.approx(reward_model_scores(samples), abs=1e-5)
     with pytest.raises(ValueError, match="^reward.name 'reward_model' needs reward.model_path: set it to"):
         build_reward(RewardConfig("reward_model"))
+
+
+# Equivalences boxed_math's normaliser misses, and near misses that must score 0.
+MATH_VERIFY_CASES = [
+    (r"so \boxed{\frac12}", "0.5", 1.0),
+    (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
+    (r"\boxed{x=2}", "2", 1.0),
+    (r"\boxed{(1,3]}", "(1,3]", 1.0),
+    (r"\boxed{\{3,1,2\}}", r"\{1,2,3\}", 1.0),
+    (r"\boxed{\sqrt{8}}", r"2\sqrt2", 1.0),
+    (r"\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
+    (r"\boxed{\pi/2}", r"\frac{\pi}{2}", 1.0),
+    (r"\boxed{1,2}", "2,1", 1.0),  # a bare ground truth "2,1" is a set, not the number 2.1
+    ("The answer is $\\frac{3}{4}$.", "0.75", 1.0),  # no box: the last expression counts
+    (r"\boxed{(1,3)}", "(1,3]", 0.0),  # open where the truth is closed
+    (r"\boxed{\{1,2\}}", r"\{1,2,3\}", 0.0),
+    (r"\boxed{\sqrt{8}}", r"3\sqrt2", 0.0),
+    (r"\boxed{x^2+1}", "(x+1)^2", 0.0),
+    (r"\boxed{x=3}", "2", 0.0),
+    (r"\boxed{1.5708}", r"\frac{\pi}{2}", 0.0),  # rounded, not equal
+    ("I cannot solve this.", "2", 0.0),
+]
+
+
+def test_math_verify_finds_equivalences_boxed_math_misses():
+    from mrl.rewards.math_verify_reward import math_verify
+
+    got = [(response, truth, math_verify("q", response, truth, {})[0]) for response, truth, _ in MATH_VERIFY_CASES]
+    assert got == MATH_VERIFY_CASES
+    missed = [(r, t) for r, t, score in MATH_VERIFY_CASES[:9] if boxed_math("q", r, t, {})[0] != score]
+    assert len(missed) >= 6, missed  # what the library adds over the normaliser
+    assert math_verify("q", r"\boxed{x=2}", "2", {})[1] == {"extracted": "x=2"}
+
+
+def test_math_verify_refuses_a_missing_ground_truth_and_threads():
+    from mrl.rewards.math_verify_reward import math_verify
+
+    with pytest.raises(ValueError, match="data.answer_key"):
+        math_verify("q", r"\boxed{1}", None, {})
+    failure = []
+    thread = threading.Thread(target=lambda: failure.append(pytest.raises(RuntimeError, math_verify, "q", "1", "1", {})))
+    thread.start()
+    thread.join()
+    assert "main thread" in str(failure[0].value)
+
+
+PATHOLOGICAL = r"\boxed{9^{9^{9^{9}}}}"  # unbounded, math-verify compares it with 3 for over 10 minutes
+
+
+@pytest.mark.parametrize("timeout_s, error", [(30.0, "math-verify comparing the answer took over 2s"),
+                                               (1.0, "timed out after 1s")])
+def test_math_verify_runs_in_sandbox_workers_and_a_pathological_answer_is_bounded(timeout_s, error):
+    """The sandbox's workers call it in their main thread: math-verify's own alarm ends the slow
+    comparison (the worker lives on); a reward.timeout_s below that alarm kills the worker instead."""
+    with build_reward(RewardConfig("math_verify", timeout_s=timeout_s, workers=1)) as reward:
+        assert isinstance(reward, SandboxedReward)
+        start = time.monotonic()
+        (slow,) = reward.score_batch([RewardInput("q", PATHOLOGICAL, "3")])
+        elapsed = time.monotonic() - start
+        assert slow.score == 0.0 and slow.error is not None and error in slow.error, slow
+        assert elapsed < 30, elapsed  # a killed worker's replacement (spawn, imports) counts here too
+        assert reward.replaced == (1 if timeout_s < 2 else 0)
+        if timeout_s > 2:  # the pool still scores
+            assert [r.score for r in reward.score_batch([RewardInput("q", r"\boxed{\frac12}", "0.5")])] == [1.0]
