@@ -4,7 +4,7 @@ x=2 ~ 2, intervals, sets, \\sqrt{8} = 2\\sqrt{2}, (x+1)^2 = x^2+2x+1).
 
 build_reward runs it in the reward sandbox's worker processes (mrl/rewards/sandbox.py), never in
 the driver, for two reasons:
-  - sympy can run for minutes on a pathological answer (9^{9^{9^9}}); the sandbox's per-call
+  - sympy ran over 10 minutes on a pathological answer (9^{9^{9^9}}); the sandbox's per-call
     timeout (reward.timeout_s) kills and replaces a worker that overruns, whatever it is stuck in;
   - math-verify bounds its own parsing and comparisons with signal.alarm, which works only in a
     process's main thread: a sandbox worker calls the function there. Those alarms end a slow
