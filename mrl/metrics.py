@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from mrl.profiling import stage
+
 JSONL_NAME = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOT_KEYS = ("critic/score/mean", "response_length/mean", "actor/entropy")
@@ -296,7 +298,8 @@ class Timer:
     """`with timer("gen", metrics):` adds the block's wall time in seconds to metrics["timing_s/gen"].
 
     Times add up, so a phase timed in pieces reports its total; `.elapsed` holds this block's time.
-    The time is recorded also when the block raises.
+    The time is recorded also when the block raises. A timed phase is also a profiler stage range
+    ("mrl/gen": torch.profiler traces, NVTX on CUDA; mrl/profiling.py).
     """
 
     def __init__(self, name: str, metrics: dict | None = None):
@@ -304,13 +307,16 @@ class Timer:
         self.metrics = metrics
         self.elapsed = 0.0
         self._start = 0.0
+        self._stage = stage(name)
 
     def __enter__(self) -> Timer:
+        self._stage.__enter__()
         self._start = time.perf_counter()
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.elapsed = time.perf_counter() - self._start
+        self._stage.__exit__(*exc_info)
         if self.metrics is not None:
             self.metrics[self.key] = self.metrics.get(self.key, 0.0) + self.elapsed
 

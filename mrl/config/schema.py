@@ -226,6 +226,13 @@ class LoggingConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler traces of some RL steps on every Megatron rank and the driver (docs/profiling.md)."""
+
+    steps: list[int] | None = None  # [first, last] RL steps to trace, inclusive (None: off)
+
+
+@dataclass
 class RunConfig:
     """The whole configuration of a training run."""
 
@@ -242,3 +249,4 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)

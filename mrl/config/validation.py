@@ -117,9 +117,24 @@ def _check_ranges(cfg: RunConfig) -> list[str]:
     if cfg.trainer.sft_pack_tokens and cfg.model.transformer_impl == "transformer_engine":
         errors.append("trainer.sft_pack_tokens packs with a segment mask that Transformer Engine's causal attention "
                       "ignores: set model.transformer_impl: local, or trainer.sft_pack_tokens: null.")
+    errors += _check_profile(cfg.profile.steps, cfg.trainer.total_steps)
     if cfg.optim.min_lr > cfg.optim.lr:
         errors.append(f"optim.min_lr {cfg.optim.min_lr} exceeds optim.lr {cfg.optim.lr}: lower min_lr.")
     return errors
+
+
+def _check_profile(steps: list[int] | None, total_steps: int) -> list[str]:
+    if steps is None:
+        return []
+    if len(steps) != 2:
+        return [f"profile.steps must be [first, last], two RL steps, got {steps}: e.g. profile.steps=[2,3]."]
+    first, last = steps
+    if first > last:
+        return [f"profile.steps {steps} starts after it ends: write [first, last] with first <= last."]
+    if first < 1 or last > total_steps:
+        return [f"profile.steps {steps} lies outside RL steps 1..{total_steps} (trainer.total_steps): "
+                "choose steps in that range."]
+    return []
 
 
 def _check_algo(cfg: RunConfig) -> list[str]:

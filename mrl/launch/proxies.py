@@ -76,6 +76,15 @@ class ActorGroup:
     def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         return self._first(MegatronActor.probe_logprobs, sequences)
 
+    # --- profiling (profile.steps) --------------------------------------------------------------
+
+    def start_profile(self) -> None:
+        self._all(MegatronActor.start_profile)
+
+    def stop_profile(self, directory: str, role: str) -> list[str]:
+        """Each rank's trace file, by rank."""
+        return self._all(MegatronActor.stop_profile, directory, role)
+
     # --- weight sync and checkpoints ------------------------------------------------------------
 
     def push_weights(self, endpoint: SyncEndpoint, sync_id: str, transport: str, bucket_bytes: int,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mrl.config.schema import SyncConfig
+from mrl.profiling import stage
 from mrl.sync.parity import check_parity, logprob_gap
 
 
@@ -27,6 +28,7 @@ class WeightSync:
     def __post_init__(self) -> None:
         self.endpoint = self.engine.endpoint()
 
+    @stage("sync_weights")  # a profiler/NVTX range, as the trainer's timed phases are
     def __call__(self) -> dict[str, float]:
         s = self.settings
         sync_id = f"sync{self.syncs}-{uuid.uuid4().hex[:6]}"

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from mrl.config.schema import OptimConfig
 from mrl.layout import ParallelLayout
+from mrl.profiling import TraceRecorder, stage, trace_file
 
 
 @dataclass
@@ -49,6 +50,7 @@ class MegatronActor:
         self.rank, self.world_size = rank, world_size
         self.trainable = self.reference = self.coords = self.setup_args = self.sender = self.saver = None
         self.sender_settings: tuple | None = None
+        self.trace = TraceRecorder()  # profile.steps: this rank's torch.profiler trace of a step
 
     def hostname(self) -> str:
         return socket.gethostname()
@@ -123,6 +125,7 @@ class MegatronActor:
 
         return {"dp": self.coords.dp, **result} if result is not None and is_reporter() else None
 
+    @stage("logprobs")
     def logprobs(self, batch: dict, reference: bool = False, with_entropy: bool = False) -> dict | None:
         """Per-token log-probs [B/DP, L] of this rank's slice under the actor (or the reference)."""
         from mrl.megatron.policy import compute_logprobs
@@ -133,6 +136,7 @@ class MegatronActor:
                                              optim.micro_batch_size, with_entropy=with_entropy,
                                              max_tokens=optim.max_tokens_per_micro_batch))
 
+    @stage("update")
     def update(self, batch: dict, algo: Any) -> dict | None:
         """One optimizer step of the policy loss on this rank's slice; metrics from the reporters."""
         from mrl.megatron.policy import update_actor
@@ -141,6 +145,7 @@ class MegatronActor:
         return self._report(update_actor(self.trainable, self._mine(batch), algo, optim.micro_batch_size,
                                          optim.max_tokens_per_micro_batch))
 
+    @stage("values")
     def values(self, batch: dict) -> dict | None:
         """A critic's values [B/DP, L] of this rank's slice (the update's micro-batching)."""
         from mrl.megatron.policy import compute_values
@@ -149,6 +154,7 @@ class MegatronActor:
         return self._report(compute_values(self.trainable, self._mine(batch), optim.micro_batch_size,
                                            optim.max_tokens_per_micro_batch))
 
+    @stage("update_critic")
     def update_critic(self, batch: dict, cliprange: float, aggregation: str) -> dict | None:
         """One optimizer step of a critic's clipped value loss on this rank's slice."""
         from mrl.megatron.policy import update_critic
@@ -157,6 +163,7 @@ class MegatronActor:
         return self._report(update_critic(self.trainable, self._mine(batch), cliprange, aggregation,
                                           optim.micro_batch_size, optim.max_tokens_per_micro_batch))
 
+    @stage("sft_step")
     def sft_step(self, batch: dict) -> dict | None:
         """One optimizer step of masked next-token loss (response tokens only)."""
         from mrl.megatron.policy import update_sft
@@ -174,8 +181,19 @@ class MegatronActor:
         out = sequence_logprobs(self.trainable.built, sequences)
         return out if out is not None and is_reporter() and self.coords.dp == 0 else None
 
+    # --- profiling (profile.steps) --------------------------------------------------------------
+
+    def start_profile(self) -> None:
+        """Start recording this rank's torch.profiler trace (the driver calls it as a step begins)."""
+        self.trace.start()
+
+    def stop_profile(self, directory: str, role: str) -> str:
+        """Stop recording; write the trace as DIRECTORY/<role>_rank<rank>.pt.trace.json, return its path."""
+        return str(self.trace.stop(Path(directory) / trace_file(role, self.rank)))
+
     # --- weight sync and checkpoints ---------------------------------------------------------
 
+    @stage("push_weights")
     def push_weights(self, endpoint: Any, sync_id: str, transport: str, bucket_bytes: int,
                      timeout_s: float) -> dict | None:
         """Stream the current weights to the rollout engine; the leader's report, else None. The
