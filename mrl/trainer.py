@@ -18,6 +18,7 @@ from mrl.config.derived import data_parallel_size
 from mrl.experience import actor_inputs, critic_inputs, rollout_batch, select_rows
 from mrl.launch.cluster import generate_once
 from mrl.metrics import MetricsLogger, plot_metrics, timer
+from mrl.profiling import profiled_step
 from mrl.rewards import RewardInput, RewardResult
 from mrl.rollout.engine import SamplingSettings
 from mrl.rollout_trace import trace_rollouts
@@ -48,7 +49,8 @@ def train(cfg: RunConfig) -> dict:
         if run.start == 0:
             logger.log(0, first)
         for step in range(run.start + 1, cfg.trainer.total_steps + 1):
-            metrics = rl_step(step, run)
+            with profiled_step(run, step):  # profile.steps: torch.profiler traces (mrl/profiling.py)
+                metrics = rl_step(step, run)
             if step == cfg.trainer.total_steps or (cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0):
                 metrics["eval/accuracy"] = summary["accuracy_after"] = evaluate(run)
             logger.log(step, metrics)

@@ -4,7 +4,8 @@ Three runs share one local Ray instance:
   1. GRPO on a tiny dense model in PP2 with a custom reward (a stand-in score that varies with the
      response) that raises on some prompts and hangs on others: training goes on, those score 0; first step ppo_kl == 0 and ratio == 1
      exactly; the parity gate ran; checkpoints at steps 2 and 4; a thread scrapes the Prometheus
-     endpoint while it trains; steps 2 and 4 are traced (rollouts/).
+     endpoint while it trains; steps 2 and 4 are traced (rollouts/); torch.profiler records steps 2
+     and 3 (profile/).
   2. The same run resumed from its step-2 checkpoint reproduces steps 3 and 4 exactly.
   3. SFT warm start (packed rows), then GRPO, on a tiny MoE model with EP2, merged to HF and scored
      with vLLM.
@@ -107,7 +108,8 @@ def dense_run(tmp_path_factory, tiny_model_dir, ray_local):
     port = _free_port()
     cfg = load_config(RECIPE, _overrides(tmp, tiny_model_dir("qwen3"), "model.tiny=null", "parallel.tp=1",
                                          "parallel.pp=2", "parallel.ep=1", f"reward.name={reward}:score",
-                                         f"logging.prometheus_port={port}", "logging.trace_every=2"))
+                                         f"logging.prometheus_port={port}", "logging.trace_every=2",
+                                         "profile.steps=[2,3]"))
     with _scraping(port, tmp / "prometheus_scrapes.json"):
         summary = train(cfg)
     return tmp, cfg, summary
@@ -206,6 +208,22 @@ def test_rollout_traces_hold_every_sample_of_every_second_step(dense_run):
                 assert r["score"] == len(r["response"]) % 3 / 2.0 == r["reward"]
     page = write_report(run, tmp / "report.html").read_text()
     assert page.count('"sample": ') == 32 and "config.yaml" in page  # the records and the config, inlined
+
+
+def test_profile_traces_every_rank_and_the_driver_for_the_chosen_steps_only(dense_run):
+    profile = dense_run[0] / "run" / "profile"
+    assert sorted(p.name for p in profile.iterdir()) == ["step_0002", "step_0003"]  # not steps 1 and 4
+    stages = {"actor_rank0": {"mrl/logprobs", "mrl/update", "mrl/push_weights"},
+              "driver": {"mrl/step", "mrl/gen", "mrl/reward", "mrl/old_log_prob", "mrl/update_actor", "mrl/sync_weights"}}
+    stages["actor_rank1"] = stages["actor_rank0"]  # PP2: both pipeline stages
+    for step in ("step_0002", "step_0003"):
+        files = sorted((profile / step).iterdir())
+        assert [f.name for f in files] == [f"{name}.pt.trace.json" for name in sorted(stages)], files
+        for path in files:
+            events = json.loads(path.read_text())["traceEvents"]
+            names = {event.get("name") for event in events}
+            missing = stages[path.name.split(".")[0]] - names
+            assert len(events) > 100 and not missing, (path, len(events), missing)
 
 
 def test_resume_reproduces_the_uninterrupted_run(dense_run, tmp_path):
