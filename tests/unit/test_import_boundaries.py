@@ -41,8 +41,8 @@ def test_only_allowed_packages_import(package):
     assert not offenders, f"{package} imported outside {MAY_IMPORT[package]}: {offenders}"
 
 
-# Algorithm math, rewards, data and config are pure: they must not pull in a framework at all.
-PURE_PACKAGES = ("mrl/algo", "mrl/rewards", "mrl/data", "mrl/config")
+# Algorithm math, rewards, data, config and quantisation formats are pure: they must not pull in a framework at all.
+PURE_PACKAGES = ("mrl/algo", "mrl/rewards", "mrl/data", "mrl/config", "mrl/quant")
 
 
 @pytest.mark.parametrize("package", PURE_PACKAGES)
