@@ -21,20 +21,7 @@ from mrl.megatron.local_launch import run_local
 from mrl.models.registry import model_spec_from_hf
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Everything of an HF directory except the weights: what a merge needs to write a loadable model.
-HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
-HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-
-def copy_hf_metadata(hf_dir: Path, out: Path) -> list[str]:
-    """Copy config, generation config and tokenizer files (everything but weights) into out."""
-    out.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for path in sorted(Path(hf_dir).iterdir()):
-        if path.is_file() and not path.name.endswith(HF_WEIGHT_SUFFIXES) and path.name not in HF_INDEX_FILES:
-            shutil.copy2(path, out / path.name)
-            copied.append(path.name)
-    return copied
+copy_hf_metadata = cd.copy_hf_metadata  # the name tests and older callers import from here
 
 
 def save_model_checkpoint(hf_dir: str, layout: ParallelLayout, dtype: torch.dtype, directory: str) -> int:

@@ -362,9 +362,7 @@ def merge(ckpt: str | Path, out: str | Path, *, dtype: str = "bf16", max_shard_s
             bar.close()
             check_layout(written, expected, spec.arch)
             writer.finish()
-            for path in sorted(hf_dir.iterdir()):
-                if path.is_file() and path.name not in ("model.safetensors.index.json",) and not path.name.endswith(".safetensors"):
-                    shutil.copy2(path, tmp / path.name)
+            cd.copy_hf_metadata(hf_dir, tmp)  # the weights are written above, never FP8
         if out.exists():
             shutil.rmtree(out)
         os.rename(staging, out)

@@ -1,8 +1,9 @@
 """The mrl checkpoint directory contract (docs/checkpoint-format.md), in pure Python.
 
-Shared by the trainer's save/resume, `mrl convert hf-to-mcore` and `mrl-merge`: atomic iteration
-directories (temp dir → fsync → manifest last → rename), the `latest` pointer, resolving a path a
-user gave, validating a manifest against the files on disk, and pruning old iterations.
+Shared by the trainer's save/resume, `mrl convert` and `mrl-merge`: atomic iteration directories
+(temp dir → fsync → manifest last → rename), the `latest` pointer, resolving a path a user gave,
+validating a manifest against the files on disk, pruning old iterations, and the copy of an HF
+model's non-weight files that a checkpoint keeps under hf/.
 No torch and no megatron here, so the merge CLI can check a directory before importing either.
 """
 
@@ -22,6 +23,9 @@ MANIFEST = "mrl_manifest.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 _ITER = re.compile(r"^iter_(\d{7,})$")
+# Weight files and their indexes: everything else of an HF directory (config, generation config,
+# tokenizer) is what a checkpoint needs to be written back as a loadable HF model.
+HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".index.json")
 
 
 class CheckpointDirError(ValueError):
@@ -212,3 +216,26 @@ def remove_stale_tmp(root: str | os.PathLike) -> list[Path]:
             child.unlink(missing_ok=True)
         removed.append(child)
     return removed
+
+
+def copy_hf_metadata(hf_dir: str | os.PathLike, out: str | os.PathLike) -> list[str]:
+    """Copy an HF directory's non-weight files into out; return their names.
+
+    config.json loses `quantization_config`: weights that travel with this copy are never the FP8
+    originals (mrl holds and writes them dequantised), and a loader reading that key would take
+    them for FP8.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for path in sorted(Path(hf_dir).iterdir()):
+        if not path.is_file() or path.name.endswith(HF_WEIGHT_SUFFIXES):
+            continue
+        if path.name == "config.json":
+            config = json.loads(path.read_text())
+            config.pop("quantization_config", None)
+            (out / path.name).write_text(json.dumps(config, indent=2) + "\n")
+        else:
+            shutil.copy2(path, out / path.name)
+        copied.append(path.name)
+    return copied

@@ -1,4 +1,7 @@
-"""HF safetensors → this rank's Megatron shards, reading only the rows and columns the rank owns."""
+"""HF safetensors → this rank's Megatron shards, reading only the rows and columns the rank owns.
+
+DeepSeek-style FP8 checkpoints load too: HFCheckpoint dequantises each slice as it is read.
+"""
 
 from __future__ import annotations
 
@@ -37,7 +40,9 @@ def expected_hf_shapes(tensors: list[LocalTensor], dims: SplitDims) -> dict[str,
 
 def check_checkpoint(ckpt: HFCheckpoint, expected: dict[str, tuple[int, ...]], spec: ModelSpec,
                      value_head: bool = False) -> None:
-    """Missing, unexpected and mis-shaped tensors, each named, before any tensor is read."""
+    """FP8 weights without their scales, missing, unexpected and mis-shaped tensors, each named,
+    before any tensor is read."""
+    ckpt.check_quantized()
     present = set(ckpt.names())
     missing = sorted(set(expected) - present)
     if missing:

@@ -4,16 +4,21 @@ whose command line is mrl/cli/verify.py; `--rollout vllm` proves the weight sync
 1. Load the checkpoint into Megatron in the requested layout (local processes, gloo on CPU).
 2. Run probe token ids through the pipeline and compare logits with transformers in fp32.
 3. Export the Megatron shards back to HF tensors and compare each with the file, bitwise.
+An FP8 checkpoint (DeepSeek's block-scaled format) is compared as its dequantised weights.
 Returns a JSON-ready summary with an "ok" per check.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from mrl.bridge.dequantize import write_dequantized
+from mrl.bridge.hf_checkpoint import HFCheckpoint
 from mrl.config.schema import DEFAULT_BUCKET_MB
 from mrl.layout import ParallelLayout
 from mrl.megatron.local_launch import run_local
@@ -31,7 +36,6 @@ def probe_tokens(vocab_size: int) -> torch.Tensor:
 
 def _worker(rank: int, world_size: int, hf_dir: str, layout: ParallelLayout, impl: str, bucket_bytes: int) -> dict:
     from mrl.bridge.export import export_hf_weights
-    from mrl.bridge.hf_checkpoint import HFCheckpoint
     from mrl.bridge.hf_import import ignorable, load_hf_weights
     from mrl.megatron.forward import forward_logits
     from mrl.megatron.model import build_model
@@ -58,7 +62,7 @@ def _worker(rank: int, world_size: int, hf_dir: str, layout: ParallelLayout, imp
             if tensor.shape != original.shape or not torch.equal(tensor.to(original.dtype), original):
                 mismatches.append(name)
     if rank == 0:
-        missing = sorted(n for n in ckpt.files if n not in seen and not ignorable(n, spec))
+        missing = sorted(n for n in ckpt.names() if n not in seen and not ignorable(n, spec))
         result["export"] = {
             "tensors_compared": compared,
             "mismatches": mismatches,
@@ -69,9 +73,19 @@ def _worker(rank: int, world_size: int, hf_dir: str, layout: ParallelLayout, imp
 
 
 def reference_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    """transformers' logits in float32. An FP8 checkpoint runs as its dequantised float32 twin:
+    transformers 5.19 dequantises FP8 only with accelerate installed and only whole blocks (it
+    refuses partial edge blocks such as DeepSeek-V3's 576-row kv_a_proj_with_mqa)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    if HFCheckpoint(hf_dir).fp8 is None:
+        return _logits(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        twin = write_dequantized(hf_dir, Path(tmp) / "dequantized", torch.float32)["out"]
+        return _logits(AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32), tokens)
+
+
+def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
         return model(tokens).logits.float()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,21 +143,12 @@ class PendingSave:
 
 def _publish(tmp: Path, target: Path, manifest: dict, hf_dir: str | None) -> None:
     if hf_dir is not None:
-        _copy_hf_metadata(Path(hf_dir), tmp / "hf")
+        cd.copy_hf_metadata(hf_dir, tmp / "hf")
     cd._fsync_tree(tmp)
     cd.write_manifest(tmp, **manifest)
     tmp.rename(target)
     cd._fsync_path(target.parent)
     cd.write_latest(target.parent, target.name)
-
-
-def _copy_hf_metadata(hf_dir: Path, out: Path) -> None:
-    """Config, generation config and tokenizer files of the HF model (no weights)."""
-    out.mkdir(parents=True, exist_ok=True)
-    for path in sorted(hf_dir.iterdir()):
-        if path.is_file() and not path.name.endswith((".safetensors", ".bin", ".pt", ".pth")) \
-                and not path.name.endswith(".index.json"):
-            shutil.copy2(path, out / path.name)
 
 
 def _snapshot_buckets(buckets: list) -> list:

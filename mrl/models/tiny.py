@@ -12,6 +12,11 @@ will meet on the hub.
 
 Sizes respect what vLLM's CPU kernels accept: attention head sizes of 32/64/…, and for MLA
 kv_lora_rank=512 with qk_rope_head_dim=64.
+
+`--fp8` writes the model's FP8 twin instead, in DeepSeek-V3's release format (mrl/quant/fp8.py):
+the decoder layers' linear weights as float8_e4m3fn with 128×128-block `*_scale_inv` scales,
+everything else as it was, and `quantization_config` in config.json. The tiny hidden sizes are
+below 128, so most blocks are partial edge blocks.
 """
 
 from __future__ import annotations
@@ -246,6 +251,46 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, force: bool 
     return out
 
 
+def write_fp8_twin(src_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
+    """Write the FP8 twin of the unquantised HF directory src_dir to out_dir and return its path.
+
+    For the tiny zoo: holds the model in memory and writes one model.safetensors. Non-weight files
+    are copied; config.json gains DeepSeek-V3's `quantization_config`.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from mrl.quant.fp8 import QUANTIZATION_CONFIG, quantize_pairs
+
+    src, out = Path(src_dir), Path(out_dir)
+    config = json.loads((src / "config.json").read_text())
+    if config.get("quantization_config"):
+        raise ValueError(f"{src} is already quantised (config.json has quantization_config): pass an unquantised model.")
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists: pass force=True (--force) to replace it.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            tensors.update(quantize_pairs((name, f.get_tensor(name)) for name in f.keys()))
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        for path in src.iterdir():
+            if path.is_file() and not path.name.endswith(".safetensors") and path.name != "model.safetensors.index.json":
+                shutil.copy2(path, staging / path.name)
+        config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        staging.chmod(0o755)
+        for file in staging.iterdir():
+            file.chmod(0o644)
+        _replace_dir(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
 def _replace_dir(new: Path, out: Path) -> None:
     """Rename `new` to `out`; an existing `out` is moved aside first and deleted after."""
     old = None
@@ -258,20 +303,26 @@ def _replace_dir(new: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`mrl tiny-model --arch ARCH --out DIR [--seed N] [--force]`; returns the exit status."""
+    """`mrl tiny-model --arch ARCH --out DIR [--seed N] [--force] [--fp8]`; returns the exit status."""
     parser = argparse.ArgumentParser(prog="mrl tiny-model", description="Write a tiny random HF model.")
     parser.add_argument("--arch", required=True, choices=TINY_MODELS)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--fp8", action="store_true",
+                        help="write the model's FP8 twin (DeepSeek-V3's block-scaled release format)")
     args = parser.parse_args(argv)
     try:
-        path = write_tiny_model(args.arch, args.out, args.seed, args.force)
+        if args.fp8:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = write_fp8_twin(write_tiny_model(args.arch, Path(tmp) / "model", args.seed), args.out, args.force)
+        else:
+            path = write_tiny_model(args.arch, args.out, args.seed, args.force)
     except FileExistsError as err:
         print(f"mrl tiny-model: {err}")
         return 2
     size = sum(f.stat().st_size for f in path.iterdir()) / 1e6
-    print(f"wrote tiny {args.arch} model to {path} ({size:.1f} MB)")
+    print(f"wrote tiny {args.arch}{' FP8' if args.fp8 else ''} model to {path} ({size:.1f} MB)")
     return 0
 
 
