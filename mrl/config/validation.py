@@ -225,9 +225,22 @@ def _model_dims(cfg: RunConfig, check_files: bool) -> tuple[ModelDims | None, li
     if not (Path(model.path) / "config.json").is_file():
         return None, [f"model.path {model.path} has no config.json: point it at a HuggingFace model directory."]
     try:
-        return model_spec_from_hf(model.path).dims, []
+        spec = model_spec_from_hf(model.path)
     except UnsupportedModelError as exc:
         return None, [f"model.path: {exc}"]
+    return spec.dims, _refuse_quantized(model.path, spec.hf_config)
+
+
+def _refuse_quantized(path: str, hf_config: dict) -> list[str]:
+    """The actor imports DeepSeek's FP8 (dequantised), but the engine would load the directory as
+    FP8 while the weight sync sends the actor's bf16/fp32 weights: no FP8 rollout yet."""
+    quant = hf_config.get("quantization_config")
+    if not quant:
+        return []
+    return [f"model.path {path} is quantised (config.json quantization_config, quant_method "
+            f"{quant.get('quant_method')!r}): the rollout engine would load it quantised but the weight sync sends "
+            f"unquantised weights (FP8 rollout is not built). Write its dequantised twin with `mrl convert fp8-to-hf "
+            f"--hf {path} --out DIR` and set model.path to DIR."]
 
 
 def _check_layout(cfg: RunConfig, dims: ModelDims | None) -> list[str]:

@@ -7,6 +7,7 @@ import pytest
 
 from mrl.config import ConfigError, load_config
 from mrl.models.tiny import tiny_hf_config
+from mrl.quant.fp8 import QUANTIZATION_CONFIG
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY = CONFIGS / "tiny_cpu_grpo.yaml"
@@ -200,6 +201,17 @@ def test_dsv3_671b_recipe_validates_with_its_uneven_pipeline(tmp_path):
     # without last_stage_layers 61 layers do not split into 4 stages
     (error,) = errors_of(DSV3, *files, "parallel.last_stage_layers=null")
     assert error.startswith("parallel: 61 layers cannot be split into PP×VPP = 4×1")
+
+
+def test_a_quantised_model_path_is_refused_with_the_conversion_to_run(tmp_path):
+    files = _dsv3_files(tmp_path)
+    model = tmp_path / "DeepSeek-V3"
+    hf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(hf | {"quantization_config": QUANTIZATION_CONFIG}))
+    assert errors_of(DSV3, *files) == [
+        f"model.path {model} is quantised (config.json quantization_config, quant_method 'fp8'): the rollout engine "
+        "would load it quantised but the weight sync sends unquantised weights (FP8 rollout is not built). Write its "
+        f"dequantised twin with `mrl convert fp8-to-hf --hf {model} --out DIR` and set model.path to DIR."]
 
 
 @pytest.mark.parametrize(
