@@ -83,18 +83,18 @@ class HFCheckpoint:
         if seg.hf is None:
             return torch.zeros((seg.rows, *trailing), dtype=dtype)
         sliced = self._open(seg.hf).get_slice(seg.hf)
-        cols = seg.cols or (0, None)
-        window = sliced[seg.start : seg.stop] if seg.cols is None else sliced[seg.start : seg.stop, cols[0] : cols[1]]
+        first_col, stop_col = seg.cols or (0, None)
+        window = sliced[seg.start : seg.stop] if seg.cols is None else sliced[seg.start : seg.stop, first_col:stop_col]
         if seg.hf not in self.scales:
             return window
-        return dequantize(window, self._scale(seg.hf), self.fp8.block, dtype, offset=(seg.start, cols[0]))
+        return dequantize(window, self._scale(seg.hf), self.fp8.block, dtype, offset=(seg.start, first_col))
 
     def check_quantized(self) -> None:
         """Every float8 tensor has a float32 scale_inv on its block grid, and config.json declares
         the format; raises CheckpointError naming the first tensor that does not."""
         for name in self.names():
             if name in self.scales:
-                self._scale(name, read=False)
+                self._checked_scale_name(name)
             elif self._dtype(name).startswith("F8"):
                 raise CheckpointError(
                     f"tensor {name!r} is stored as {self._dtype(name)} but "
@@ -103,8 +103,12 @@ class HFCheckpoint:
                        else f"the checkpoint has no {name}{SCALE_SUFFIX}: a shard file is missing or incomplete.")
                 )
 
-    def _scale(self, name: str, read: bool = True) -> torch.Tensor | None:
-        """The checked scale_inv of FP8 weight `name` (read=False: only check it)."""
+    def _scale(self, name: str) -> torch.Tensor:
+        scale = self._checked_scale_name(name)
+        return self._open(scale).get_tensor(scale)
+
+    def _checked_scale_name(self, name: str) -> str:
+        """The name of FP8 weight `name`'s scale_inv, once its dtypes and block grid are checked."""
         scale = self.scales[name]
         if self._dtype(name) != "F8_E4M3" or self._dtype(scale) != "F32":
             raise CheckpointError(
@@ -112,4 +116,4 @@ class HFCheckpoint:
                 "stores F8_E4M3 weights with F32 scales; the checkpoint is not in that format."
             )
         check_scale(name, self.shape(name), self.shape(scale), self.fp8.block)
-        return self._open(scale).get_tensor(scale) if read else None
+        return scale

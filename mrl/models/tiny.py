@@ -260,6 +260,7 @@ def write_fp8_twin(src_dir: str | Path, out_dir: str | Path, force: bool = False
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from mrl.checkpoint_dir import copy_hf_metadata
     from mrl.quant.fp8 import QUANTIZATION_CONFIG, quantize_pairs
 
     src, out = Path(src_dir), Path(out_dir)
@@ -276,9 +277,7 @@ def write_fp8_twin(src_dir: str | Path, out_dir: str | Path, force: bool = False
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        for path in src.iterdir():
-            if path.is_file() and not path.name.endswith(".safetensors") and path.name != "model.safetensors.index.json":
-                shutil.copy2(path, staging / path.name)
+        copy_hf_metadata(src, staging)
         config["quantization_config"] = dict(QUANTIZATION_CONFIG)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         staging.chmod(0o755)

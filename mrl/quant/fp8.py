@@ -8,9 +8,11 @@ FineGrainedFP8 and vLLM's Fp8Config with `weight_block_size`):
 
     W[i, j] ≈ Q[i, j] · S[i // bn, j // bk]          (blocks at the right and bottom edges are partial)
 
-Quantisation follows DeepSeek's and vLLM's rule (vllm.utils.deep_gemm.per_block_cast_to_fp8):
-S = amax(|block|) / 448, Q = e4m3(W / S), 448 being e4m3's largest finite value, so a block's
-largest entry lands on ±448. Dequantisation multiplies in float32 and casts once to the target
+Quantisation: S = amax(|block|) / 448, Q = e4m3(W / S), 448 being e4m3's largest finite value, so
+a block's largest entry lands on ±448. DeepSeek's `act_quant` kernel divides by S like this;
+vLLM's `per_block_cast_to_fp8` computes the same S and multiplies by 1/S (same scales and bytes on
+the samples compared) and gives an all-zero block a tiny scale where this gives 1 (transformers'
+choice; either way the block dequantises to zeros). Dequantisation multiplies in float32 and casts once to the target
 dtype, as DeepSeek's `weight_dequant` kernel and transformers' `Fp8Dequantize` do, so a bf16
 twin written by either holds the same bits as `dequantize(..., dtype=torch.bfloat16)`.
 
