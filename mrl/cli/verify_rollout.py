@@ -70,6 +70,9 @@ def verify_rollout(hf_dir: str, layout: ParallelLayout, *, transport: str = "bro
                    engine_dtype: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_MB << 20, lr: float = 1e-3) -> dict:
     """Run the check and return the JSON-ready summary (raises LayoutError etc. on bad input)."""
     spec = model_spec_from_hf(hf_dir)
+    if spec.hf_config.get("quantization_config"):
+        raise ValueError(f"--rollout needs an unquantised checkpoint: vLLM would load {hf_dir} as FP8 while the sync "
+                         "sends unquantised weights (FP8 rollout is not built); verify the twin `mrl convert fp8-to-hf` writes.")
     world = layout.min_world_size()
     layout.validate(spec.dims, world)
     start = time.perf_counter()

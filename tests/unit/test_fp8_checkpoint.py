@@ -17,6 +17,7 @@ from mrl.bridge.dequantize import write_dequantized
 from mrl.bridge.hf_checkpoint import CheckpointError, HFCheckpoint
 from mrl.bridge.mapping import Segment
 from mrl.cli.convert import main as convert_main
+from mrl.cli.verify import main as verify_main
 from mrl.models.tiny import main as tiny_main
 from mrl.models.tiny import write_fp8_twin
 from mrl.quant.fp8 import QUANTIZATION_CONFIG, QUANTIZED_WEIGHT, SCALE_SUFFIX, Fp8FormatError, dequantize, quantize
@@ -156,3 +157,9 @@ def test_hf_metadata_copies_drop_the_quantization_config(fp8_twin, tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert "quantization_config" not in config
     assert config == {k: v for k, v in json.loads((fp8_twin / "config.json").read_text()).items() if k != "quantization_config"}
+
+
+def test_verify_rollout_refuses_an_fp8_checkpoint_before_starting_anything(fp8_twin, capsys):
+    assert verify_main(["--hf", str(fp8_twin), "--rollout", "vllm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--rollout needs an unquantised checkpoint" in err and "mrl convert fp8-to-hf" in err and "\n" not in err
