@@ -22,6 +22,7 @@ below 128, so most blocks are partial edge blocks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import shutil
@@ -218,9 +219,6 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, force: bool 
 
     config_dict = tiny_hf_config(arch)
     out = Path(out_dir)
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} exists: pass force=True (--force) to replace it.")
-    out.parent.mkdir(parents=True, exist_ok=True)
     fields = {k: v for k, v in tiny_hf_config(arch).items() if k != "model_type"}
     config = AutoConfig.for_model(config_dict["model_type"], **fields)
     # from_config's own init draws from the global RNG; fork it so callers' RNG state is untouched
@@ -228,8 +226,7 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, force: bool 
     with torch.random.fork_rng():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with _staged(out, force) as staging:
         # transformers 5 holds MoE experts fused in memory (experts.gate_up_proj [E, 2I, H]) but
         # save_pretrained converts back to the hub's per-expert keys (experts.E.gate_proj.weight).
         model.save_pretrained(staging)
@@ -239,15 +236,6 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, force: bool 
             bos_token_id=_BOS_ID, eos_token_id=_EOS_ID, pad_token_id=_PAD_ID, do_sample=False
         ).save_pretrained(staging)
         _write_tokenizer(staging, config_dict["max_position_embeddings"])
-        # mkdtemp makes the directory 0700 and transformers writes the safetensors 0600; a model
-        # directory should be readable by others (a vLLM server under another user, a container).
-        staging.chmod(0o755)
-        for file in staging.iterdir():
-            file.chmod(0o644)
-        _replace_dir(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out
 
 
@@ -267,19 +255,30 @@ def write_fp8_twin(src_dir: str | Path, out_dir: str | Path, force: bool = False
     config = json.loads((src / "config.json").read_text())
     if config.get("quantization_config"):
         raise ValueError(f"{src} is already quantised (config.json has quantization_config): pass an unquantised model.")
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} exists: pass force=True (--force) to replace it.")
-    out.parent.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(src.glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
             tensors.update(quantize_pairs((name, f.get_tensor(name)) for name in f.keys()))
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with _staged(out, force) as staging:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         copy_hf_metadata(src, staging)
         config["quantization_config"] = dict(QUANTIZATION_CONFIG)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+@contextlib.contextmanager
+def _staged(out: Path, force: bool):
+    """A staging directory beside `out` that replaces it, readable by all, when the block succeeds
+    (and is removed when it fails): a model directory is never seen half written."""
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists: pass force=True (--force) to replace it.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield staging
+        # mkdtemp makes the directory 0700 and transformers writes the safetensors 0600; a model
+        # directory should be readable by others (a vLLM server under another user, a container).
         staging.chmod(0o755)
         for file in staging.iterdir():
             file.chmod(0o644)
@@ -287,7 +286,6 @@ def write_fp8_twin(src_dir: str | Path, out_dir: str | Path, force: bool = False
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return out
 
 
 def _replace_dir(new: Path, out: Path) -> None:
