@@ -84,10 +84,10 @@ def in_ram_merge(ckpt: Path, out: Path) -> int:
     from mrl import checkpoint_dir as cd
     from mrl.bridge.mapping import SplitDims
 
-    directory, _manifest, spec, _hf = m.open_checkpoint(ckpt, None)
-    reader = m.TorchDistReader(directory)
-    dims = SplitDims.of(spec)
-    held = [t for item in m.plan_items(reader, spec) for t in m.convert_item(reader, item, dims, torch.float32)]
+    source = m.open_checkpoint(ckpt)
+    dims = SplitDims.of(source.spec)
+    held = [t for item in m.plan_items(source.reader, source.spec)
+            for t in m.convert_item(source.reader, item, dims, torch.float32)]
     with cd.atomic_dir(out) as tmp:
         writer = m.ShardWriter(tmp, 5 * 10**9)
         for name, tensor in held:

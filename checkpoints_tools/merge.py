@@ -1,23 +1,25 @@
-"""An mrl checkpoint (any layout) → a HuggingFace directory; the library behind `mrl-merge`
+"""A Megatron checkpoint (any layout) → a HuggingFace directory; the library behind `mrl-merge`
 (mrl/cli/merge.py) and the trainer's final export.
 
-CPU only, no process group. The torch_dist metadata (a pickle) is read through a restricted
-unpickler; then, one Megatron tensor at a time (per layer, per expert), exactly the chunks that
-tensor needs are read from the .distcp files by byte range, converted to HF tensors with the
-mapping tables of the live bridge (mrl/bridge/mapping.py, `segments` with one shard) and appended
-to the current safetensors shard. Peak memory: the tensors in flight plus one output shard.
-Output goes to a temporary directory that is renamed only after the self-check passed.
+Reads mrl's own checkpoints and those of Megatron-LM's training loop (torch_dist, or the legacy
+per-rank torch format: checkpoints_tools/megatron_lm.py), the latter with the model's HF config
+and tokenizer from `hf_config`. CPU only, no process group. Before anything is written, the plan
+(every checkpoint tensor → the HF tensors it makes, with shapes from the metadata alone) is checked
+against the HF model the config describes, and a Megatron-LM run's args against the config. Then,
+one Megatron tensor at a time (per layer, per expert), exactly the chunks that tensor needs are
+read (torch_dist: by byte range from the .distcp files, checkpoints_tools/torch_dist.py),
+converted to HF tensors with the mapping tables of the live bridge (mrl/bridge/mapping.py,
+`segments` with one shard) and appended to the current safetensors shard. Peak memory: the
+tensors in flight plus one output shard. Output goes to a temporary directory that is renamed
+only after the self-check passed. The output dtype is the checkpoint's own unless asked.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
 import re
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,11 +29,15 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import save_file
 
+from checkpoints_tools import megatron_lm
+from checkpoints_tools.errors import CheckpointError
+from checkpoints_tools.torch_dist import TorchDistReader
 from mrl import checkpoint_dir as cd
-from mrl.bridge.mapping import MappingError, Rule, SplitDims, lookup, segments, table_for
+from mrl.bridge.mapping import MappingError, Rule, Split, SplitDims, hf_shapes, lookup, segments, table_for
 from mrl.models.registry import ModelSpec, UnsupportedModelError, model_spec_from_hf
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 KEEP_FP32 = re.compile(r"e_score_correction_bias$")  # Megatron's router expert_bias: an fp32 buffer
 # Megatron 0.16.1 keys: a model whose layers are all alike stacks them along a leading axis
 # ("decoder.layers.mlp..." of shape [L, ...]); otherwise keys carry the layer number. A layer's
@@ -45,36 +51,8 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
-
-class MergeError(ValueError):
-    """Bad input or a failed self-check; the message names the problem and the fix."""
-
-
-# ---------------------------------------------------------------- reading the torch_dist checkpoint
-_ALLOWED = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex", "StorageMeta",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "dict", "list", "tuple"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Only the torch.distributed.checkpoint metadata classes (and torch dtypes) may be built."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if name in _ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        raise MergeError(f"checkpoint .metadata refers to {module}.{name}, which a torch_dist metadata never "
-                         "holds: refusing to unpickle it (the file is damaged or not trustworthy)")
+Reader = TorchDistReader | megatron_lm.LegacyReader  # `tensors` (key → TensorInfo), `read(key, index)`
+EMBEDDING = "embedding.word_embeddings.weight"
 
 
 @dataclass(frozen=True)
@@ -82,71 +60,14 @@ class Item:
     """One Megatron tensor in global naming, and where it lives in the checkpoint."""
 
     name: str  # global Megatron name the mapping table knows
-    key: str  # dist_checkpointing key
+    key: str  # checkpoint key
     index: tuple[int, ...]  # position along the stacked (layer, expert) axes of `key`
     rule: Rule
     hf_names: tuple[str, ...]
 
 
-class TorchDistReader:
-    """Chunks of tensors of one torch_dist checkpoint directory, read by byte range."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        backend = json.loads((directory / "metadata.json").read_text()).get("sharded_backend")
-        if backend != "torch_dist":
-            raise MergeError(f"{directory} was saved with the {backend!r} backend; mrl-merge reads torch_dist")
-        with open(directory / ".metadata", "rb") as f:
-            self.metadata = _MetadataUnpickler(f).load()
-        self.tensors = {k: v for k, v in self.metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
-        # One saved chunk often holds several experts (all of one EP rank's): the experts are read
-        # one after another, so each thread keeps the chunk it read last instead of re-reading it.
-        self._last = threading.local()
-
-    def read(self, key: str, index: tuple[int, ...] = ()) -> torch.Tensor:
-        """The global tensor `key`, or its slice at `index` along the leading (stacked) axes."""
-        meta = self.tensors[key]
-        lead = len(index)
-        out = torch.empty(tuple(meta.size)[lead:], dtype=meta.properties.dtype)
-        filled = 0
-        for chunk in meta.chunks:
-            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-            if not all(o <= i < o + n for i, o, n in zip(index, offsets, sizes)):
-                continue
-            data = self._chunk(key, chunk.offsets)[tuple(i - o for i, o in zip(index, offsets))]
-            out[tuple(slice(o, o + n) for o, n in zip(offsets[lead:], data.shape))] = data
-            filled += data.numel()
-        if filled != out.numel():
-            raise MergeError(f"checkpoint tensor {key!r}{list(index) or ''} has chunks covering {filled} of "
-                             f"{out.numel()} elements: the checkpoint is incomplete")
-        return out
-
-    def _chunk(self, key: str, offsets: torch.Size) -> torch.Tensor:
-        last = getattr(self._last, "chunk", None)
-        if last is not None and last[0] == (key, tuple(offsets)):
-            return last[1]
-        self._last.chunk = None  # drop the previous chunk before reading the next
-        data = self._read_chunk(key, offsets)
-        self._last.chunk = ((key, tuple(offsets)), data)
-        return data
-
-    def _read_chunk(self, key: str, offsets: torch.Size) -> torch.Tensor:
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        info = self.metadata.storage_data[MetadataIndex(key, offsets)]
-        if info.transform_descriptors:
-            raise MergeError(f"{key} is stored with transforms {info.transform_descriptors}: not supported")
-        path = self.directory / info.relative_path
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            raw = f.read(info.length)
-        if len(raw) != info.length:
-            raise MergeError(f"checkpoint file {path} is truncated: {key} needs bytes up to "
-                             f"{info.offset + info.length}; restore the file")
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-
-
-def plan_items(reader: TorchDistReader, spec: ModelSpec) -> list[Item]:
+# ---------------------------------------------------------------- planning and converting
+def plan_items(reader: Reader, spec: ModelSpec) -> list[Item]:
     """Every exported Megatron tensor of the checkpoint, per layer and per expert, in key order."""
     table = table_for(spec)
     items = []
@@ -163,13 +84,14 @@ def plan_items(reader: TorchDistReader, spec: ModelSpec) -> list[Item]:
             try:
                 rule, hf_names = lookup(table, name, spec.arch)
             except MappingError as err:
-                raise MergeError(f"{err} (is the checkpoint of another architecture than {spec.arch}?)") from None
+                raise CheckpointError(f"{err} (is the checkpoint of another architecture than {spec.arch}? pass the HF "
+                                      "config of the model that was trained, --hf-config)") from None
             if rule.export:
                 items.append(Item(name, key, index, rule, hf_names))
     return items
 
 
-def convert_item(reader: TorchDistReader, item: Item, dims: SplitDims, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+def convert_item(reader: Reader, item: Item, dims: SplitDims, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
     """The HF tensors of one Megatron tensor (read, split by the mapping table, cast)."""
     full = reader.read(item.key, item.index)
     # The segments list the HF rows that the Megatron tensor's rows hold, in order: segment i
@@ -196,7 +118,7 @@ def parse_size(text: str) -> int:
     m = _SIZE.match(text)
     unit = m.group(2).upper() if m else ""
     if not m or (unit and not unit.endswith("B")) or unit not in _UNITS:
-        raise MergeError(f"--max-shard-size {text!r} is not a size: use e.g. 5GB, 500MB or 2GiB")
+        raise CheckpointError(f"--max-shard-size {text!r} is not a size: use e.g. 5GB, 500MB or 2GiB")
     return int(float(m.group(1)) * _UNITS[unit])
 
 
@@ -282,11 +204,11 @@ def _per_expert(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]
 def check_layout(written: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], arch: str) -> None:
     missing, extra = sorted(set(expected) - set(written)), sorted(set(written) - set(expected))
     if missing or extra:
-        raise MergeError(f"merged {arch} weights do not match the HF layout: {len(missing)} missing "
+        raise CheckpointError(f"merged {arch} weights do not match the HF layout: {len(missing)} missing "
                          f"(first {missing[:1]}), {len(extra)} unexpected (first {extra[:1]})")
     for name, shape in expected.items():
         if written[name] != shape:
-            raise MergeError(f"merged tensor {name!r} has shape {list(written[name])}, the HF model expects {list(shape)}")
+            raise CheckpointError(f"merged tensor {name!r} has shape {list(written[name])}, the HF model expects {list(shape)}")
 
 
 # ---------------------------------------------------------------- the merge
@@ -305,64 +227,145 @@ def _in_order(fn, items: list, workers: int) -> Iterator:
             yield future.result()
 
 
-def open_checkpoint(ckpt: str | Path, config: str | Path | None) -> tuple[Path, dict, ModelSpec, Path]:
-    """Resolve and check a checkpoint; return (iteration dir, manifest, spec, HF config dir)."""
+@dataclass
+class Source:
+    """An opened checkpoint: where it is, the model it holds, and how to read it."""
+
+    directory: Path  # the iteration directory
+    kind: str  # "mrl" or "Megatron-LM"
+    step: int | None
+    spec: ModelSpec
+    hf_dir: Path  # config and tokenizer of the HF model to write
+    reader: Reader
+    args: dict | None = None  # a Megatron-LM run's arguments
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The checkpoint's parameter dtype (its embedding's; the router's expert bias is fp32 anyway)."""
+        return self.reader.tensors[EMBEDDING].dtype
+
+
+def open_checkpoint(ckpt: str | Path, hf_config: str | Path | None = None) -> Source:
+    """Resolve and open an mrl or a Megatron-LM checkpoint (raises CheckpointError, one line)."""
     try:
-        directory = cd.resolve(ckpt)
+        located = cd.locate(ckpt)
+    except cd.CheckpointDirError as err:
+        raise CheckpointError(str(err)) from None
+    if located.megatron_lm is None:
+        return _open_mrl(located.directory, hf_config)
+    return _open_megatron_lm(located.megatron_lm, hf_config)
+
+
+def _open_mrl(directory: Path, hf_config: str | Path | None) -> Source:
+    try:
         manifest = cd.read_manifest(directory)
     except cd.CheckpointDirError as err:
-        raise MergeError(str(err)) from None
+        raise CheckpointError(str(err)) from None
     if manifest.get("value_head"):
-        raise MergeError(f"{directory} is a PPO critic checkpoint (a value head, no LM head): there is no HF causal "
-                         "LM to write; merge the actor's checkpoint (the parent of its critic/ directory)")
-    hf_dir = directory / "hf"
-    if config is not None:
-        config = Path(config)
-        hf_dir = config if config.is_dir() else config.parent
-    try:
-        spec = model_spec_from_hf(hf_dir)
-    except (UnsupportedModelError, FileNotFoundError, KeyError) as err:
-        raise MergeError(f"cannot read the HF config in {hf_dir} ({err}); pass --config with the model's "
-                         "HF config directory") from None
+        raise CheckpointError(f"{directory} is a PPO critic checkpoint (a value head, no LM head): there is no HF causal "
+                              "LM to write; merge the actor's checkpoint (the parent of its critic/ directory)")
+    hf_dir = _hf_dir(hf_config) if hf_config is not None else directory / "hf"
+    spec = _spec(hf_dir)
     if manifest.get("arch") not in (None, spec.arch):
-        raise MergeError(f"{directory} is a {manifest['arch']} checkpoint but the config in {hf_dir} describes a "
-                         f"{spec.arch} model: pass the config the checkpoint was trained with")
-    return directory, manifest, spec, hf_dir
+        raise CheckpointError(f"{directory} is a {manifest['arch']} checkpoint but the config in {hf_dir} describes a "
+                              f"{spec.arch} model: pass the config the checkpoint was trained with")
+    return Source(directory, "mrl", manifest.get("step"), spec, hf_dir, TorchDistReader(directory))
 
 
-def merge(ckpt: str | Path, out: str | Path, *, dtype: str = "bf16", max_shard_size: str = "5GB", workers: int = 1,
-          force: bool = False, config: str | Path | None = None, progress: bool = True) -> dict:
-    """Merge checkpoint `ckpt` into HF directory `out`; return a summary (raises MergeError)."""
+def _open_megatron_lm(ckpt: Any, hf_config: str | Path | None) -> Source:
+    if hf_config is None:
+        raise CheckpointError(f"{ckpt.directory} is a Megatron-LM checkpoint, which holds no HF config: pass --hf-config "
+                              "with the model's HF directory (config.json and tokenizer)")
+    hf_dir = _hf_dir(hf_config)
+    spec = _spec(hf_dir)
+    args = megatron_lm.read_args(ckpt)
+    reader = TorchDistReader(ckpt.directory) if ckpt.format == "torch_dist" else megatron_lm.LegacyReader(ckpt, args, spec)
+    step = ckpt.iteration if ckpt.iteration is not None else args.get("iteration")
+    return Source(ckpt.directory, "Megatron-LM", step, spec, hf_dir, reader, args)
+
+
+def _hf_dir(hf_config: str | Path) -> Path:
+    path = Path(hf_config)
+    return path if path.is_dir() else path.parent
+
+
+def _spec(hf_dir: Path) -> ModelSpec:
+    try:
+        return model_spec_from_hf(hf_dir)
+    except (UnsupportedModelError, FileNotFoundError, KeyError) as err:
+        raise CheckpointError(f"cannot read the HF config in {hf_dir} ({err}); pass --hf-config with the model's "
+                              "HF config directory") from None
+
+
+def plan(source: Source) -> tuple[list[Item], dict[str, tuple[int, ...]]]:
+    """Every tensor to convert, and the HF layout it must make, checked against each other (and a
+    Megatron-LM run's args against the config) from metadata alone: before anything is read."""
+    source.reader.check_files()
+    items = plan_items(source.reader, source.spec)
+    expected = expected_hf_layout(source.hf_dir, source.spec)
+    check_plan(items, source, expected)
+    if source.args is not None:
+        megatron_lm.check_args(source.args, source.spec, source.hf_dir, source.directory)
+    return items, expected
+
+
+def check_plan(items: list[Item], source: Source, expected: dict[str, tuple[int, ...]]) -> None:
+    """The first checkpoint tensor that would make an HF tensor the config does not describe, or the
+    first HF tensor no checkpoint tensor makes, as one error naming it and the fix."""
+    dims, fix = SplitDims.of(source.spec), "pass the HF config of the model that was trained (--hf-config)"
+    planned: set[str] = set()
+    for item in items:
+        shape = source.reader.tensors[item.key].size[len(item.index):]
+        if item.rule.split is Split.VOCAB and shape[0] < dims.vocab_size:
+            raise CheckpointError(f"checkpoint tensor {item.name!r} has {shape[0]} vocabulary rows, fewer than vocab_size "
+                                  f"{dims.vocab_size} of the HF config in {source.hf_dir}: {fix}")
+        for hf, got in hf_shapes(item.rule.split, item.hf_names, shape, 1, dims).items():
+            if hf not in expected:
+                raise CheckpointError(f"checkpoint tensor {item.name!r} makes HF tensor {hf!r}, which the {source.spec.arch} "
+                                      f"model of {source.hf_dir} does not have: {fix}")
+            if got != expected[hf]:
+                raise CheckpointError(f"checkpoint tensor {item.name!r} of shape {list(shape)} makes {hf} of shape "
+                                      f"{list(got)}, but the HF config in {source.hf_dir} gives {list(expected[hf])}: {fix}")
+            planned.add(hf)
+    missing = [name for name in expected if name not in planned]
+    if missing:
+        raise CheckpointError(f"no checkpoint tensor makes {missing[0]} ({len(missing)} HF tensors missing), which the HF "
+                              f"config in {source.hf_dir} describes: {fix}")
+
+
+def merge(ckpt: str | Path, out: str | Path, *, dtype: str | None = None, max_shard_size: str = "5GB",
+          workers: int = 1, force: bool = False, hf_config: str | Path | None = None, progress: bool = True) -> dict:
+    """Merge checkpoint `ckpt` into HF directory `out`; return a summary (raises CheckpointError).
+    `dtype` None keeps the checkpoint's parameter dtype."""
     from tqdm import tqdm
 
-    if dtype not in DTYPES:
-        raise MergeError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
     max_bytes = parse_size(max_shard_size)
     out = Path(out)
-    directory, manifest, spec, hf_dir = open_checkpoint(ckpt, config)
     if out.exists() and not force:
-        raise MergeError(f"output {out} already exists: pass --force to replace it")
+        raise CheckpointError(f"output {out} already exists: pass --force to replace it")
     start = time.perf_counter()
-    reader = TorchDistReader(directory)
-    items = plan_items(reader, spec)
-    expected = expected_hf_layout(hf_dir, spec)
-    dims = SplitDims.of(spec)
+    source = open_checkpoint(ckpt, hf_config)
+    items, expected = plan(source)
+    target = DTYPES[dtype] if dtype is not None else source.dtype
+    dims = SplitDims.of(source.spec)
     staging = out.parent / f"{out.name}.tmp-merge-{os.getpid()}"
     try:
         with cd.atomic_dir(staging) as tmp:
             writer, written = ShardWriter(tmp, max_bytes), {}
             bar = tqdm(total=len(items), unit="tensor", desc="mrl-merge", disable=not progress)
-            for converted in _in_order(lambda it: convert_item(reader, it, dims, DTYPES[dtype]), items, workers):
+            for converted in _in_order(lambda it: convert_item(source.reader, it, dims, target), items, workers):
                 for name, tensor in converted:
                     if name in written:
-                        raise MergeError(f"two checkpoint tensors map onto HF tensor {name!r}: the mapping is ambiguous")
+                        raise CheckpointError(f"two checkpoint tensors map onto HF tensor {name!r}: the mapping is ambiguous")
                     written[name] = tuple(tensor.shape)
                     writer.add(name, tensor)
                 bar.update()
             bar.close()
-            check_layout(written, expected, spec.arch)
+            check_layout(written, expected, source.spec.arch)
             writer.finish()
-            cd.copy_hf_metadata(hf_dir, tmp)  # the weights are written above, never FP8
+            cd.copy_hf_metadata(source.hf_dir, tmp)  # the weights are written above, never FP8
         if out.exists():
             shutil.rmtree(out)
         os.rename(staging, out)
@@ -370,30 +373,38 @@ def merge(ckpt: str | Path, out: str | Path, *, dtype: str = "bf16", max_shard_s
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     seconds = time.perf_counter() - start
-    return {"checkpoint": str(directory), "out": str(out), "arch": spec.arch, "step": manifest.get("step"),
-            "dtype": dtype, "tensors": len(written), "shards": len(writer.files), "bytes": writer.total_bytes,
-            "seconds": round(seconds, 3)}
+    return {"checkpoint": str(source.directory), "format": source.kind, "out": str(out), "arch": source.spec.arch,
+            "step": source.step, "dtype": DTYPE_NAMES[target], "tensors": len(written), "shards": len(writer.files),
+            "bytes": writer.total_bytes, "seconds": round(seconds, 3)}
 
 
 # ---------------------------------------------------------------- --verify
-def _megatron_logits(rank: int, world: int, directory: str, vocab_rows: int, dtype: str) -> torch.Tensor:
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
+def check_verifiable(ckpt: str | Path) -> None:
+    """--verify loads the checkpoint into Megatron with dist_checkpointing, which reads torch_dist
+    only: refuse a legacy Megatron-LM checkpoint before the merge starts."""
+    try:
+        located = cd.locate(ckpt)
+    except cd.CheckpointDirError as err:
+        raise CheckpointError(str(err)) from None
+    if located.megatron_lm is not None and located.megatron_lm.format != "torch_dist":
+        raise CheckpointError(f"--verify loads {located.directory} into Megatron with dist_checkpointing, which reads "
+                              "torch_dist only, not this legacy torch checkpoint: merge without --verify, then run "
+                              "`mrl verify --hf OUT` on the result")
 
+
+def _megatron_logits(rank: int, world: int, directory: str, hf_dir: str, dtype: str) -> torch.Tensor:
     from mrl.bridge.verify import probe_tokens
     from mrl.layout import ParallelLayout
-    from mrl.megatron.checkpoint import model_sharded_state_dict
+    from mrl.megatron.checkpoint import load_policy_weights
     from mrl.megatron.forward import forward_logits
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import initialize_layout
 
     layout = ParallelLayout()
     initialize_layout(layout)
-    spec = model_spec_from_hf(Path(directory) / "hf")
-    built = build_model(spec, layout, vocab_divisor=vocab_rows)  # same padded vocabulary as the checkpoint
-    sharded = {"model": model_sharded_state_dict(built)}  # one chunk: no VPP in this layout
-    loaded = dist_checkpointing.load(sharded, directory, strict=StrictHandling.IGNORE_ALL)
-    built.chunks[0].load_state_dict(loaded["model"], strict=False)
+    spec = model_spec_from_hf(hf_dir)
+    built = build_model(spec, layout)
+    load_policy_weights(directory, built)
     with torch.no_grad():  # the merged file holds weights rounded to `dtype`: round Megatron's the same way
         for name, p in list(built.chunks[0].named_parameters()) + list(built.chunks[0].named_buffers()):
             if p.is_floating_point() and not name.endswith("expert_bias"):
@@ -402,14 +413,12 @@ def _megatron_logits(rank: int, world: int, directory: str, vocab_rows: int, dty
 
 
 def verify_merged(directory: str | Path, out: str | Path, dtype: str, tol: float = 1e-4) -> dict:
-    """Logits of the merged HF model (transformers) vs the checkpoint loaded in Megatron (TP1)."""
+    """Logits of the merged HF model `out` (transformers) vs the checkpoint iteration `directory`
+    loaded in Megatron (TP1, with the config written to `out`)."""
     from mrl.megatron.local_launch import run_local
     from mrl.bridge.verify import probe_tokens, reference_logits
 
-    directory = cd.resolve(directory)
-    reader = TorchDistReader(directory)
-    vocab_rows = reader.tensors["embedding.word_embeddings.weight"].size[0]
-    megatron = run_local(_megatron_logits, 1, str(directory), vocab_rows, dtype)[0]
+    megatron = run_local(_megatron_logits, 1, str(directory), str(out), dtype)[0]
     spec = model_spec_from_hf(Path(out))
     diff = (megatron - reference_logits(str(out), probe_tokens(spec.vocab_size))).abs().max().item()
     return {"max_abs_diff": diff, "tol": tol, "ok": diff <= tol}

@@ -1,9 +1,10 @@
 """The mrl checkpoint directory contract (docs/checkpoint-format.md), in pure Python.
 
 Shared by the trainer's save/resume, `mrl convert` and `mrl-merge`: atomic iteration directories
-(temp dir → fsync → manifest last → rename), the `latest` pointer, resolving a path a user gave,
-validating a manifest against the files on disk, pruning old iterations, and the copy of an HF
-model's non-weight files that a checkpoint keeps under hf/.
+(temp dir → fsync → manifest last → rename), the `latest` pointer, resolving a path a user gave
+(`locate` also recognises Megatron-LM's own layout, mrl/megatron_lm_dir.py), validating a manifest
+against the files on disk, pruning old iterations, and the copy of an HF model's non-weight files
+that a checkpoint keeps under hf/.
 No torch and no megatron here, so the merge CLI can check a directory before importing either.
 """
 
@@ -14,8 +15,11 @@ import os
 import re
 import shutil
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+
+from mrl import megatron_lm_dir as mlm
 
 FORMAT = "mrl-checkpoint"
 VERSION = 1
@@ -143,6 +147,39 @@ def resolve(path: str | os.PathLike) -> Path:
     hint = f"; it holds {iterations[-1][1].name}, pass that" if iterations else ""
     raise CheckpointDirError(
         f"{path} is not an mrl checkpoint directory: it has neither {MANIFEST} nor a {LATEST} pointer{hint}"
+    )
+
+
+@dataclass(frozen=True)
+class Located:
+    """A checkpoint a user named: an mrl iteration directory, or a Megatron-LM checkpoint."""
+
+    directory: Path  # the iteration directory
+    megatron_lm: mlm.MegatronLMCheckpoint | None = None  # None: an mrl checkpoint
+
+    @property
+    def kind(self) -> str:
+        return "mrl" if self.megatron_lm is None else "Megatron-LM"
+
+
+def locate(path: str | os.PathLike) -> Located:
+    """A checkpoint root or iteration directory of mrl's layout or Megatron-LM's → the iteration
+    directory; a path that is neither gets one error naming what each layout would have."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointDirError(f"{path} is not a checkpoint directory: it does not exist or is not a directory")
+    if (path / MANIFEST).is_file() or (path / LATEST).is_file():
+        return Located(resolve(path))
+    if mlm.looks_like(path):
+        try:
+            return Located((found := mlm.resolve(path)).directory, found)
+        except mlm.MegatronLMDirError as err:
+            raise CheckpointDirError(str(err)) from None
+    iterations = [p for _, p in list_iterations(path)] or [p for p in sorted(path.iterdir()) if _ITER.match(p.name)]
+    hint = f"; it holds {iterations[-1].name}, pass that" if iterations else ""
+    raise CheckpointDirError(
+        f"{path} is not a checkpoint directory: it has neither mrl's {MANIFEST} or {LATEST} pointer nor Megatron-LM's "
+        f"{mlm.TRACKER}, metadata.json or mp_rank_* directories{hint}"
     )
 
 

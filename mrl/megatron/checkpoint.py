@@ -268,24 +268,53 @@ def _checked_manifest(directory: Path, built: BuiltModel, *, value_head: bool) -
 
 def load_policy_weights(path: str | Path, built: BuiltModel) -> None:
     """The weights alone of a policy checkpoint, into `built` (collective): the frozen reference,
-    or a critic's transformer, whose value head (its output_layer) keeps its initialisation.
-    Optimizer and scheduler are untouched."""
+    or a critic's transformer, whose value head (its output_layer) keeps its initialisation, or the
+    policy RL starts from. Optimizer and scheduler are untouched.
+
+    `path` is an mrl checkpoint or a torch_dist checkpoint of Megatron-LM's training loop (its
+    layout: mrl/megatron_lm_dir.py): both hold the model under the same global sharded keys. A
+    Megatron-LM checkpoint was checked against the model's HF config on the driver before the
+    workers started (checkpoints_tools.merge.plan); its common.pt (pickled run args) is not read."""
     from megatron.core import dist_checkpointing
 
-    directory = cd.resolve(path)
-    _checked_manifest(directory, built, value_head=False)
+    located = cd.locate(path)
+    directory, common_strategy = located.directory, None
+    if located.megatron_lm is None:
+        _checked_manifest(directory, built, value_head=False)
+    elif located.megatron_lm.format != "torch_dist":
+        raise CheckpointMismatchError(
+            f"{directory} is a legacy (torch format) Megatron-LM checkpoint, which only mrl-merge reads: merge it "
+            "(mrl-merge CKPT --hf-config HF_DIR --out DIR) and start from the HF directory (model.path=DIR)")
+    else:
+        common_strategy = _weights_only_common()
 
-    def value_head_key(key: str) -> bool:  # the critic's own parameters: not in a policy checkpoint
-        return built.value_head and key.startswith("output_layer.")
+    def skipped(key: str) -> bool:
+        # A critic's own parameters are in no policy checkpoint; a Megatron-LM run's _extra_state
+        # (Transformer Engine's FP8 scaling) is not the weights, and is not loaded with them.
+        return built.value_head and key.startswith("output_layer.") or \
+            located.megatron_lm is not None and key.endswith("_extra_state")
 
-    requests = [{key: value for key, value in chunk.sharded_state_dict().items() if not value_head_key(key)}
+    requests = [{key: value for key, value in chunk.sharded_state_dict().items() if not skipped(key)}
                 for chunk in built.chunks]
-    loaded = dist_checkpointing.load({"model": nest_chunks(requests)}, str(directory))["model"]
+    loaded = dist_checkpointing.load({"model": nest_chunks(requests)}, str(directory),
+                                     common_strategy=common_strategy)["model"]
     for chunk, state in zip(built.chunks, unnest_chunks(loaded, len(built.chunks)), strict=True):
         missing, unexpected = chunk.load_state_dict(state, strict=False)
-        wrong = [key for key in missing if not value_head_key(key)] + list(unexpected)
+        wrong = [key for key in missing if not skipped(key)] + list(unexpected)
         if wrong:
             raise CheckpointMismatchError(f"checkpoint {directory} does not fill these parameters: {wrong[:5]}")
+
+
+def _weights_only_common() -> Any:
+    """dist_checkpointing's common-state loader that returns nothing: Megatron-LM's common.pt pickles
+    the run's args (classes of megatron.training and others), and loading weights needs none of it."""
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class WeightsOnly(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir: Any) -> dict:
+            return {}
+
+    return WeightsOnly()
 
 
 def load_checkpoint(path: str | Path, trainable: Trainable, *, load_optimizer: bool = True) -> dict:

@@ -76,20 +76,20 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("arch,layout", [(a, n) for a, ls in CASES.items() for n in ls])
 def test_roundtrip_bitwise_fp32(arch, layout, checkpoints, tiny_model_dir, tmp_path):
     out = tmp_path / "hf"
-    summary = merge_mod.merge(checkpoints[arch, layout], out, dtype="fp32", progress=False)
+    summary = merge_mod.merge(checkpoints[arch, layout], out, progress=False)  # the checkpoint's own dtype: fp32
     original, merged = _tensors(tiny_model_dir(arch)), _tensors(out)
     assert sorted(merged) == sorted(original)
     for name, tensor in original.items():
         assert merged[name].dtype == torch.float32
         assert torch.equal(merged[name], tensor), name
-    assert summary["tensors"] == len(original)
+    assert summary["tensors"] == len(original) and summary["dtype"] == "fp32"
     for name in ("config.json", "generation_config.json", "tokenizer.json", "model.safetensors.index.json"):
         assert (out / name).is_file(), name
 
 
-def test_default_bf16_keeps_expert_bias_fp32(checkpoints, tiny_model_dir, tmp_path):
+def test_dtype_bf16_narrows_and_keeps_expert_bias_fp32(checkpoints, tiny_model_dir, tmp_path):
     out = tmp_path / "hf"
-    merge_mod.merge(checkpoints["deepseek_v3", "EP2xTP2"], out, progress=False)
+    merge_mod.merge(checkpoints["deepseek_v3", "EP2xTP2"], out, dtype="bf16", progress=False)
     original, merged = _tensors(tiny_model_dir("deepseek_v3")), _tensors(out)
     biases = [n for n in original if n.endswith("e_score_correction_bias")]
     assert biases
@@ -140,7 +140,8 @@ def _fails(capsys, argv: list[str], match: str) -> None:
 
 def test_not_a_checkpoint(tmp_path, capsys):
     (tmp_path / "junk").mkdir()
-    _fails(capsys, [str(tmp_path / "junk"), "--out", str(tmp_path / "o")], "is not an mrl checkpoint directory")
+    _fails(capsys, [str(tmp_path / "junk"), "--out", str(tmp_path / "o")],
+           "is not a checkpoint directory: it has neither mrl's")
     assert not (tmp_path / "o").exists()
 
 
@@ -156,9 +157,10 @@ def test_missing_and_truncated_distcp(checkpoints, tmp_path, capsys):
 
 
 def test_other_architecture_config(checkpoints, tiny_model_dir, tmp_path, capsys):
-    _fails(capsys, [str(checkpoints["qwen3", "TP2"]), "--out", str(tmp_path / "o"),
-                    "--config", str(tiny_model_dir("llama") / "config.json")],
-           "is a qwen3 checkpoint but the config")
+    for flag in ("--hf-config", "--config"):  # --config: the flag's earlier name, still accepted
+        _fails(capsys, [str(checkpoints["qwen3", "TP2"]), "--out", str(tmp_path / "o"),
+                        flag, str(tiny_model_dir("llama") / "config.json")],
+               "is a qwen3 checkpoint but the config")
     assert not (tmp_path / "o").exists()
 
 

@@ -282,7 +282,8 @@ def score(prompt, response, ground_truth, metadata):
 
 
 def test_ppo_with_a_megatron_critic(tmp_path, tiny_model_dir, ray_local):
-    from checkpoints_tools.merge import MergeError, merge
+    from checkpoints_tools.errors import CheckpointError
+    from checkpoints_tools.merge import merge
     from mrl.trainer import train
 
     reward = tmp_path / "length_reward.py"
@@ -303,7 +304,7 @@ def test_ppo_with_a_megatron_critic(tmp_path, tiny_model_dir, ray_local):
     # The critic is checkpointed beside the actor, at the same steps; a resume from step 2 restores
     # both and reproduces step 3.
     assert (tmp_path / "ckpt" / "critic" / "latest").read_text().strip() == "iter_0000003"
-    with pytest.raises(MergeError, match="is a PPO critic checkpoint"):  # no HF model to write: an error, not junk
+    with pytest.raises(CheckpointError, match="is a PPO critic checkpoint"):  # no HF model to write: an error, not junk
         merge(tmp_path / "ckpt" / "critic", tmp_path / "critic_hf")
     assert not (tmp_path / "critic_hf").exists()
     again = tmp_path / "again"
@@ -343,3 +344,4 @@ def test_a_reward_model_scores_the_rollouts(tmp_path, tiny_model_dir, tiny_rewar
     assert len({round(v, 4) for v in expected}) > 1, expected
     assert step["critic/score/mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
     assert (step["critic/score/min"], step["critic/score/max"]) == pytest.approx((min(expected), max(expected)), abs=1e-5)
+

@@ -2,7 +2,8 @@
 
 import pytest
 
-from checkpoints_tools.merge import MergeError, _per_expert, parse_size
+from checkpoints_tools.errors import CheckpointError
+from checkpoints_tools.merge import _per_expert, parse_size
 
 
 def test_parse_size():
@@ -12,7 +13,7 @@ def test_parse_size():
     assert parse_size("1.5 kb") == 1500
     assert parse_size("1024") == 1024
     for bad in ("five", "5GX", "-1GB", "5G"):
-        with pytest.raises(MergeError, match="is not a size"):
+        with pytest.raises(CheckpointError, match="is not a size"):
             parse_size(bad)
 
 
