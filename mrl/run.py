@@ -7,8 +7,15 @@ writes at each checkpoint, so that a resume reproduces the run.
 
 Checkpoints: the actor under checkpoint.dir, a PPO critic under checkpoint.dir/critic at the same
 steps, the SFT result (RL step 0) under checkpoint.dir/sft. Each RL checkpoint records the sampler,
-the RL step and `rl_start`, the SFT checkpoint RL started from (None: the HF model): the KL
+the RL step and `rl_start`, the policy checkpoint RL started from (None: the HF model): the KL
 reference and a fresh critic are loaded from it, also after a resume.
+
+`checkpoint.resume` may also name a checkpoint of Megatron-LM's training loop (a pretraining or SFT
+run of Megatron-LM, slime or verl's Megatron backend; torch_dist): RL starts from its weights, as
+from an SFT checkpoint, with a fresh optimizer (its Adam state belongs to another optimizer set-up,
+learning rate and data; mrl does not carry it over). It is checked against model.path's HF config
+before any worker starts; model.path still gives the config, the tokenizer and the engine's
+initial weights, which the first sync replaces.
 """
 
 from __future__ import annotations
@@ -16,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mrl.checkpoint_dir import list_iterations, read_latest, resolve
-from mrl.config import RunConfig, config_to_dict, save_config
+from mrl.checkpoint_dir import list_iterations, locate, read_latest, resolve
+from mrl.config import ConfigError, RunConfig, config_to_dict, save_config
 from mrl.config.derived import optim_for
 from mrl.data import EpochSampler, load_splits
 from mrl.inputs import prepare_model, tokenize_samples
@@ -88,6 +95,8 @@ def open_run(cfg: RunConfig, sft_only: bool = False) -> Run:
     else:
         refuse_to_overwrite(cfg)
     hf_dir, tokenizer = prepare_model(cfg.model, cfg.trainer.seed)
+    if not sft_only:
+        check_start_checkpoint(cfg, hf_dir)
     train_set, heldout = (tokenize_samples(s, tokenizer) for s in load_splits(cfg.data, cfg.trainer.seed, tokenizer))
     sampler = EpochSampler(len(train_set), cfg.data.batch_size, seed=cfg.trainer.seed)
     save_config(cfg)  # also creates the output directory
@@ -117,6 +126,12 @@ def resume(run: Run) -> tuple[int, str | None]:
         return 0, None
     mode = cfg.checkpoint.resume
     path = cfg.checkpoint.dir if mode == "auto" else mode
+    located = locate(path)
+    if located.megatron_lm is not None:
+        cluster.actor.load_policy(str(located.directory))
+        print(f"RL starts from the weights of the Megatron-LM checkpoint {located.directory} (fresh optimizer)",
+              flush=True)
+        return 0, str(located.directory)
     data = cluster.actor.load(path)["data"]
     if data["rl_step"] == 0:
         cluster.actor.restart_lr_schedule(optim_for(cfg))
@@ -129,13 +144,34 @@ def resume(run: Run) -> tuple[int, str | None]:
     return int(data["rl_step"]), located_rl_start(data.get("rl_start"), path)
 
 
+def check_start_checkpoint(cfg: RunConfig, hf_dir: str) -> None:
+    """A Megatron-LM checkpoint RL is to start from, checked against the HF config from metadata
+    alone (architecture, every tensor's shape, the run's args): a mismatch is one error naming the
+    tensor or setting, before any worker starts. mrl's own checkpoints are checked as they load."""
+    mode = cfg.checkpoint.resume
+    if mode in ("auto", "never") or (megatron_lm := locate(mode).megatron_lm) is None:
+        return
+    from checkpoints_tools.errors import CheckpointError
+    from checkpoints_tools.merge import open_checkpoint, plan
+
+    if megatron_lm.format != "torch_dist":
+        raise ConfigError([f"checkpoint.resume {mode} is a legacy (torch format) Megatron-LM checkpoint, which only "
+                           f"mrl-merge reads: merge it (mrl-merge {mode} --hf-config {hf_dir} --out DIR) and start "
+                           "from the HF directory (model.path=DIR)."])
+    try:
+        plan(open_checkpoint(mode, hf_dir))
+    except CheckpointError as err:
+        raise ConfigError([f"checkpoint.resume: {err}"]) from None
+
+
 def portable_rl_start(rl_start: str | None, checkpoint_dir: str) -> str | None:
-    """`rl_start` as a checkpoint records it: the SFT iteration directory (not a root, whose
-    `latest` could move), relative to the run's checkpoint root when inside it, so the checkpoint
-    tree can be moved or copied whole; absolute otherwise."""
+    """`rl_start` as a checkpoint records it: the iteration directory of the SFT (or Megatron-LM)
+    checkpoint RL started from (not a root, whose pointer could move), relative to the run's
+    checkpoint root when inside it, so the checkpoint tree can be moved or copied whole; absolute
+    otherwise."""
     if rl_start is None:
         return None
-    iteration = resolve(rl_start).resolve()
+    iteration = locate(rl_start).directory.resolve()
     root = Path(checkpoint_dir).resolve()
     return str(iteration.relative_to(root)) if iteration.is_relative_to(root) else str(iteration)
 

@@ -1,7 +1,9 @@
 """Prove that a HuggingFace checkpoint means the same thing in a Megatron layout (`mrl verify`,
 whose command line is mrl/cli/verify.py; `--rollout vllm` proves the weight sync instead).
 
-1. Load the checkpoint into Megatron in the requested layout (local processes, gloo on CPU).
+1. Load the checkpoint into Megatron in the requested layout (local processes, gloo on CPU): the
+   HF weights, or with `checkpoint` a Megatron checkpoint (mrl's or Megatron-LM's torch_dist, loaded
+   as RL loads the policy it starts from), whose HF form is then `hf_dir`.
 2. Run probe token ids through the pipeline and compare logits with transformers in fp32.
 3. Export the Megatron shards back to HF tensors and compare each with the file, bitwise.
 An FP8 checkpoint (DeepSeek's block-scaled format) is compared as its dequantised weights.
@@ -34,9 +36,11 @@ def probe_tokens(vocab_size: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, PROBE_SHAPE, generator=generator)
 
 
-def _worker(rank: int, world_size: int, hf_dir: str, layout: ParallelLayout, impl: str, bucket_bytes: int) -> dict:
+def _worker(rank: int, world_size: int, hf_dir: str, layout: ParallelLayout, impl: str, bucket_bytes: int,
+            checkpoint: str | None) -> dict:
     from mrl.bridge.export import export_hf_weights
     from mrl.bridge.hf_import import ignorable, load_hf_weights
+    from mrl.megatron.checkpoint import load_policy_weights
     from mrl.megatron.forward import forward_logits
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import initialize_layout
@@ -44,7 +48,10 @@ def _worker(rank: int, world_size: int, hf_dir: str, layout: ParallelLayout, imp
     coords = initialize_layout(layout)
     spec = model_spec_from_hf(hf_dir)
     built = build_model(spec, layout, transformer_impl=impl)
-    load_hf_weights(built, coords, hf_dir)
+    if checkpoint is None:
+        load_hf_weights(built, coords, hf_dir)
+    else:
+        load_policy_weights(checkpoint, built)
     logits = forward_logits(built, probe_tokens(spec.vocab_size))
     result: dict[str, Any] = {"logits": logits if logits is not None and coords.tp == 0 and coords.dp == 0 else None}
 
@@ -92,19 +99,20 @@ def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def verify(hf_dir: str, layout: ParallelLayout, *, tol: float = 1e-4, transformer_impl: str = "auto",
-           bucket_bytes: int = DEFAULT_BUCKET_MB << 20) -> dict[str, Any]:
-    """Run both checks and return the summary (raises LayoutError/UnsupportedModelError on bad input)."""
+           bucket_bytes: int = DEFAULT_BUCKET_MB << 20, checkpoint: str | None = None) -> dict[str, Any]:
+    """Run both checks and return the summary (raises LayoutError/UnsupportedModelError on bad input).
+    With `checkpoint`, Megatron loads that checkpoint and `hf_dir` must be its HF form (a merge of it)."""
     spec = model_spec_from_hf(hf_dir)
     world_size = layout.min_world_size()
     layout.validate(spec.dims, world_size)
     start = time.perf_counter()
-    results = run_local(_worker, world_size, hf_dir, layout, transformer_impl, bucket_bytes)
+    results = run_local(_worker, world_size, hf_dir, layout, transformer_impl, bucket_bytes, checkpoint)
     megatron_logits = next(r["logits"] for r in results if r["logits"] is not None)
     diff = (megatron_logits - reference_logits(hf_dir, probe_tokens(spec.vocab_size))).abs().max().item()
     export = results[0]["export"]
     export["ok"] = not export["mismatches"] and not export["missing"]
     summary = {
-        "model": hf_dir,
+        "model": checkpoint or hf_dir,
         "arch": spec.arch,
         "layout": layout.describe(),
         "world_size": world_size,

@@ -32,6 +32,9 @@ def _run(prog: str, argv: list[str] | None, job: Callable[[RunConfig], dict]) ->
     start = time.perf_counter()
     try:
         summary = job(cfg)
+    except ConfigError as exc:  # found at start-up, before any work (e.g. a checkpoint that does not fit)
+        print(exc, file=sys.stderr)
+        return 2
     except WorkerGroupError as exc:  # a rank died or failed: its one line, the tracebacks in a file
         print(f"{prog}: {exc} (traceback: {write_traceback(exc, cfg.trainer.output_dir)})", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+from mrl.checkpoint_dir import CheckpointDirError, locate
 from mrl.config.derived import actor_gpus, actor_world_size
 from mrl.config.schema import RunConfig
 from mrl.layout import LayoutError, ModelDims, ParallelLayout
@@ -336,8 +337,14 @@ def _check_files(cfg: RunConfig) -> list[str]:
         elif Path(path).suffix == ".parquet" and importlib.util.find_spec("pyarrow") is None:
             errors.append(f"data.{key} {path}: reading parquet needs pyarrow: pip install pyarrow (or use .jsonl).")
     resume = cfg.checkpoint.resume
-    if resume not in ("auto", "never") and not Path(resume).exists():
-        errors.append(f"checkpoint.resume {resume} not found: give a checkpoint path, 'auto' or 'never'.")
+    if resume not in ("auto", "never"):
+        if not Path(resume).exists():
+            errors.append(f"checkpoint.resume {resume} not found: give a checkpoint path, 'auto' or 'never'.")
+        else:
+            try:  # mrl's layout or Megatron-LM's, with the files each needs
+                locate(resume)
+            except CheckpointDirError as err:
+                errors.append(f"checkpoint.resume: {err}.")
     return errors
 
 

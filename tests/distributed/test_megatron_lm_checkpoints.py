@@ -1,7 +1,8 @@
 """Checkpoints written the way Megatron-LM writes them (tests/fixtures/megatron_lm.py) → mrl-merge →
 HF, bitwise, for dense and MoE models in TP2, PP2, EP2 and PP2×VPP2, torch_dist and the legacy
 per-rank torch format, with and without optimizer state; the checkpoint's dtype kept; every bad
-input one line naming the tensor or setting and the fix.
+input one line naming the tensor or setting and the fix; `mrl verify --checkpoint` loads one into
+another layout as RL does.
 
 All checkpoints are written in ONE 2-process gloo world (the layouts in turn), so the module pays
 process start-up once; merges run in this process (no process group).
@@ -119,6 +120,18 @@ def test_verify_after_merge(checkpoints, tiny_model_dir, tmp_path, capsys):
     assert rc == 0 and summary["verify"]["ok"] and summary["verify"]["max_abs_diff"] <= 1e-4, summary
 
 
+def test_mrl_verify_loads_it_into_another_layout(checkpoints, tiny_model_dir, capsys):
+    """RL's loader (load_policy_weights) reads a PP2×VPP2 Megatron-LM checkpoint into TP2: logits as
+    transformers' on the merged model, and every exported tensor bitwise the merged file's."""
+    from mrl.cli.verify import main as verify_main
+
+    rc = verify_main(["--checkpoint", str(checkpoints["llama-VPP2"]), "--hf", str(_hf("llama-VPP2", tiny_model_dir)),
+                      "--tp", "2", "--transformer-impl", "local"])
+    summary = json.loads(capsys.readouterr().out)
+    assert rc == 0 and summary["ok"], summary
+    assert summary["export"]["tensors_compared"] > 0 and not summary["export"]["mismatches"]
+
+
 # ------------------------------------------------------------------------------------- bad input
 def _fails(capsys, argv: list[str], match: str) -> str:
     rc = merge_main(argv + ["--no-progress"])
@@ -191,3 +204,24 @@ def test_verify_refuses_the_legacy_format_before_merging(checkpoints, tiny_model
     _fails(capsys, [str(checkpoints["legacy-llama-TP2"]), "--out", str(tmp_path / "o"), "--verify",
                     "--hf-config", str(tiny_model_dir("llama"))], "reads torch_dist only")
     assert not (tmp_path / "o").exists()
+
+
+def test_rl_start_is_checked_before_workers_start(checkpoints, tiny_model_dir, tmp_path):
+    """mrl train checkpoint.resume=<Megatron-LM checkpoint>: the driver's check (no worker yet)."""
+    from mrl.config import ConfigError, load_config
+    from mrl.run import check_start_checkpoint
+
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu_grpo.yaml"
+
+    def check(case: str, arch: str) -> None:
+        model = tiny_model_dir(arch)
+        cfg = load_config(recipe, [f"checkpoint.resume={checkpoints[case]}", f"model.path={model}", "model.tiny=null",
+                                   "parallel.tp=1", "parallel.ep=1", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                                   f"trainer.output_dir={tmp_path / 'run'}"])
+        check_start_checkpoint(cfg, str(model))
+
+    check("deepseek_v3-EP2", "deepseek_v3")
+    with pytest.raises(ConfigError, match="checkpoint.resume: no qwen3_moe mapping for Megatron tensor"):
+        check("deepseek_v3-EP2", "qwen3_moe")
+    with pytest.raises(ConfigError, match="legacy .* Megatron-LM checkpoint, which only mrl-merge reads"):
+        check("legacy-llama-TP2", "llama")

@@ -11,6 +11,7 @@ Three runs share one local Ray instance:
      with vLLM.
   4. PPO with a Megatron critic (GAE) on a tiny dense model in TP2.
   5. One GRPO step scored by a reward model (reward.name: reward_model), on one rank.
+  6. GRPO started from a checkpoint written the way Megatron-LM writes one (PP2, torch_dist), in TP2.
 """
 
 from __future__ import annotations
@@ -345,3 +346,40 @@ def test_a_reward_model_scores_the_rollouts(tmp_path, tiny_model_dir, tiny_rewar
     assert step["critic/score/mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
     assert (step["critic/score/min"], step["critic/score/max"]) == pytest.approx((min(expected), max(expected)), abs=1e-5)
 
+
+def _write_megatron_lm(rank: int, world: int, hf_dir: str, root: str) -> int:
+    from fixtures.megatron_lm import write_checkpoint
+    from mrl.layout import ParallelLayout
+
+    write_checkpoint(hf_dir, ParallelLayout(pp=2), root)  # with its Adam state, which RL does not take
+    return 0
+
+
+def test_rl_starts_from_a_megatron_lm_checkpoint(tmp_path, tiny_model_dir, ray_local):
+    """checkpoint.resume names a Megatron-LM checkpoint whose weights are not model.path's: the
+    policy and the KL reference start from the checkpoint's weights (model.path gives config and
+    tokenizer), in another layout than it was saved in."""
+    import torch
+    from safetensors.torch import load_file
+
+    from checkpoints_tools.merge import merge
+    from mrl.megatron.local_launch import run_local
+    from mrl.models.tiny import write_tiny_model
+    from mrl.trainer import train
+
+    other = write_tiny_model("qwen3", tmp_path / "other", seed=1)  # the same config, other weights
+    run_local(_write_megatron_lm, 2, str(other), str(tmp_path / "megatron_lm"))
+    # An Adam step of lr 1e-30 moves no fp32 weight: the step-1 checkpoint must hold the start's weights.
+    cfg = load_config(RECIPE, _overrides(tmp_path, tiny_model_dir("qwen3"), "model.tiny=null", "parallel.tp=2",
+                                         "parallel.ep=1", "trainer.total_steps=1", "checkpoint.save_every=1",
+                                         "algo.kl_coef=0.1", "optim.lr=1e-30", "optim.min_lr=0",
+                                         f"checkpoint.resume={tmp_path / 'megatron_lm'}"))
+    assert train(cfg)["resumed_from"] == 0
+    first = _metrics(tmp_path / "run")[1]
+    assert first["actor/ppo_kl"] == 0.0 and first["actor/kl_loss"] == 0.0, first  # the reference is the start too
+    merge(tmp_path / "ckpt", tmp_path / "hf", progress=False)
+    merged, started = load_file(tmp_path / "hf" / "model.safetensors"), load_file(other / "model.safetensors")
+    assert sorted(merged) == sorted(started)
+    assert all(torch.equal(merged[name], tensor) for name, tensor in started.items())
+    assert not torch.equal(merged["model.norm.weight"], load_file(tiny_model_dir("qwen3") / "model.safetensors")[
+        "model.norm.weight"])

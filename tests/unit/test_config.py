@@ -245,6 +245,12 @@ def test_missing_files(tmp_path):
         f"reward.model_path {tmp_path} has no config.json: point it at an HF model directory."]
     assert errors_of(TINY, "reward.name=mrl_nowhere_xyz.mod:score") == [
         "reward.name 'mrl_nowhere_xyz.mod:score': module 'mrl_nowhere_xyz.mod' cannot be found: check the import path / PYTHONPATH."]
+    # An existing path must be a checkpoint of mrl's layout or Megatron-LM's, complete.
+    (tmp_path / "mlm").mkdir()
+    (tmp_path / "mlm" / "latest_checkpointed_iteration.txt").write_text("100")
+    assert errors_of(TINY, f"checkpoint.resume={tmp_path / 'mlm'}") == [
+        f"checkpoint.resume: {tmp_path / 'mlm' / 'latest_checkpointed_iteration.txt'} names iter_0000100, but "
+        f"{tmp_path / 'mlm' / 'iter_0000100'} does not exist."]
 
 
 def test_reward_model_path_must_hold_a_reward_model(tmp_path):

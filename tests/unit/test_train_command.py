@@ -75,3 +75,32 @@ def test_a_failed_rank_is_one_line_and_exit_1_with_the_traceback_in_a_file(capsy
     assert err == (f"mrl train: rank 1 (pid 7 on node-a) died during update, 3.0 s in "
                    f"(traceback: {tmp_path / 'error.log'})\n")
     assert "ValueError: the remote traceback" in (tmp_path / "error.log").read_text()
+
+
+def test_a_legacy_megatron_lm_start_is_refused_before_workers_start(tmp_path, tiny_model_dir, capsys):
+    from mrl import megatron_lm_dir as mlm
+
+    legacy = tmp_path / "mlm" / "iter_0000100" / "mp_rank_00"
+    legacy.mkdir(parents=True)
+    (legacy / mlm.RANK_FILE).write_bytes(b"x")  # its contents are not read: the format alone is refused
+    (tmp_path / "mlm" / mlm.TRACKER).write_text("100")
+    code = train([RECIPE, f"checkpoint.resume={tmp_path / 'mlm'}", f"model.path={tiny_model_dir('deepseek_v3')}",
+                  "model.tiny=null", f"checkpoint.dir={tmp_path / 'ckpt'}", f"trainer.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "is a legacy (torch format) Megatron-LM checkpoint, which only mrl-merge reads: merge it" in err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_a_megatron_lm_start_is_recorded_as_its_iteration(tmp_path):
+    from mrl import megatron_lm_dir as mlm
+    from mrl.run import located_rl_start, portable_rl_start
+
+    iteration = tmp_path / "mlm" / "iter_0000100"
+    iteration.mkdir(parents=True)
+    for name in ("common.pt", ".metadata"):
+        (iteration / name).write_bytes(b"x")
+    (iteration / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (tmp_path / "mlm" / mlm.TRACKER).write_text("100")
+    recorded = portable_rl_start(str(tmp_path / "mlm"), str(tmp_path / "ckpt"))
+    assert recorded == str(iteration.resolve())  # outside the run's checkpoints: absolute, the tracker followed
+    assert located_rl_start(recorded, str(tmp_path / "ckpt" / "iter_0000010")) == recorded
