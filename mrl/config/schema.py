@@ -195,7 +195,7 @@ class CheckpointConfig:
     keep_last: int = 2
     export_hf: bool = True  # after training: merge the final checkpoint into OUTPUT_DIR/hf, evaluate it with vLLM
     async_save: bool = False
-    resume: str = "auto"  # "auto": latest in dir if any, "never", or a checkpoint path
+    resume: str = "auto"  # "auto": latest in dir if any, "never", or a checkpoint path (mrl's, or Megatron-LM's: its weights)
 
 
 @dataclass
