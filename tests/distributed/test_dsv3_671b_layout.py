@@ -14,7 +14,9 @@ Checked:
       vocabulary padding, plus the router's expert-bias buffers (a checkpoint tensor, a buffer in
       Megatron), is exactly the hand count 671,026,419,200: DeepSeek-V3's published "671B" for the
       main model (the MTP module is not part of it);
-  (b) every built rank's shard sizes, per kind of tensor, equal the hand arithmetic below.
+  (b) every built rank's shard sizes, per kind of tensor, equal the hand arithmetic below;
+  (c) `mrl plan`'s parameter list and weight, gradient-buffer and optimizer bytes of every built
+      rank equal what Megatron's own DDP and distributed optimizer make of it (on meta too).
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ def _build_ranks(ranks: tuple[int, ...], recipe: str, overrides: list[str]) -> d
     from megatron.core import parallel_state as ps
 
     from mrl.config import load_config
+    from mrl.megatron.footprint import static_footprint
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import rank_coords
     from mrl.models.registry import model_spec_from_hf
@@ -151,6 +154,8 @@ def _build_ranks(ranks: tuple[int, ...], recipe: str, overrides: list[str]) -> d
             expert_indices=[list(layer.mlp.local_expert_indices) for layer in layers
                             if hasattr(layer.mlp, "router")],
             expert_bias=sum(b.numel() for n, b in chunk.named_buffers() if n.endswith("router.expert_bias")),
+            # Megatron's DDP buffers and distributed-optimizer shards for this rank, also on meta.
+            footprint=static_footprint(built),
         )
         del built, chunk, layers
         ps.destroy_model_parallel()
@@ -263,3 +268,26 @@ def test_whole_model_is_671b(shards):
     # module and its copies of embedding and head). Our exact count agrees to 0.004%, well inside
     # the ±0.5B rounding of the published figure; 0.05B pins it to "671.0B".
     assert abs(DSV3_MAIN_MODEL_PARAMS - 671e9) < 0.05e9
+
+
+def test_plan_static_bytes_equal_megatron(shards):
+    """mrl plan's bytes per rank for the recipe: Megatron's DDP param and grad buffers (bf16, fp32,
+    padded) and its distributed optimizer's fp32 main shards plus Adam's two fp32 moments."""
+    from mrl.plan import model_shape
+    from mrl.plan.ddp import rank_static
+    from mrl.plan.params import chunk_params
+    from mrl.plan.shapes import stage_chunks
+
+    shape = model_shape(str(FIXTURE))
+    layout = ParallelLayout(tp=TP, pp=PP, ep=EP, etp=ETP, last_stage_layers=13)
+    for rank, shard in shards.items():
+        c = shard["coords"]
+        (chunk,) = stage_chunks(shape.layers, layout, c["pp"])
+        assert [(t.name, t.numel) for t in chunk_params(shape, layout, chunk, "bf16")] == [
+            (name, numel) for name, numel, *_ in shard["params"]], rank
+        plan = rank_static(shape, layout, WORLD, c["pp"], "bf16", True, c["dp"], c["edp"])
+        f = shard["footprint"]
+        assert (plan.weights, plan.grads, plan.optimizer) == (f["weight_bytes"], f["grad_bytes"], f["optimizer_bytes"]), rank
+    # docs/dsv3.md's middle stage: 12.3 GB weights, 24.5 GB gradients, 69.1 GB optimizer state.
+    f = shards[45]["footprint"]
+    assert [round(f[k] / 1e8) for k in ("weight_bytes", "grad_bytes", "optimizer_bytes")] == [123, 245, 691]

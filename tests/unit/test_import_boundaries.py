@@ -41,8 +41,9 @@ def test_only_allowed_packages_import(package):
     assert not offenders, f"{package} imported outside {MAY_IMPORT[package]}: {offenders}"
 
 
-# Algorithm math, rewards, data, config and quantisation formats are pure: they must not pull in a framework at all.
-PURE_PACKAGES = ("mrl/algo", "mrl/rewards", "mrl/data", "mrl/config", "mrl/quant")
+# Algorithm math, rewards, data, config, quantisation formats and the memory plan are pure: they must
+# not pull in a framework at all.
+PURE_PACKAGES = ("mrl/algo", "mrl/rewards", "mrl/data", "mrl/config", "mrl/quant", "mrl/plan")
 
 
 @pytest.mark.parametrize("package", PURE_PACKAGES)

@@ -1,0 +1,97 @@
+"""What Megatron itself allocates for one rank's model state, found without allocating it.
+
+The model is built on the meta device (no memory), wrapped in megatron-core's own
+DistributedDataParallel, and handed to the distributed optimizer's own sharding (the classmethods
+DistributedOptimizer uses in its constructor), all under a torch function mode that puts every
+tensor megatron creates on the meta device. What comes back is read off Megatron's objects: the
+param and grad buffers' sizes and the fp32 main-parameter shards it made. mrl.plan computes the
+same numbers from its own rules; tests/distributed/test_plan_static.py holds the two equal,
+up to DeepSeek-V3 671B.
+
+The optimizer is not constructed as a whole: its constructor wants gloo process groups, which a
+fake (peer-less) world cannot create, and Adam creates its moments at the first step, which meta
+tensors cannot take. They are counted as two fp32 tensors the size of each optimized parameter
+shard (torch's and TE's Adam: exp_avg, exp_avg_sq); test_plan_static.py checks that on a real CPU
+build after a step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from mrl.megatron.model import BuiltModel
+
+# What Megatron's distributed optimizer accepts (it checks `param.type()`; meta tensors report
+# "torch.meta....", which it would refuse).
+ADAM_MOMENT_BYTES = 2 * 4  # exp_avg and exp_avg_sq, fp32, per optimized element
+_CUDA_TYPE = {torch.bfloat16: "torch.cuda.BFloat16Tensor", torch.float16: "torch.cuda.HalfTensor",
+              torch.float32: "torch.cuda.FloatTensor"}
+
+
+class _OnMeta(TorchFunctionMode):
+    """Every factory call with a device lands on meta; meta tensors report a CUDA tensor type."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and func is not torch.Tensor.to:
+            kwargs["device"] = "meta"
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "meta":
+            return _CUDA_TYPE[args[0].dtype]
+        return func(*args, **kwargs)
+
+
+def static_footprint(built: BuiltModel) -> dict[str, Any]:
+    """Megatron's DDP buffers and distributed-optimizer main shards for `built` (built on meta,
+    Megatron's process groups initialised), with mrl's DDP settings (make_trainable).
+
+    Returns {"buffers": [{param_dtype, grad_dtype, expert, dp, numel, numel_unpadded}],
+    "weight_bytes", "grad_bytes", "main_param_bytes", "optimized_elements", "optimizer_bytes"}: the
+    parameter and gradient buffers, the fp32 main copies this DP rank keeps, the parameter elements
+    whose Adam moments it keeps, and main copies plus moments.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    model_config = built.chunks[0].config
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    optimizer_config = OptimizerConfig(optimizer="adam", bf16=model_config.bf16, params_dtype=model_config.params_dtype,
+                                       use_distributed_optimizer=True)
+    result = dict(buffers=[], weight_bytes=0, grad_bytes=0, main_param_bytes=0, optimized_elements=0)
+    with _OnMeta():
+        chunks = [DistributedDataParallel(model_config, ddp_config, chunk, disable_bucketing=index > 0)
+                  for index, chunk in enumerate(built.chunks)]
+        # get_megatron_optimizer builds one DistributedOptimizer over every chunk's dense buffers
+        # and one over the expert buffers; each shards its buffers independently.
+        for kind in ("buffers", "expert_parallel_buffers"):
+            buffers = [b for chunk in chunks for b in getattr(chunk, kind)]
+            for b in buffers:
+                result["buffers"].append(dict(param_dtype=str(b.param_dtype), grad_dtype=str(b.grad_dtype),
+                                              expert=kind != "buffers", dp=b.data_parallel_world_size,
+                                              numel=b.numel, numel_unpadded=b.numel_unpadded))
+                result["weight_bytes"] += b.param_data.numel() * b.param_data.element_size()
+                result["grad_bytes"] += b.grad_data.numel() * b.grad_data.element_size()
+            if buffers:
+                main, optimized = _main_shards(DistributedOptimizer, buffers, optimizer_config)
+                result["main_param_bytes"] += main
+                result["optimized_elements"] += optimized
+    result["optimizer_bytes"] = result["main_param_bytes"] + ADAM_MOMENT_BYTES * result["optimized_elements"]
+    return result
+
+
+def _main_shards(optimizer_class: Any, buffers: list, config: Any) -> tuple[int, int]:
+    """DistributedOptimizer.__init__'s sharding: (bytes of the fp32 main copies it makes, elements
+    it optimizes: those copies plus the slices of fp32 parameters, which are their own main copy)."""
+    gbuf_ranges = [optimizer_class._build_gbuf_range_map(b) for b in buffers]
+    param_gbuf_map = optimizer_class._build_model_param_gbuf_map(gbuf_ranges)
+    params = [p for b in buffers for p in b.params]
+    _, group_ranges = optimizer_class._build_optimizer_group_ranges([{"params": params}], gbuf_ranges)
+    _, _, _, shard_fp32, shard_main = optimizer_class._build_model_and_main_param_groups(
+        gbuf_ranges, param_gbuf_map, group_ranges, config)
+    main = [t for group in shard_main for t in group]
+    fp32 = [t for group in shard_fp32 for t in group]
+    return (sum(t.numel() * t.element_size() for t in main), sum(t.numel() for t in main + fp32))
+
