@@ -95,3 +95,74 @@ def _main_shards(optimizer_class: Any, buffers: list, config: Any) -> tuple[int,
     fp32 = [t for group in shard_fp32 for t in group]
     return (sum(t.numel() * t.element_size() for t in main), sum(t.numel() for t in main + fp32))
 
+
+class SavedTensorMeter:
+    """Live bytes of the tensors autograd holds for backward, and their peak: activation memory,
+    measured where no allocator statistics exist (CPU).
+
+    A context manager around forward and backward passes (torch.autograd.graph.saved_tensors_hooks).
+    Each storage counts once however many ops save a view of it; parameters and buffers in
+    `exclude` are not activations and do not count. A saved storage stays alive until the backward
+    pass has unpacked every save of it (autograd frees it then), so the meter subtracts it at its
+    last unpack; `peak` is the most held at once (with a pipeline schedule: all in-flight micro-batches).
+    """
+
+    def __init__(self, exclude: list[torch.Tensor]):
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._saves: dict[int, int] = {}  # storage pointer → saves not yet unpacked
+        self._sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> tuple[int | None, torch.Tensor]:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._exclude or storage.nbytes() == 0:
+            return None, tensor
+        if key not in self._saves:
+            self._saves[key], self._sizes[key] = 0, storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self._saves[key] += 1
+        return key, tensor
+
+    def _unpack(self, packed: tuple[int | None, torch.Tensor]) -> torch.Tensor:
+        key, tensor = packed
+        if key is not None and key in self._saves:
+            self._saves[key] -= 1
+            if self._saves[key] == 0:
+                del self._saves[key]
+                self.live -= self._sizes.pop(key)
+        return tensor
+
+    def __enter__(self) -> "SavedTensorMeter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def activation_peak(built: BuiltModel, micro_batches: list[dict], loss_fn) -> int:
+    """Peak bytes autograd holds for backward while Megatron's pipeline schedule runs one forward
+    and backward pass over `micro_batches` (equal-shaped dicts with "tokens" [b, s]) with
+    `loss_fn(output, micro_batch) -> (loss, metrics)`. No optimizer step (it saves nothing for
+    backward, and megatron-core refuses bf16 parameters on a CPU)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    size, seq = micro_batches[0]["tokens"].shape
+    positions = torch.arange(seq).unsqueeze(0)
+
+    def forward_step(iterator, model):
+        micro = next(iterator)
+        return model(micro["tokens"], positions, None), lambda output: loss_fn(output, micro)
+
+    chunks = built.chunks
+    state = [t for chunk in chunks for t in (*chunk.parameters(), *chunk.buffers())]
+    iterators = [iter(micro_batches) for _ in chunks]  # every virtual chunk walks the micro-batches
+    with SavedTensorMeter(exclude=state) as meter:
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(micro_batches),
+            seq_length=seq, micro_batch_size=size, forward_only=False)
+    return meter.peak
