@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "verify": ("mrl.cli.verify", "check HF ⇄ Megatron parity (logits and bitwise export) in a layout"),
     "tiny-model": ("mrl.models.tiny", "write a tiny random HF model of a supported architecture"),
     "config": ("mrl.cli.config", "validate a run config (recipe + overrides) and print it resolved"),
+    "plan": ("mrl.cli.plan", "memory per GPU of a recipe (actor, critic, rollout engine); --search: layouts that fit"),
     "convert": ("mrl.cli.convert", "HF (FP8 too) → an mrl checkpoint in a layout (hf-to-mcore); FP8 → dequantised HF (fp8-to-hf)"),
     "train": ("mrl.cli.train:train", "RL training (SFT warm start when trainer.sft_steps > 0) from a recipe"),
     "sft": ("mrl.cli.train:sft", "supervised fine-tuning only, ending in a checkpoint"),

@@ -1,9 +1,13 @@
-"""`mrl plan`: per-GPU memory of a recipe, computed from Megatron's and vLLM's own rules.
+"""`mrl plan`: per-GPU memory of a recipe (actor and critic per pipeline stage, rollout engine),
+computed from Megatron's and vLLM's own rules and checked against meta-device builds and measured
+activations; and a search over layouts that fit.
 
 shapes (model sizes, pipeline chunks) → params (each rank's tensors) → ddp (buffers, optimizer
-shards).
+shards) and activations (saved tensors) and rollout (engine) → memory (phases, verdict) →
+search, report.
 """
 
+from mrl.plan.memory import Plan, Run, plan
 from mrl.plan.shapes import ModelShape, PlanError, model_shape
 
-__all__ = ["ModelShape", "PlanError", "model_shape"]
+__all__ = ["ModelShape", "Plan", "PlanError", "Run", "model_shape", "plan"]

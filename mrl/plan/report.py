@@ -1,0 +1,118 @@
+"""A Plan as a text table (one row per group of identical pipeline stages) or as plain data (JSON)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mrl.plan.memory import Plan, StagePlan
+
+GB = 10**9
+
+
+def gb(value: int) -> str:
+    """GB with one decimal, or three significant digits below 10 GB (tiny models)."""
+    value /= GB
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}"
+
+
+def verdict(free: int) -> str:
+    return f"fits ({gb(free)} GB free)" if free >= 0 else f"short by {gb(-free)} GB"
+
+
+def _groups(stages: list[StagePlan]) -> list[list[StagePlan]]:
+    """Runs of consecutive stages with the same memory (a pipeline's middle stages, usually)."""
+    groups: list[list[StagePlan]] = []
+    for stage in stages:
+        key = (stage.state, stage.update, stage.engine, stage.in_flight)
+        if groups and (groups[-1][0].state, groups[-1][0].update, groups[-1][0].engine, groups[-1][0].in_flight) == key:
+            groups[-1].append(stage)
+        else:
+            groups.append([stage])
+    return groups
+
+
+def _layers(stage: StagePlan) -> str:
+    if not stage.layers:
+        return "-"
+    return f"{stage.layers[0]}-{stage.layers[-1]}" if len(stage.layers) > 1 else str(stage.layers[0])
+
+
+def header(plan: Plan) -> list[str]:
+    run, layout = plan.run, plan.run.layout
+    mb = run.micro
+    split = f" (last stage {layout.last_stage_layers} layers)" if layout.last_stage_layers else ""
+    return [
+        f"layout {layout.describe()}{split} · DP {run.dp} · expert-DP {run.expert_dp} on {run.world} actor GPUs "
+        f"({run.gpus} in all) of {gb(plan.gpu_bytes)} GB; {run.dtype} weights, fp32 gradient buffers, "
+        f"{'distributed' if run.distributed_optimizer else 'replicated'} Adam",
+        f"update micro-batch: {mb.size} × {mb.seq} tokens, {run.micro_batches} per DP rank and step; "
+        f"rollout: one TP{run.engine_tp} engine, {'colocated' if run.colocated else 'on its own GPUs'}",
+        "GB per GPU (10^9 bytes); train: the update, engine asleep; generate: the engine awake beside the "
+        "actor's state",
+    ]
+
+
+def table(plan: Plan) -> str:
+    """The per-GPU table: each item, both phases, the verdict."""
+    state = list(dict.fromkeys(k for s in plan.stages for k in s.state))
+    update = list(dict.fromkeys(k for s in plan.stages for k in s.update))
+    engine = any(s.engine for s in plan.stages)
+    columns = (["stage", "layers"] + state + update + ["in flight"] + (["engine"] if engine else [])
+               + ["train", "generate", "verdict"])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for group in _groups(plan.stages):
+        s = group[0]
+        label = str(s.stage) if len(group) == 1 else f"{s.stage}-{group[-1].stage}"
+        cells = [label, ", ".join(_layers(g) for g in group)]
+        cells += [gb(s.state[k]) if k in s.state else "-" for k in state]
+        cells += [gb(s.update[k]) if k in s.update else "-" for k in update]
+        cells.append(str(s.in_flight))
+        cells += [gb(s.engine)] if engine else []
+        cells += [gb(s.train_bytes), gb(s.generate_bytes) if s.engine else "-", verdict(plan.gpu_bytes - s.peak)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def engine_lines(plan: Plan) -> list[str]:
+    e = plan.engine
+    quant = f", {plan.run.quantization} weights" if plan.run.quantization else ""
+    line = (f"rollout engine TP{e.tp} ({plan.run.engine_dtype}{quant}): weights {gb(e.weights)} GB per GPU, "
+            f"KV cache {e.kv_per_token:,} B per token; budget {plan.run.gpu_memory_utilization} × "
+            f"{gb(plan.gpu_bytes)} GB = {gb(e.budget)} GB")
+    if e.kv_space <= 0:
+        return [line, f"  does not fit: its weights exceed the budget by {gb(-e.kv_space)} GB"]
+    needed = e.kv_per_token * e.max_model_len
+    if not e.fits:
+        return [line, f"  does not fit: {gb(e.kv_space)} GB left for KV, one {e.max_model_len}-token sequence needs {gb(needed)} GB"]
+    return [line, f"  fits: {gb(e.kv_space)} GB for KV holds at most {e.concurrent_sequences} full-length sequences at "
+                  f"once of the step's {e.sequences}"]
+
+
+def render(plan: Plan) -> str:
+    lines = header(plan) + ["", table(plan), ""] + engine_lines(plan)
+    lines += [f"problem: {p}" for p in plan.run.problems]
+    if not plan.fits:
+        lines.append("verdict: does not fit")
+    else:
+        lines.append("verdict: fits" + (", but the update refuses the batch (see problem)" if plan.run.problems else ""))
+    return "\n".join(lines)
+
+
+def to_dict(plan: Plan) -> dict[str, Any]:
+    run, layout, e = plan.run, plan.run.layout, plan.engine
+    return {
+        "fits": plan.fits,
+        "gpu_bytes": plan.gpu_bytes,
+        "layout": dict(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.expert_tp, vpp=layout.vpp,
+                       first_stage_layers=layout.first_stage_layers, last_stage_layers=layout.last_stage_layers,
+                       dp=run.dp, expert_dp=run.expert_dp, world=run.world, gpus=run.gpus),
+        "micro_batch": dict(size=run.micro.size, seq=run.micro.seq, per_step=run.micro_batches),
+        "stages": [dict(stage=s.stage, layers=s.layers, ranks=s.ranks, in_flight=s.in_flight, state=s.state,
+                        update=s.update, engine=s.engine, train_bytes=s.train_bytes, generate_bytes=s.generate_bytes,
+                        peak=s.peak,
+                        free=plan.gpu_bytes - s.peak, fits=s.peak <= plan.gpu_bytes) for s in plan.stages],
+        "engine": dict(tp=e.tp, weights=e.weights, kv_bytes_per_token=e.kv_per_token, budget=e.budget,
+                       kv_space=e.kv_space, concurrent_sequences=e.concurrent_sequences, sequences=e.sequences,
+                       fits=e.fits, dtype=run.engine_dtype, quantization=run.quantization),
+        "problems": list(run.problems),
+    }

@@ -1,0 +1,176 @@
+"""mrl plan's rules, each against a hand-derived case; the CLI's verdicts, JSON and errors.
+
+The exact agreement with what Megatron allocates is in tests/distributed/test_plan_static.py (meta
+builds) and test_dsv3_671b_layout.py; the activations are checked against measured CPU runs in
+tests/distributed/test_plan_activations.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from mrl.cli.plan import main as plan_main
+from mrl.config import load_config
+from mrl.layout import ParallelLayout
+from mrl.plan import PlanError, Run, model_shape, plan
+from mrl.plan.activations import in_flight
+from mrl.plan.ddp import _layout, buffers, static_bytes
+from mrl.plan.params import ParamTensor, chunk_params
+from mrl.plan.rollout import engine_parameters, engine_weight_bytes, kv_bytes_per_token
+from mrl.plan.search import bubble, search
+from mrl.plan.shapes import stage_chunks, stage_layer_counts
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = str(ROOT / "configs" / "dsv3_671b_grpo.yaml")
+FIXTURE = str(ROOT / "tests" / "fixtures" / "deepseek_v3_671b")
+TINY = str(ROOT / "configs" / "tiny_cpu_grpo.yaml")
+GB = 10**9
+
+
+@pytest.fixture(scope="module")
+def dsv3():
+    cfg = load_config(RECIPE, [f"model.path={FIXTURE}"], check_files=False)
+    return cfg, model_shape(cfg.model.path)
+
+
+def test_buffer_pads_like_megatron():
+    """Reverse order; starts at multiples of 64; a shared embedding closes a bucket ending at a
+    multiple of lcm(DP, 128); DP rank r owns the r-th half of each bucket."""
+    params = [ParamTensor("p0", 100, "bf16"), ParamTensor("p1", 30, "bf16", shared_embedding=True)]
+    b = _layout(params, "bf16", "fp32", False, 2, distributed=True)
+    assert b.ranges == ((0, 30), (128, 228)) and b.buckets == ((0, 128), (128, 256))
+    assert (b.numel, b.owned(0), b.owned(1)) == (256, 30 + 64, 36)
+    plain = _layout(params, "bf16", "fp32", False, 2, distributed=False)
+    assert (plain.numel, plain.owned(0), plain.owned(1)) == (130, 130, 130)  # every rank keeps all
+
+
+def test_dp_ranks_own_every_element_once():
+    rng = random.Random(0)
+    for dp in (1, 3, 4, 8):
+        params = [ParamTensor(str(i), rng.randint(1, 5000), rng.choice(["bf16", "fp32"]),
+                              shared_embedding=i in (0, 40)) for i in range(60)]
+        for b in buffers(params, dp, 1, distributed=True):
+            assert sum(b.owned(r) for r in range(dp)) == b.param_numel
+            assert b.numel % dp == 0 and b.max_owned() <= b.numel // dp
+
+
+def test_static_bytes_per_element():
+    bf16 = _layout([ParamTensor("w", 1024, "bf16")], "bf16", "fp32", False, 4, distributed=True)
+    fp32 = _layout([ParamTensor("n", 128, "fp32")], "fp32", "fp32", False, 4, distributed=True)
+    # bf16: 2 B weight, 4 B fp32 grad, owned quarter × (fp32 main 4 + Adam 8); fp32: no main copy.
+    assert static_bytes([bf16, fp32]) == type(static_bytes([bf16]))(1024 * 2 + 128 * 4, (1024 + 128) * 4,
+                                                                    256 * 12 + 32 * 8)
+    assert static_bytes([bf16], optimizer_on_gpu=0.25).optimizer == 256 * 12 // 4
+
+
+def test_pipeline_chunks():
+    assert stage_layer_counts(61, ParallelLayout(pp=4, last_stage_layers=13)) == [16, 16, 16, 13]
+    assert stage_layer_counts(10, ParallelLayout(pp=3, first_stage_layers=2)) == [2, 4, 4]
+    interleaved = ParallelLayout(pp=2, vpp=2)
+    assert [c.layers for c in stage_chunks(8, interleaved, 0)] == [(0, 1), (4, 5)]
+    first, last = stage_chunks(8, interleaved, 0), stage_chunks(8, interleaved, 1)
+    assert [(c.embedding, c.head) for c in first + last] == [(True, False), (False, False), (False, False), (False, True)]
+
+
+def test_micro_batches_in_flight():
+    pp4 = ParallelLayout(pp=4)
+    assert [len(in_flight(pp4, s, 8)) for s in range(4)] == [4, 3, 2, 1]
+    assert len(in_flight(pp4, 0, 2)) == 2  # fewer micro-batches than stages
+    # Interleaved PP2×VPP2, 4 micro-batches: stage 0 warms up 2·1 + 1·2 = 4 forwards, then a 5th,
+    # in the schedule table's order (two micro-batches of chunk 0, two of chunk 1, ...).
+    assert in_flight(ParallelLayout(pp=2, vpp=2), 0, 4) == [0, 0, 1, 1, 0]
+    assert in_flight(ParallelLayout(), 0, 8) == [0]
+
+
+def test_671b_stage_parameters(dsv3):
+    """Per-rank parameter counts of the recipe's stages: the hand arithmetic of
+    tests/distributed/test_dsv3_671b_layout.py (RANK_PARAMS, RANK_EXPERT_PARAMS)."""
+    cfg, shape = dsv3
+    layout = Run.of(cfg, shape).layout
+    expected = {0: (5_315_231_744, 13), 1: (6_129_057_792, 16), 2: (6_129_057_792, 16), 3: (5_096_389_632, 13)}
+    for stage, (params, moe_layers) in expected.items():
+        (chunk,) = stage_chunks(shape.layers, layout, stage)
+        tensors = chunk_params(shape, layout, chunk, "bf16")
+        assert sum(t.numel for t in tensors) == params, stage
+        assert sum(t.numel for t in tensors if t.expert) == moe_layers * 352_321_536, stage
+
+
+def test_671b_engine(dsv3):
+    _, shape = dsv3
+    one = engine_parameters(shape, 1)
+    # TP1 holds the whole main model (the vocabulary 129,280 needs no padding to 64) plus MLA's
+    # bf16 copy of each kv up-projection.
+    assert one.linear + one.other == 671_026_419_200
+    assert one.mla_copy == 61 * 512 * 128 * (128 + 128)
+    assert kv_bytes_per_token(shape, 16, "bfloat16") == 61 * (512 + 64) * 2
+    bf16, fp8 = (engine_weight_bytes(shape, 16, "bfloat16", q) for q in (None, "fp8"))
+    assert 1.3e12 / 16 < bf16 < 1.4e12 / 16 and 0.66e12 / 16 < fp8 < 0.7e12 / 16
+    with pytest.raises(PlanError, match="rollout.quantization 'int4'"):
+        engine_weight_bytes(shape, 16, "bfloat16", "int4")
+
+
+def test_671b_recipe_does_not_fit(dsv3):
+    cfg, shape = dsv3
+    p = plan(shape, Run.of(cfg, shape), 80 * GB)
+    assert not p.fits and not p.engine.fits
+    middle = p.stages[1]
+    # docs/dsv3.md's arithmetic, 6·N + 12·(N_dense/4 + N_expert), give or take Megatron's padding.
+    assert abs(sum(middle.state.values()) - 105.9e9) < 0.1e9
+    assert middle.in_flight == 3 and p.stages[0].in_flight == 4 and p.stages[3].in_flight == 1
+    assert "loss working set" in p.stages[3].update and "loss working set" not in middle.update
+    assert any("max_tokens_per_micro_batch 16384" in problem for problem in p.run.problems)
+    fixed = Run.of(load_config(RECIPE, [f"model.path={FIXTURE}", "optim.max_tokens_per_micro_batch=34816"],
+                               check_files=False), shape)
+    assert fixed.problems == () and fixed.micro.size == 1
+
+
+def test_plan_refuses_bad_input(dsv3):
+    cfg, shape = dsv3
+    with pytest.raises(PlanError, match=r"TP8×PP8×EP16×ETP1 on 128 actor GPUs: .*leave 48 for 7 other stage"):
+        Run.of(load_config(RECIPE, [f"model.path={FIXTURE}", "parallel.pp=8", "parallel.ep=16"], check_files=False),
+               shape)
+    with pytest.raises(PlanError, match="give the cluster's size with --gpus"):
+        Run.of(load_config(TINY, [], check_files=False), model_shape("", "deepseek_v3"))
+    # The config's own layout is checked by load_config; the search plans layouts it did not check.
+    split = Run.of(replace(cfg, data=replace(cfg.data, batch_size=3),
+                           rollout=replace(cfg.rollout, n_samples_per_prompt=3)), shape)
+    assert "9 sequences do not split over DP 4" in split.split_problems[0]
+
+
+def test_cli(capsys, tmp_path):
+    assert plan_main([RECIPE, f"model.path={FIXTURE}"]) == 1
+    out = capsys.readouterr().out
+    assert "short by" in out and "verdict: does not fit" in out and "does not fit: its weights exceed" in out
+    assert plan_main([RECIPE, f"model.path={FIXTURE}", "--json", "--gpu-memory-gb", "1000",
+                      "optim.max_tokens_per_micro_batch=34816", "rollout.quantization=fp8"]) == 2  # no such key yet
+    assert "unknown key 'rollout.quantization'" in capsys.readouterr().err
+    assert plan_main([RECIPE, f"model.path={FIXTURE}", "--json", "--gpu-memory-gb", "1000",
+                      "optim.max_tokens_per_micro_batch=34816"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["fits"] and [s["stage"] for s in result["stages"]] == [0, 1, 2, 3]
+    assert result["stages"][1]["peak"] == max(result["stages"][1]["train_bytes"], result["stages"][1]["generate_bytes"])
+    for argv, message in (([RECIPE, f"model.path={tmp_path}"], "config.json not found"),
+                          ([RECIPE, f"model.path={FIXTURE}", "--gpus", "0"], "--gpus must be >= 1"),
+                          ([TINY], "--gpus N")):
+        assert plan_main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_search_ranks_fitting_layouts():
+    cfg = load_config(TINY, ["launch.gpus_per_node=8"], check_files=False)
+    shape = model_shape("", "deepseek_v3")
+    result = search(cfg, shape, 8, int(0.06 * GB))
+    assert result.fits and result.rejected
+    keys = [(bubble(p), -p.run.dp, -p.margin) for p in result.fits]
+    assert keys == sorted(keys)
+    assert all(s.peak <= p.gpu_bytes for p in result.fits for s in p.stages)
+    memory = [r for r in result.rejected if r.shortfall is not None]
+    assert memory and all(r.reason.startswith("stage ") for r in memory)
+    tried = {p.run.layout for p in result.fits} | {r.layout for r in result.rejected}
+    assert ParallelLayout(tp=2, ep=2, etp=1) in tried and ParallelLayout(tp=2, ep=2, etp=2) in tried
