@@ -102,38 +102,36 @@ class SavedTensorMeter:
 
     A context manager around forward and backward passes (torch.autograd.graph.saved_tensors_hooks).
     Each storage counts once however many ops save a view of it; parameters and buffers in
-    `exclude` are not activations and do not count. A saved storage stays alive until the backward
-    pass has unpacked every save of it (autograd frees it then), so the meter subtracts it at its
-    last unpack; `peak` is the most held at once (with a pipeline schedule: all in-flight micro-batches).
+    `exclude` are not activations and do not count. A save lasts as long as autograd keeps its
+    packed handle: until the backward pass has used it, or the graph is freed (some saves, such
+    as the router's indices, are never read back), so `peak` is the most held at once (with a
+    pipeline schedule: all in-flight micro-batches).
     """
 
     def __init__(self, exclude: list[torch.Tensor]):
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self._saves: dict[int, int] = {}  # storage pointer → saves not yet unpacked
+        self._saves: dict[int, int] = {}  # storage pointer → handles alive
         self._sizes: dict[int, int] = {}
         self.live = self.peak = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda handle: handle.tensor)
 
-    def _pack(self, tensor: torch.Tensor) -> tuple[int | None, torch.Tensor]:
+    def _pack(self, tensor: torch.Tensor) -> "_Saved":
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key in self._exclude or storage.nbytes() == 0:
-            return None, tensor
+            return _Saved(tensor, None, None)
         if key not in self._saves:
             self._saves[key], self._sizes[key] = 0, storage.nbytes()
             self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)
         self._saves[key] += 1
-        return key, tensor
+        return _Saved(tensor, key, self)
 
-    def _unpack(self, packed: tuple[int | None, torch.Tensor]) -> torch.Tensor:
-        key, tensor = packed
-        if key is not None and key in self._saves:
-            self._saves[key] -= 1
-            if self._saves[key] == 0:
-                del self._saves[key]
-                self.live -= self._sizes.pop(key)
-        return tensor
+    def _release(self, key: int) -> None:
+        self._saves[key] -= 1
+        if self._saves[key] == 0:
+            del self._saves[key]
+            self.live -= self._sizes.pop(key)
 
     def __enter__(self) -> "SavedTensorMeter":
         self._hooks.__enter__()
@@ -141,6 +139,19 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+class _Saved:
+    """Autograd's packed form of one saved tensor; the meter counts it until autograd drops it."""
+
+    __slots__ = ("tensor", "key", "meter")
+
+    def __init__(self, tensor: torch.Tensor, key: int | None, meter: SavedTensorMeter | None):
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self) -> None:
+        if self.meter is not None:
+            self.meter._release(self.key)
 
 
 def activation_peak(built: BuiltModel, micro_batches: list[dict], loss_fn) -> int:
