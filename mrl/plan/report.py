@@ -88,8 +88,23 @@ def engine_lines(plan: Plan) -> list[str]:
                   f"once of the step's {e.sequences}"]
 
 
+def notes(plan: Plan) -> list[str]:
+    """What the numbers assume, where a reader could assume otherwise."""
+    run, lines = plan.run, []
+    if run.colocated and run.engine_tp < run.world:
+        lines.append(f"note: the engine occupies {run.engine_tp} of the {run.world} GPUs; which ones is Ray's choice, "
+                     "so every stage's generate column assumes it may be one of them.")
+    if run.transformer_impl != "local":
+        lines.append(f"note: model.transformer_impl {run.transformer_impl!r}: the activations are those of Megatron's "
+                     "local layer spec (measured on CPU); Transformer Engine's fused layers save different tensors.")
+    if plan.shape.moe:
+        lines.append("note: routed-expert activations assume balanced routing; an imbalanced step holds more on "
+                     "some ranks.")
+    return lines
+
+
 def render(plan: Plan) -> str:
-    lines = header(plan) + ["", table(plan), ""] + engine_lines(plan)
+    lines = header(plan) + ["", table(plan), ""] + engine_lines(plan) + notes(plan)
     lines += [f"problem: {p}" for p in plan.run.problems]
     if not plan.fits:
         lines.append("verdict: does not fit")
