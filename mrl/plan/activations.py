@@ -19,7 +19,8 @@ copies of q, k, v and the s×s probabilities).
 Pipeline (1F1B, megatron/core/pipeline_parallel/schedules.py get_pp_rank_microbatches): stage p
 runs PP-p-1 warm-up forwards, so PP-p micro-batches are in flight at its peak (interleaved: the
 first 2(PP-p-1)+(VPP-1)·PP+1 entries of the schedule table). The schedule also keeps each
-in-flight micro-batch's received input and sent output (deallocate_pipeline_outputs is off).
+in-flight micro-batch's received input and sent output (deallocate_pipeline_outputs is off; these
+are not saved tensors, so the CPU measurement does not see them).
 """
 
 from __future__ import annotations

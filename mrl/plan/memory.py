@@ -199,15 +199,19 @@ def engine_plan(shape: ModelShape, cfg: RunConfig, tp: int, gpu_bytes: int) -> E
     """The rollout engine of `cfg` at tensor-parallel size `tp` (rollout.quantization when the
     schema has it: fp8 weights)."""
     r = cfg.rollout
-    return EnginePlan(tp, engine_weight_bytes(shape, tp, r.dtype, getattr(r, "quantization", None)),
-                      kv_bytes_per_token(shape, tp, r.dtype), int(r.gpu_memory_utilization * gpu_bytes),
-                      r.max_model_len, cfg.data.batch_size * r.n_samples_per_prompt)
+    return _engine(shape, tp, r.dtype, getattr(r, "quantization", None), r.gpu_memory_utilization, r.max_model_len,
+                   cfg.data.batch_size * r.n_samples_per_prompt, gpu_bytes)
+
+
+def _engine(shape: ModelShape, tp: int, dtype: str, quantization: str | None, utilization: float,
+            max_model_len: int, sequences: int, gpu_bytes: int) -> EnginePlan:
+    return EnginePlan(tp, engine_weight_bytes(shape, tp, dtype, quantization), kv_bytes_per_token(shape, tp, dtype),
+                      int(utilization * gpu_bytes), max_model_len, sequences)
 
 
 def plan(shape: ModelShape, run: Run, gpu_bytes: int) -> Plan:
-    engine = EnginePlan(run.engine_tp, engine_weight_bytes(shape, run.engine_tp, run.engine_dtype, run.quantization),
-                        kv_bytes_per_token(shape, run.engine_tp, run.engine_dtype),
-                        int(run.gpu_memory_utilization * gpu_bytes), run.max_model_len, run.sequences)
+    engine = _engine(shape, run.engine_tp, run.engine_dtype, run.quantization, run.gpu_memory_utilization,
+                     run.max_model_len, run.sequences, gpu_bytes)
     stages = [_stage(shape, run, stage, engine) for stage in range(run.layout.pp)]
     return Plan(run, shape, gpu_bytes, stages, engine)
 
