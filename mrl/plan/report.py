@@ -47,8 +47,8 @@ def header(plan: Plan) -> list[str]:
         f"{'distributed' if run.distributed_optimizer else 'replicated'} Adam",
         f"update micro-batch: {mb.size} × {mb.seq} tokens, {run.micro_batches} per DP rank and step; "
         f"rollout: one TP{run.engine_tp} engine, {'colocated' if run.colocated else 'on its own GPUs'}",
-        "GB per GPU (10^9 bytes); train: the update, engine asleep; generate: the engine awake beside the "
-        "actor's state",
+        "GB per GPU (10^9 bytes); " + ("train: the update, engine asleep; generate: the engine awake beside the "
+                                       "actor's state" if run.colocated else "the engine runs on its own GPUs"),
     ]
 
 
