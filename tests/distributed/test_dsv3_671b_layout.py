@@ -123,12 +123,16 @@ def _build_ranks(ranks: tuple[int, ...], recipe: str, overrides: list[str]) -> d
     from mrl.models.registry import model_spec_from_hf
 
     megatron_patches.apply()
-    cfg = load_config(recipe, overrides)
+    # The fixture is the FP8 release's config.json, which the config check refuses as a model to
+    # train from (the engine would load it quantised); only its sizes matter here, and the layout is
+    # validated against them below.
+    cfg = load_config(recipe, overrides, check_files=False)
     p = cfg.parallel
     layout = ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
                             first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
     spec = model_spec_from_hf(cfg.model.path)
     world = cfg.launch.num_nodes * cfg.launch.gpus_per_node
+    layout.validate(spec.dims, world)
     results = {}
     for rank in ranks:
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
