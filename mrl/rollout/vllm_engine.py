@@ -61,6 +61,27 @@ def _finish_reload(worker: Any) -> list[str]:
     return sorted(name for name, _ in model.named_parameters() if name not in derived)
 
 
+def _parameter_metadata(worker: Any) -> dict:
+    """This worker's parameters in checkpoint format (the shapes `load_weights` writes, before
+    post-processing such as CPU GEMM packing empties them), its TP rank, and which parameters are
+    derived from siblings after loading (MLA's W_UK_T/W_UV) rather than loaded."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    model = _model(worker)
+    params = {}
+    for name, param in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        restore = get_layerwise_info(module).restore_metadata[0]
+        meta = restore.get(leaf, param)
+        params[name] = {"shape": list(meta.shape), "dtype": str(meta.dtype).removeprefix("torch."),
+                        "derived": is_deferred_attention_layer(module)}
+    return {"params": params, "tp_rank": get_tensor_model_parallel_rank(),
+            "tp_size": get_tensor_model_parallel_world_size()}
+
+
 def _bind_cpu_workers(workers: int) -> None:
     """vLLM-CPU binds each TP worker's threads to a NUMA node and refuses more workers than nodes;
     on a single-node machine give each worker its own share of this process's cores instead."""
@@ -222,6 +243,10 @@ class VLLMEngine:
         self._report.not_updated = [p for p in params if p not in self._loaded]
         self.weight_version += 1
         return self._report
+
+    def parameter_metadata(self) -> list[dict]:
+        """Per TP worker: its parameters' checkpoint-format shapes and dtypes (see _parameter_metadata)."""
+        return self.llm.collective_rpc(_parameter_metadata)
 
     # --- memory -----------------------------------------------------------------------------
 

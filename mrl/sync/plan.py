@@ -1,0 +1,240 @@
+"""The sync plan: where every byte of every HF tensor lands in the engine's parameters.
+
+Computed once per (trainer export, engine, engine TP rank) from data only: the HF tensors' names
+and shapes (what the bridge's export yields), the engine's parameter metadata (names, shapes and
+dtypes in checkpoint format, read from the vLLM worker: VLLMEngine.parameter_metadata), and
+FUSIONS below, a table of vLLM's fusion rules (which HF tensors stack into which vLLM parameter,
+in which order, along which dimension; read from vLLM 0.32's model files). The plan is checked for
+full coverage: every element of every loaded engine parameter is written exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def hf_metadata(model_dir: str | Path) -> dict[str, dict]:
+    """{HF name: {shape, dtype}} from a checkpoint's safetensors headers (no tensor is read)."""
+    out = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        out.update({k: {"shape": v["shape"], "dtype": v["dtype"]} for k, v in header.items() if k != "__metadata__"})
+    return out
+
+
+# --- vLLM 0.32's fusion rules (data) -------------------------------------------------------------
+# A fused engine module: the HF modules stacked into it along dim 0 of its weight (and bias), in
+# order, each with its per-rank length rule: "split" (1/tp of the HF rows), or "kv" (the rows left
+# after the split parts, shared equally; K/V heads are replicated when there are fewer than TP
+# ranks, vLLM's QKVParallelLinear), or "whole" (replicated: ReplicatedLinear's fused MLA input).
+_QKV = ("qkv_proj", (("q_proj", "split"), ("k_proj", "kv"), ("v_proj", "kv")))
+_GATE_UP = ("gate_up_proj", (("gate_proj", "split"), ("up_proj", "split")))
+_MLA_A = ("fused_qkv_a_proj", (("q_a_proj", "whole"), ("kv_a_proj_with_mqa", "whole")))
+# FusedMoE's stacked experts live in a `routed_experts` child of the HF `experts` module (vLLM 0.32).
+EXPERT_MODULE = "routed_experts"
+# FusedMoE's stacked experts: engine parameter → (HF leaf module, rule) pieces of experts.{e}.
+_EXPERTS = {"w13_weight": (("gate_proj", "split"), ("up_proj", "split")), "w2_weight": (("down_proj", "row"),)}
+
+FUSIONS: dict[str, dict] = {
+    "llama": {"stacked": dict([_QKV, _GATE_UP]), "experts": {}},
+    "qwen2": {"stacked": dict([_QKV, _GATE_UP]), "experts": {}},
+    "qwen3": {"stacked": dict([_QKV, _GATE_UP]), "experts": {}},
+    "qwen3_moe": {"stacked": dict([_QKV, _GATE_UP]), "experts": _EXPERTS},
+    "deepseek_v3": {"stacked": dict([_MLA_A, _GATE_UP]), "experts": _EXPERTS},
+}
+# Unfused engine modules split across TP ranks, by HF leaf module: the weight's split dimension
+# (0: column parallel, its bias split too; 1: row parallel, its bias replicated). Vocab-parallel
+# ones are padded: rows past the HF vocabulary are padding, which no sync writes.
+TP_DIMS = {"o_proj": 1, "down_proj": 1, "q_b_proj": 0, "kv_b_proj": 0, "q_proj": 0}
+VOCAB = ("embed_tokens", "lm_head")
+
+
+class PlanError(ValueError):
+    """The plan does not cover the engine's parameters exactly once; the message names the parameter."""
+
+
+Box = tuple[tuple[int, int], ...]  # one (start, stop) per dimension
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Copy `hf_name[hf_box]` into engine parameter `param[param_box]` (same element count)."""
+
+    hf_name: str | None  # None: padding the sync leaves alone
+    hf_box: Box
+    param: str
+    param_box: Box
+
+
+def _full(shape) -> Box:
+    return tuple((0, n) for n in shape)
+
+
+def _volume(box: Box) -> int:
+    v = 1
+    for a, b in box:
+        v *= max(0, b - a)
+    return v
+
+
+def _overlap(a: Box, b: Box) -> bool:
+    return all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b))
+
+
+def _rank_rows(rows: int, per_rank: int, rank: int, tp: int) -> tuple[int, int]:
+    """This rank's rows of an HF tensor with `rows` along its split dim; K/V heads fewer than the
+    ranks are replicated: rank r takes head group r // replicas, as vLLM's QKVParallelLinear does."""
+    replicas = max(1, per_rank * tp // rows)
+    start = (rank // replicas) * per_rank
+    if start + per_rank > rows:
+        raise PlanError(f"rank {rank}/{tp} needs rows {start}:{start + per_rank} of a tensor with {rows}")
+    return start, start + per_rank
+
+
+@dataclass(frozen=True)
+class _Param:
+    name: str
+    shape: tuple[int, ...]
+    rank: int
+    tp: int
+
+    @property
+    def prefix(self) -> str:  # the module holding the fused/stacked parameter's parent
+        return self.name.rsplit(".", 2)[0] if self.name.count(".") > 1 else ""
+
+    @property
+    def module(self) -> str:
+        return self.name.split(".")[-2] if "." in self.name else ""
+
+    @property
+    def leaf(self) -> str:
+        return self.name.rsplit(".", 1)[1]
+
+
+def _shape(hf: dict, name: str, param: str) -> tuple[int, ...]:
+    if name not in hf:
+        raise PlanError(f"engine parameter {param!r} needs HF tensor {name!r}, which the export does not "
+                        "yield: the fusion table (mrl/sync/plan.py FUSIONS) does not match this model")
+    return tuple(hf[name])
+
+
+def _stacked(p: _Param, parts, hf: dict) -> list[Copy]:
+    """A fused module: its HF parts stacked along dim 0 of the weight (and bias)."""
+    rows = {mod: _shape(hf, f"{p.prefix}.{mod}.{p.leaf}", p.name)[0] for mod, _ in parts}
+    fixed = {mod: (rows[mod] if rule == "whole" else rows[mod] // p.tp) for mod, rule in parts if rule != "kv"}
+    kv = [mod for mod, rule in parts if rule == "kv"]
+    left = p.shape[0] - sum(fixed.values())
+    for mod in kv:  # what the split parts leave, shared equally
+        fixed[mod] = left // len(kv)
+    copies, offset = [], 0
+    for mod, rule in parts:
+        name, length = f"{p.prefix}.{mod}.{p.leaf}", fixed[mod]
+        src = (0, length) if rule == "whole" else _rank_rows(rows[mod], length, p.rank, p.tp)
+        rest = _full(_shape(hf, name, p.name)[1:])
+        copies.append(Copy(name, (src, *rest), p.name, ((offset, offset + length), *_full(p.shape[1:]))))
+        offset += length
+    return copies
+
+
+def _experts(p: _Param, parts, hf: dict) -> list[Copy]:
+    """FusedMoE's [experts, rows, cols] parameter from experts.{e}.<part>.weight, all experts local."""
+    copies = []
+    for e in range(p.shape[0]):
+        offset = 0
+        for mod, rule in parts:
+            name = f"{p.prefix}.{e}.{mod}.weight"  # prefix: the HF `…mlp.experts` module
+            rows, cols = _shape(hf, name, p.name)
+            if rule == "row":  # down_proj: [hidden, intermediate/tp]
+                src = ((0, rows), _rank_rows(cols, p.shape[2], p.rank, p.tp))
+                dst = ((e, e + 1), (0, p.shape[1]), (0, p.shape[2]))
+            else:  # gate/up stacked along dim 1: [2 · intermediate/tp, hidden]
+                length = rows // p.tp
+                src = (_rank_rows(rows, length, p.rank, p.tp), (0, cols))
+                dst = ((e, e + 1), (offset, offset + length), (0, p.shape[2]))
+                offset += length
+            copies.append(Copy(name, src, p.name, dst))
+    return copies
+
+
+def _direct(p: _Param, hf: dict) -> list[Copy]:
+    """An unfused parameter: the HF tensor of the same name, split for TP or replicated."""
+    shape = _shape(hf, p.name, p.name)
+    if p.module in VOCAB:  # vocab parallel, padded: rank r holds padded rows r·L … (r+1)·L
+        per_rank = p.shape[0]
+        start = min(p.rank * per_rank, shape[0])
+        stop = min(start + per_rank, shape[0])
+        rest = _full(p.shape[1:])
+        copies = [Copy(p.name, ((start, stop), *rest), p.name, ((0, stop - start), *rest))]
+        if stop - start < per_rank:
+            copies.append(Copy(None, (), p.name, ((stop - start, per_rank), *rest)))
+        return copies
+    dim = TP_DIMS.get(p.module)
+    if dim is None or (p.leaf == "bias" and dim == 1) or p.tp == 1:
+        if shape != p.shape:
+            raise PlanError(f"engine parameter {p.name!r} has shape {list(p.shape)}, HF tensor {list(shape)}: "
+                            "a replicated parameter must match; is it missing from TP_DIMS or FUSIONS?")
+        return [Copy(p.name, _full(shape), p.name, _full(p.shape))]
+    dim = min(dim, len(shape) - 1)
+    src = list(_full(shape))
+    src[dim] = _rank_rows(shape[dim], p.shape[dim], p.rank, p.tp)
+    return [Copy(p.name, tuple(src), p.name, _full(p.shape))]
+
+
+def build_plan(arch: str, hf: dict[str, list[int]], engine: dict, fusions: dict | None = None) -> list[Copy]:
+    """Every copy from the export's HF tensors (`hf`: name → shape) into one engine worker's
+    parameters (`engine`: one entry of VLLMEngine.parameter_metadata()), checked for coverage."""
+    if fusions is None:
+        if arch not in FUSIONS:
+            raise PlanError(f"no vLLM fusion table for architecture {arch!r}; known: {sorted(FUSIONS)}. "
+                            "Add one to mrl/sync/plan.py FUSIONS, or use sync.apply: load_weights")
+        fusions = FUSIONS[arch]
+    copies: list[Copy] = []
+    for name, meta in engine["params"].items():
+        if meta.get("derived"):
+            continue  # computed from siblings after loading (MLA's W_UK_T/W_UV)
+        p = _Param(name, tuple(meta["shape"]), engine["tp_rank"], engine["tp_size"])
+        if p.module in fusions["stacked"]:
+            copies += _stacked(p, fusions["stacked"][p.module], hf)
+        elif p.module == EXPERT_MODULE and p.leaf in fusions["experts"]:
+            copies += _experts(p, fusions["experts"][p.leaf], hf)
+        else:
+            copies += _direct(p, hf)
+    check_coverage(copies, engine, hf)
+    return copies
+
+
+def check_coverage(copies: list[Copy], engine: dict, hf: dict) -> None:
+    """Every element of every loaded engine parameter written exactly once, every HF tensor used."""
+    boxes: dict[str, list[Copy]] = {}
+    for c in copies:
+        if c.hf_name is not None and _volume(c.hf_box) != _volume(c.param_box):
+            raise PlanError(f"{c.param!r}: {c.hf_name!r}{list(c.hf_box)} has {_volume(c.hf_box)} elements, "
+                            f"its target {list(c.param_box)} {_volume(c.param_box)}")
+        boxes.setdefault(c.param, []).append(c)
+    for name, meta in engine["params"].items():
+        if meta.get("derived"):
+            continue
+        mine = boxes.get(name, [])
+        for c in mine:
+            if any(a < 0 or b > n for (a, b), n in zip(c.param_box, meta["shape"])):
+                raise PlanError(f"engine parameter {name!r} {meta['shape']}: {c.hf_name!r} would be written at "
+                                f"{list(c.param_box)}, outside it: the fusion table stacks too much into it")
+        for i, a in enumerate(mine):
+            for b in mine[i + 1 :]:
+                if _overlap(a.param_box, b.param_box):
+                    raise PlanError(f"engine parameter {name!r}: region {list(b.param_box)} is written twice "
+                                    f"(from {a.hf_name!r} and {b.hf_name!r}): a fusion row is duplicated")
+        numel = _volume(_full(meta["shape"]))
+        covered = sum(_volume(c.param_box) for c in mine)
+        if covered != numel:
+            raise PlanError(f"engine parameter {name!r}: {numel - covered} of its {numel} elements are written "
+                            "by no HF tensor: a fusion row is missing (mrl/sync/plan.py FUSIONS)")
+    unused = sorted(set(hf) - {c.hf_name for c in copies})
+    if unused:
+        raise PlanError(f"HF tensor {unused[0]!r} ({len(unused)} in all) reaches no engine parameter: "
+                        "the engine has no place for it, or the fusion table misses its row")
