@@ -7,6 +7,7 @@ model and the resources, files that must exist. Each message names the key and t
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -89,6 +90,7 @@ def validate(cfg: RunConfig, check_files: bool = True) -> list[str]:
     dims, model_errors = _model_dims(cfg, check_files)
     errors += model_errors
     errors += _check_layout(cfg, dims)
+    errors += _check_sync_apply(cfg, check_files)
     if check_files:
         errors += _check_files(cfg) + _check_port(cfg)
     return errors
@@ -230,6 +232,26 @@ def _model_dims(cfg: RunConfig, check_files: bool) -> tuple[ModelDims | None, li
     except UnsupportedModelError as exc:
         return None, [f"model.path: {exc}"]
     return spec.dims, _refuse_quantized(model.path, spec.hf_config)
+
+
+def _check_sync_apply(cfg: RunConfig, check_files: bool) -> list[str]:
+    """sync.apply in_place needs a vLLM fusion table for the model's architecture."""
+    from mrl.sync.plan import FUSIONS
+
+    if cfg.sync.apply != "in_place":
+        return []
+    if cfg.model.tiny is not None:
+        from mrl.models.tiny import TINY_ARCHS, tiny_hf_config
+
+        arch = tiny_hf_config(cfg.model.tiny)["model_type"] if cfg.model.tiny in TINY_ARCHS else None
+    elif check_files and (Path(cfg.model.path) / "config.json").is_file():
+        arch = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("model_type")
+    else:
+        return []
+    if arch is None or arch in FUSIONS:
+        return []
+    return [f"sync.apply 'in_place' has no vLLM fusion table for model_type {arch!r} (known: {', '.join(FUSIONS)}); "
+            "use sync.apply: load_weights."]
 
 
 def _refuse_quantized(path: str, hf_config: dict) -> list[str]:

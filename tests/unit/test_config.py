@@ -328,3 +328,15 @@ def test_the_saved_config_is_the_resolved_run_config(tmp_path):
     path = save_config(cfg)
     assert path == tmp_path / "run" / "config.yaml"
     assert load_config(path) == cfg  # a recipe that runs the same run again
+
+
+def test_sync_apply(tmp_path):
+    assert load_config(TINY, ["sync.apply=in_place"]).sync.apply == "in_place"
+    assert load_config(TINY, []).sync.apply == "load_weights"
+    assert errors_of(TINY, "sync.apply=inplace") == [
+        "sync.apply: must be one of 'load_weights', 'in_place', got 'inplace'"]
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}')
+    errors = errors_of(TINY, "sync.apply=in_place", "model.tiny=null", f"model.path={model}")
+    assert "sync.apply 'in_place' has no vLLM fusion table for model_type 'mamba'" in " ".join(errors)
