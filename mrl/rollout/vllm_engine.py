@@ -6,6 +6,10 @@ the engine's TP rank and routes per-expert tensors into its fused expert paramet
 `finalize_layerwise_reload` re-runs post-load processing. That last step matters: vLLM derives
 kernel-format copies from the loaded weights (MLA's W_UK/W_UV, CPU GEMM pre-packing, FP8
 quantisation), and a plain `load_weights` after start-up would leave those stale.
+
+With `weight_apply="in_place"` (sync.apply) there is no load_weights: a sync plan computed once
+(mrl/sync/plan.py) says where each HF tensor's slices go, each worker copies them straight into its
+parameters, and the architecture's post-apply hooks (POST_APPLY_HOOKS) rebuild the derived state.
 """
 
 from __future__ import annotations
@@ -86,8 +90,8 @@ def _parameter_metadata(worker: Any) -> dict:
 
 # --- in-place apply (sync.apply: in_place): the sync plan's copies, no load_weights ---
 
-def _install_plan(worker: Any, plans: dict[int, list]) -> int:
-    """Keep this TP rank's copies, by HF name, in the worker for every later update."""
+def _install_plan(worker: Any, plans: dict[int, list], shapes: dict[str, list[int]]) -> int:
+    """Keep this TP rank's copies, by HF name, and the HF shapes they assume in the worker."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
     by_hf: dict[str, list] = {}
@@ -95,6 +99,7 @@ def _install_plan(worker: Any, plans: dict[int, list]) -> int:
         if c.hf_name is not None:  # padding: nothing to write
             by_hf.setdefault(c.hf_name, []).append(c)
     worker.mrl_sync_plan = by_hf
+    worker.mrl_sync_shapes = {name: tuple(shape) for name, shape in shapes.items()}
     return sum(map(len, by_hf.values()))
 
 
@@ -134,6 +139,9 @@ def _copy_in_place(worker: Any, bucket: Bucket) -> list[str]:
         if name not in plan:
             raise KeyError(f"HF tensor {name!r} is not in this engine's sync plan (the trainer exports a model "
                            "the engine was not started with?); sync.apply: load_weights loads by name instead")
+        if tuple(tensor.shape) != worker.mrl_sync_shapes[name]:
+            raise ValueError(f"HF tensor {name!r} arrived with shape {list(tensor.shape)}, the engine's sync plan "
+                             f"expects {list(worker.mrl_sync_shapes[name])}: the trainer's model is not the engine's")
         for c in plan[name]:
             dst = targets[c.param].data[_box(c.param_box)]
             dst.copy_(tensor[_box(c.hf_box)].reshape(dst.shape))
@@ -350,7 +358,7 @@ class VLLMEngine:
                             "or sync.apply: load_weights")
         arch = json.loads((Path(self.model_path) / "config.json").read_text())["model_type"]
         plans = {w["tp_rank"]: build_plan(arch, hf, w) for w in self.parameter_metadata()}
-        self.llm.collective_rpc(_install_plan, args=(plans,))
+        self.llm.collective_rpc(_install_plan, args=(plans, hf))
         self._hooks = _post_apply_hooks(arch)
         self._param_sources = {}
         for c in plans[0]:

@@ -3,7 +3,7 @@
 Every trainer rank calls `WeightSender.push` (sender.py); the engine's process calls
 `WeightReceiver.receive` (receiver.py); the driver runs both and the parity gate (driver.py,
 parity.py). Modules: wire (buckets, pack/unpack, checksums), channel (the transport), sender,
-receiver, parity, driver. The input is the bridge's export; nothing here knows Megatron's layout.
+receiver, parity, driver, plan (sync.apply in_place: where each HF slice lands in the engine). The input is the bridge's export; nothing here knows Megatron's layout.
 
 The bridge's export (mrl/bridge/export.py) assembles HF tensors bucket by bucket on a leader rank,
 which hands each bucket to the engine over a *channel*: a two-member gloo group (leader, engine)

@@ -41,6 +41,18 @@ def _apply_checkpoint(server, model_dir: str, buckets: int = 3) -> dict:
             "finish_s": report.finish_seconds}
 
 
+def _wrong_shape(server) -> str:
+    """An update whose tensor does not fit the plan must fail naming the tensor."""
+    import torch
+
+    server.engine.begin_weight_update()
+    try:
+        server.engine.load_weights([("model.norm.weight", torch.zeros(3))])
+    except Exception as err:  # noqa: BLE001 - the message is the check
+        return str(err)
+    return "no error"
+
+
 def _greedy(actor, probe):
     from mrl.rollout.engine import SamplingSettings
 
@@ -73,6 +85,8 @@ def test_in_place_matches_load_weights(arch, tiny_model_dir, tmp_path, ray_local
         again = {m: ray.get(a.score.remote(probe)) for m, a in actors.items()}
         assert logprob_gap(again["in_place"], before)["rollout/logprob_abs_diff_max"] <= TOL
         assert logprob_gap(again["in_place"], again["load_weights"])["rollout/logprob_abs_diff_max"] <= TOL
+        message = ray.get(actors["in_place"].__ray_call__.remote(_wrong_shape), timeout=60)
+        assert "'model.norm.weight' arrived with shape [3]" in message, message
     finally:
         for actor in actors.values():
             ray.kill(actor)
