@@ -236,7 +236,7 @@ def _model_dims(cfg: RunConfig, check_files: bool) -> tuple[ModelDims | None, li
 
 def _check_sync_apply(cfg: RunConfig, check_files: bool) -> list[str]:
     """sync.apply in_place needs a vLLM fusion table for the model's architecture."""
-    from mrl.sync.plan import FUSIONS
+    from mrl.models.vllm_fusions import FUSIONS
 
     if cfg.sync.apply != "in_place":
         return []

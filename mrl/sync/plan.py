@@ -3,7 +3,7 @@
 Computed once per (trainer export, engine, engine TP rank) from data only: the HF tensors' names
 and shapes (what the bridge's export yields), the engine's parameter metadata (names, shapes and
 dtypes in checkpoint format, read from the vLLM worker: VLLMEngine.parameter_metadata), and
-FUSIONS below, a table of vLLM's fusion rules (which HF tensors stack into which vLLM parameter,
+mrl/models/vllm_fusions.py, a table of vLLM's fusion rules (which HF tensors stack into which vLLM parameter,
 in which order, along which dimension; read from vLLM 0.32's model files). The plan is checked for
 full coverage: every element of every loaded engine parameter is written exactly once.
 """
@@ -16,6 +16,11 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from mrl.models.vllm_fusions import EXPERT_MODULE, FUSIONS, POST_APPLY, TP_DIMS, VOCAB
+
+__all__ = ["EXPERT_MODULE", "FUSIONS", "POST_APPLY", "TP_DIMS", "VOCAB", "Copy", "PlanError", "build_plan",
+           "check_coverage", "hf_metadata"]
+
 
 def hf_metadata(model_dir: str | Path) -> dict[str, dict]:
     """{HF name: {shape, dtype}} from a checkpoint's safetensors headers (no tensor is read)."""
@@ -25,42 +30,6 @@ def hf_metadata(model_dir: str | Path) -> dict[str, dict]:
             header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
         out.update({k: {"shape": v["shape"], "dtype": v["dtype"]} for k, v in header.items() if k != "__metadata__"})
     return out
-
-
-# --- vLLM 0.32's fusion rules (data) -------------------------------------------------------------
-# A fused engine module: the HF modules stacked into it along dim 0 of its weight (and bias), in
-# order, each with its per-rank length rule: "split" (1/tp of the HF rows), or "kv" (the rows left
-# after the split parts, shared equally; K/V heads are replicated when there are fewer than TP
-# ranks, vLLM's QKVParallelLinear), or "whole" (replicated: ReplicatedLinear's fused MLA input).
-_QKV = ("qkv_proj", (("q_proj", "split"), ("k_proj", "kv"), ("v_proj", "kv")))
-_GATE_UP = ("gate_up_proj", (("gate_proj", "split"), ("up_proj", "split")))
-_MLA_A = ("fused_qkv_a_proj", (("q_a_proj", "whole"), ("kv_a_proj_with_mqa", "whole")))
-# FusedMoE's stacked experts live in a `routed_experts` child of the HF `experts` module (vLLM 0.32).
-EXPERT_MODULE = "routed_experts"
-# FusedMoE's stacked experts: engine parameter → (HF leaf module, rule) pieces of experts.{e}.
-_EXPERTS = {"w13_weight": (("gate_proj", "split"), ("up_proj", "split")), "w2_weight": (("down_proj", "row"),)}
-
-FUSIONS: dict[str, dict] = {
-    "llama": {"stacked": dict([_QKV, _GATE_UP]), "experts": {}},
-    "qwen2": {"stacked": dict([_QKV, _GATE_UP]), "experts": {}},
-    "qwen3": {"stacked": dict([_QKV, _GATE_UP]), "experts": {}},
-    "qwen3_moe": {"stacked": dict([_QKV, _GATE_UP]), "experts": _EXPERTS},
-    "deepseek_v3": {"stacked": dict([_MLA_A, _GATE_UP]), "experts": _EXPERTS},
-}
-# What an in-place apply must redo after writing, per architecture, in order (the hooks are in
-# mrl/rollout/vllm_engine.py POST_APPLY_HOOKS): kernel formats derived from linear weights (CPU
-# GEMM packing, the LM head's), the CPU fused experts' packing, MLA's absorbed W_UK_T/W_UV.
-POST_APPLY: dict[str, tuple[str, ...]] = {
-    "llama": ("kernel_formats",), "qwen2": ("kernel_formats",), "qwen3": ("kernel_formats",),
-    "qwen3_moe": ("kernel_formats", "cpu_experts"),
-    "deepseek_v3": ("kernel_formats", "cpu_experts", "mla_absorb"),
-}
-
-# Unfused engine modules split across TP ranks, by HF leaf module: the weight's split dimension
-# (0: column parallel, its bias split too; 1: row parallel, its bias replicated). Vocab-parallel
-# ones are padded: rows past the HF vocabulary are padding, which no sync writes.
-TP_DIMS = {"o_proj": 1, "down_proj": 1, "q_b_proj": 0, "kv_b_proj": 0, "q_proj": 0}
-VOCAB = ("embed_tokens", "lm_head")
 
 
 class PlanError(ValueError):
@@ -128,7 +97,7 @@ class _Param:
 def _shape(hf: dict, name: str, param: str) -> tuple[int, ...]:
     if name not in hf:
         raise PlanError(f"engine parameter {param!r} needs HF tensor {name!r}, which the export does not "
-                        "yield: the fusion table (mrl/sync/plan.py FUSIONS) does not match this model")
+                        "yield: the fusion table (mrl/models/vllm_fusions.py FUSIONS) does not match this model")
     return tuple(hf[name])
 
 
@@ -200,7 +169,7 @@ def build_plan(arch: str, hf: dict[str, list[int]], engine: dict, fusions: dict 
     if fusions is None:
         if arch not in FUSIONS:
             raise PlanError(f"no vLLM fusion table for architecture {arch!r}; known: {sorted(FUSIONS)}. "
-                            "Add one to mrl/sync/plan.py FUSIONS, or use sync.apply: load_weights")
+                            "Add one to mrl/models/vllm_fusions.py FUSIONS, or use sync.apply: load_weights")
         fusions = FUSIONS[arch]
     copies: list[Copy] = []
     for name, meta in engine["params"].items():
@@ -242,7 +211,7 @@ def check_coverage(copies: list[Copy], engine: dict, hf: dict) -> None:
         covered = sum(_volume(c.param_box) for c in mine)
         if covered != numel:
             raise PlanError(f"engine parameter {name!r}: {numel - covered} of its {numel} elements are written "
-                            "by no HF tensor: a fusion row is missing (mrl/sync/plan.py FUSIONS)")
+                            "by no HF tensor: a fusion row is missing (mrl/models/vllm_fusions.py FUSIONS)")
     unused = sorted(set(hf) - {c.hf_name for c in copies})
     if unused:
         raise PlanError(f"HF tensor {unused[0]!r} ({len(unused)} in all) reaches no engine parameter: "
