@@ -12,7 +12,7 @@ broadcast channels):
 and the peak extra RSS of each trainer rank and of the engine during the sync (sampled every 2 ms).
 
     .venv/bin/python benchmarks/weight_sync.py [--size-gb 1.0] [--layouts tp2,pp2,ep2] [--workdir DIR]
-        [--apply load_weights|in_place] [--transports colocated,broadcast] [--cases sync,naive]
+        [--apply load_weights|in_place] [--transports colocated,broadcast] [--cases sync,naive] [--repeats N]
 """
 
 from __future__ import annotations
@@ -105,13 +105,14 @@ def _engine_rss_stop(server) -> float:
 
 
 def run(hf_dir: Path, layouts: list[str], apply: str = "load_weights", transports=TRANSPORTS,
-        case_names=("sync", "naive")) -> list[dict]:
+        case_names=("sync", "naive"), repeats: int = 1) -> list[dict]:
     actor = start_rollout_actor(str(hf_dir), ENGINE | {"weight_apply": apply}, sync_timeout_s=600)
     endpoint = ray.get(actor.endpoint.remote())
     cases = [c for c in [("sync", 512 * MB), ("naive", 1 << 40)] if c[0] in case_names]
     rows = []
-    for key in layouts:
+    for key, rep in [(k, r) for r in range(repeats) for k in layouts]:
         layout = LAYOUTS[key]
+        tag = f"{key}-r{rep}"  # sync ids must be new each time
         for transport in transports:
             channels = channel_count(transport, layout.pp)
             # An actor runs its calls one at a time in submission order: queue every case's
@@ -119,11 +120,12 @@ def run(hf_dir: Path, layouts: list[str], apply: str = "load_weights", transport
             queued = {}
             for name, _ in cases:
                 actor.__ray_call__.remote(_engine_rss_start)
-                receipt = actor.receive_weights.remote(f"{key}-{transport}-{name}", channels)
+                receipt = actor.receive_weights.remote(f"{tag}-{transport}-{name}", channels)
                 queued[name] = (receipt, actor.__ray_call__.remote(_engine_rss_stop))
-            results = run_local(_trainer, layout.min_world_size(), str(hf_dir), key, layout, endpoint, transport, cases,
+            results = run_local(_trainer, layout.min_world_size(), str(hf_dir), tag, layout, endpoint, transport, cases,
                                 timeout_s=1800)
-            row = {"layout": key, "transport": transport, "apply": apply, "copy_gbps": round(results[0]["copy_gbps"], 2)}
+            row = {"layout": key, "repeat": rep, "transport": transport, "apply": apply,
+                   "copy_gbps": round(results[0]["copy_gbps"], 2)}
             for name, _ in cases:
                 report, engine_rss = ray.get(list(queued[name]), timeout=600)
                 started = min(r[name]["started_at"] for r in results if r[name]["started_at"])
@@ -150,6 +152,7 @@ def main() -> None:
     parser.add_argument("--apply", choices=("load_weights", "in_place"), default="load_weights")
     parser.add_argument("--transports", default=",".join(TRANSPORTS))
     parser.add_argument("--cases", default="sync,naive")
+    parser.add_argument("--repeats", type=int, default=1, help="syncs per layout on the same engine")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="mrl-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -157,7 +160,8 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        run(hf_dir, args.layouts.split(","), args.apply, args.transports.split(","), args.cases.split(","))
+        run(hf_dir, args.layouts.split(","), args.apply, args.transports.split(","), args.cases.split(","),
+            args.repeats)
     finally:
         ray.shutdown()
 
