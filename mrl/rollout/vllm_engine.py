@@ -250,6 +250,8 @@ def _post_apply_hooks(arch: str) -> tuple[str, ...]:
 class VLLMEngine:
     """A vLLM `LLM` behind mrl's RolloutEngine protocol."""
 
+    weight_apply = "load_weights"  # sync.apply (per engine, set by __init__)
+
     def __init__(
         self,
         model: str,
