@@ -3,6 +3,7 @@ loads the buckets into the engine as they arrive (one thread touches the engine)
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import socket
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.sync.channel import Channel, SyncEndpoint
-from mrl.sync.wire import SyncError, WeightUpdateReport, checksums_match, describe, unpack
+from mrl.sync.wire import SyncError, WeightUpdateReport, checksums_match, describe, describe_failure, error_key, unpack
 
 
 
@@ -44,14 +45,38 @@ class WeightReceiver:
         if sync_id in self._used_ids:
             raise ValueError(f"weight sync id {sync_id!r} was already used; give each sync a new id (e.g. the step)")
         self._used_ids.add(sync_id)
-        self.engine.begin_weight_update()
+        outcome: dict[str, Any] = {}  # {"error": ..., "tensor": ...} once the update failed
         # At most one bucket per channel waits here while the engine loads another: bounded memory.
         arrivals: queue.Queue = queue.Queue(maxsize=channels)
-        loaded = [threading.Event() for _ in range(channels)]
-        threads = [threading.Thread(target=self._serve, args=(sync_id, c, arrivals, loaded[c]), daemon=True)
+        loaded = threading.Event()  # set once the update is finished or failed: the channels answer
+        threads = [threading.Thread(target=self._serve, args=(sync_id, c, arrivals, loaded, outcome), daemon=True)
                    for c in range(channels)]
+        try:
+            self.engine.begin_weight_update()
+        except Exception as err:  # noqa: BLE001 - e.g. a model this engine cannot reload: tell the senders
+            self._fail(sync_id, outcome, err, None)
         for t in threads:
             t.start()
+        sent = self._drain(sync_id, channels, arrivals, outcome)
+        report = None
+        if not outcome:
+            try:
+                report = self.engine.finish_weight_update()
+            except Exception as err:  # noqa: BLE001
+                self._fail(sync_id, outcome, err, None)
+        loaded.set()
+        for t in threads:
+            t.join(self.timeout_s)
+        if outcome:
+            raise SyncError(describe_failure(outcome))
+        report.finished_at = time.time()
+        held = report.checksums
+        report.mismatched = [n for n, c in sent.items() if n not in held or not checksums_match(c, held[n])]
+        return report
+
+    def _drain(self, sync_id: str, channels: int, arrivals: queue.Queue, outcome: dict) -> dict:
+        """Load every channel's buckets until all have ended; after a failure keep receiving (and
+        dropping) so that every sender reaches its end marker and hears the error in its answer."""
         sent: dict[str, tuple[float, float]] = {}
         open_channels = channels
         while open_channels:
@@ -62,24 +87,35 @@ class WeightReceiver:
             except queue.Empty:
                 raise SyncError(f"engine: no bucket from any of {open_channels} open channel(s) "
                                 f"within {self.timeout_s * 2:.0f}s (sync {sync_id!r})") from None
-            if isinstance(bucket, BaseException):
-                raise bucket
-            if bucket is None:  # that channel's end marker: everything it sent is loaded
-                loaded[channel_index].set()
+            if bucket is None or isinstance(bucket, BaseException):  # that channel is done
                 open_channels -= 1
+                if bucket is not None and not outcome:
+                    self._fail(sync_id, outcome, bucket, None)
+                continue
+            if outcome:
                 continue
             sent.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
-            self.engine.load_weights(bucket)
-        for t in threads:
-            t.join(self.timeout_s)
-        report = self.engine.finish_weight_update()
-        report.finished_at = time.time()
-        held = report.checksums
-        report.mismatched = [n for n, c in sent.items() if n not in held or not checksums_match(c, held[n])]
-        return report
+            try:
+                self.engine.load_weights(bucket)
+            except Exception as err:  # noqa: BLE001 - reported to every sender, then raised
+                self._fail(sync_id, outcome, err, header)
+        return sent
 
-    def _serve(self, sync_id: str, channel_index: int, arrivals: queue.Queue, loaded: threading.Event) -> None:
-        """Receive one channel's buckets into `arrivals`; acknowledge once the engine loaded them all."""
+    def _fail(self, sync_id: str, outcome: dict, err: BaseException, header: dict | None) -> None:
+        """Record the update's first error and post it in the store, where every sender looks for
+        it between buckets: they stop sending at once instead of waiting for an answer that the
+        engine will never give."""
+        if outcome:
+            return
+        tensor = getattr(err, "tensor", None) or (describe(header) if header else None)
+        message = getattr(err, "message", None) or f"{type(err).__name__}: {err}"
+        outcome.update(error=" ".join(message.split()), tensor=tensor, engine=f"{self.endpoint.host}:{self.endpoint.port}")
+        self.store.set(error_key(sync_id), json.dumps(outcome))
+
+    def _serve(self, sync_id: str, channel_index: int, arrivals: queue.Queue, loaded: threading.Event,
+               outcome: dict) -> None:
+        """Receive one channel's buckets into `arrivals`; answer the end marker once the update is
+        finished: {"ok": true}, or the engine's error."""
         try:
             who = f"engine ← PP stage {channel_index}"
             channel = Channel(self.store, f"{sync_id}/channel{channel_index}", 1, self.timeout_s, who)
@@ -94,7 +130,7 @@ class WeightReceiver:
             arrivals.put((channel_index, header, None))
             if not loaded.wait(self.timeout_s):
                 raise SyncError(f"{who}: the engine did not finish loading within {self.timeout_s:.0f}s")
-            channel.send_json({"ok": True}, "acknowledging the update")
+            channel.send_json(dict(outcome) or {"ok": True}, "answering the end marker")
         except BaseException as err:  # noqa: BLE001 - surfaced by receive()
             arrivals.put((channel_index, None, err))
 

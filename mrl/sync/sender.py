@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.sync.channel import Channel, SyncEndpoint, channel_count
-from mrl.sync.wire import Bucket, SyncError, describe, dtype_named, nbytes, pack
+from mrl.sync.wire import Bucket, SyncError, describe, describe_failure, dtype_named, error_key, nbytes, pack
 
 TRANSPORTS = ("colocated", "broadcast")
 SHM_DIR = "/dev/shm"
@@ -69,10 +69,16 @@ class WeightSender:
         start = time.perf_counter()
         report = SentReport(started_at=time.time())
         is_leader = self.coords.rank == self.leader
-        channel = self._connect(sync_id) if is_leader else None
+        channel, store = self._connect(sync_id) if is_leader else (None, None)
         buckets = export_hf_weights(self.built, self.coords, bucket_bytes=self.bucket_bytes, dst=self.leader,
                                     group=self.group, timeout_s=self.timeout_s)
+        failed = False
         for index, bucket in enumerate(buckets):
+            # After the engine posted an error, the export still runs to its end (its other ranks
+            # are sending shards to this one) but nothing more travels to the engine.
+            failed = failed or _engine_failed(store, sync_id, channel.who, index)
+            if failed:
+                continue
             header, flat = self._pack(bucket, sync_id, index)
             del bucket
             what = f"sending bucket {index} ({describe(header)})"
@@ -84,18 +90,20 @@ class WeightSender:
             del header, flat  # before the next bucket is assembled: one bucket in flight, not two
         if channel is not None:
             channel.send_json({"end": True, "tensors": len(report.checksums)}, "sending the end marker")
-            channel.recv_json("waiting for the engine to finish loading")  # the engine's ack
+            answer = channel.recv_json("waiting for the engine to finish loading")
+            if "error" in answer:
+                raise SyncError(f"rank {self.coords.rank} (PP stage {self.stage}): {describe_failure(answer)}")
         report.seconds = time.perf_counter() - start
         return report if is_leader else None
 
-    def _connect(self, sync_id: str) -> Channel:
+    def _connect(self, sync_id: str) -> tuple[Channel, Any]:
         who = f"rank {self.coords.rank} (PP stage {self.stage}) → engine at {self.endpoint.host}:{self.endpoint.port}"
         try:
             store = dist.TCPStore(self.endpoint.host, self.endpoint.port, is_master=False,
                                   timeout=timedelta(seconds=self.timeout_s))
         except (RuntimeError, OSError) as err:
             raise SyncError(f"{who}: cannot reach the engine's weight-sync store: {err}") from err
-        return Channel(store, f"{sync_id}/channel{self.stage}", 0, self.timeout_s, who)
+        return Channel(store, f"{sync_id}/channel{self.stage}", 0, self.timeout_s, who), store
 
     def _pack(self, bucket: Bucket, sync_id: str, index: int) -> tuple[dict, torch.Tensor]:
         if self.transport != "colocated":
@@ -109,3 +117,9 @@ class WeightSender:
         return header, flat
 
 
+def _engine_failed(store: Any, sync_id: str, who: str, index: int) -> bool:
+    """Whether the engine posted an error for this update (a look, not a wait)."""
+    try:
+        return store.check([error_key(sync_id)])
+    except (RuntimeError, OSError) as err:  # the engine's process is gone
+        raise SyncError(f"{who}: the engine's store stopped answering before bucket {index}: {err}") from err

@@ -22,6 +22,29 @@ class SyncError(RuntimeError):
     """A weight sync failed or timed out; the message says who waited for what."""
 
 
+class WeightLoadError(RuntimeError):
+    """An engine could not load a tensor: raised by an engine's load_weights to name the tensor
+    (the receiver reports `tensor` and the message to every sender)."""
+
+    def __init__(self, tensor: str, message: str):
+        super().__init__(f"loading {tensor!r}: {message}")
+        self.tensor, self.message = tensor, message
+
+    def __reduce__(self):  # picklable across vLLM's worker processes and Ray
+        return WeightLoadError, (self.tensor, self.message)
+
+
+def error_key(sync_id: str) -> str:
+    """The rendezvous-store key where the engine posts a failed update's error for the senders."""
+    return f"{sync_id}/error"
+
+
+def describe_failure(outcome: dict) -> str:
+    """An engine's failed update ({"engine", "error", "tensor"}) as one line."""
+    where = f" while loading {outcome['tensor']!r}" if outcome.get("tensor") else ""
+    return f"the weight update failed: the engine at {outcome['engine']} failed{where}: {outcome['error']}"
+
+
 def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float]:
     """fp64 sums of two interleaved samples (every 61st element, offsets 0 and 30).
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import time
 
 import pytest
@@ -18,16 +19,17 @@ from mrl.megatron.local_launch import WorkerError, run_local
 from mrl.sync.wire import WeightUpdateReport
 from mrl.sync.parity import ParityError, check_parity, logprob_gap
 from mrl.sync import SyncEndpoint, WeightReceiver
-from mrl.sync.wire import tensor_checksum
+from mrl.sync.wire import WeightLoadError, tensor_checksum
 
 
 class RecordingEngine:
-    """Holds what it is sent. `holds` optionally alters what it keeps; `die_at` exits mid-sync."""
+    """Holds what it is sent. `holds` optionally alters what it keeps; `die_at` exits mid-sync;
+    `fail_on` raises (as VLLMEngine does: WeightLoadError naming the tensor) when that tensor arrives."""
 
     dtype = torch.float32
 
-    def __init__(self, holds: str = "same", die_at: int | None = None):
-        self.holds, self.die_at, self.buckets = holds, die_at, 0
+    def __init__(self, holds: str = "same", die_at: int | None = None, fail_on: str | None = None):
+        self.holds, self.die_at, self.fail_on, self.buckets = holds, die_at, fail_on, 0
 
     def begin_weight_update(self):
         self.report = WeightUpdateReport()
@@ -37,6 +39,8 @@ class RecordingEngine:
             os._exit(3)
         self.buckets += 1
         for name, tensor in bucket:
+            if name == self.fail_on:
+                raise WeightLoadError(name, "RuntimeError: The size of tensor a (64) must match the size of tensor b (32)")
             kept = tensor.to(torch.bfloat16).float() if self.holds == "bf16" and name.endswith("o_proj.weight") else tensor
             self.report.checksums[name] = tensor_checksum(kept)
             self.report.tensors += 1
@@ -64,7 +68,7 @@ def _start_engine(channels=1, delay_s=0.0, **engine_kwargs):
     return proc, endpoints.get(timeout=60), results
 
 
-def _push(rank, world, hf_dir, layout, endpoint, transport, timeout_s):
+def _sender(hf_dir, layout, endpoint, transport, timeout_s):
     from mrl.bridge.hf_import import load_hf_weights
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import initialize_layout
@@ -74,8 +78,11 @@ def _push(rank, world, hf_dir, layout, endpoint, transport, timeout_s):
     coords = initialize_layout(layout)
     built = build_model(model_spec_from_hf(hf_dir), layout)
     load_hf_weights(built, coords, hf_dir)
-    sender = WeightSender(endpoint, built, coords, transport=transport, bucket_bytes=256 << 10, timeout_s=timeout_s)
-    sent = sender.push("sync0")
+    return WeightSender(endpoint, built, coords, transport=transport, bucket_bytes=256 << 10, timeout_s=timeout_s)
+
+
+def _push(rank, world, hf_dir, layout, endpoint, transport, timeout_s):
+    sent = _sender(hf_dir, layout, endpoint, transport, timeout_s).push("sync0")
     return None if sent is None else sent.checksums
 
 
@@ -94,6 +101,37 @@ def test_engine_receives_every_tensor_intact(tiny_model_dir, transport, layout):
     assert set(held) == set(sent_all) == set(ckpt.names())  # tied/padded rows never travel twice
     for name in ckpt.names():  # what arrived is the checkpoint, bit for bit
         assert held[name] == tensor_checksum(ckpt.read(name).float()), name
+
+
+def _push_until_error(rank, world, hf_dir, layout, endpoint, transport, timeout_s):
+    """Push, expecting the engine to fail: (seconds the push took, its SyncError) on each leader."""
+    from mrl.sync.wire import SyncError
+
+    sender = _sender(hf_dir, layout, endpoint, transport, timeout_s)
+    start = time.monotonic()
+    try:
+        sent = sender.push("sync0")
+    except SyncError as err:
+        return time.monotonic() - start, str(err)
+    return None if sent is None else (0.0, "no error")
+
+
+@pytest.mark.parametrize("transport,layout", [("colocated", ParallelLayout()), ("broadcast", ParallelLayout(pp=2))])
+def test_engine_load_error_reaches_every_sender_at_once(tiny_model_dir, transport, layout):
+    """The engine fails on a stage-0 tensor: every leader hears its message and the tensor within
+    seconds (the waits' own timeout is 60 s), and the engine's receive raises the same."""
+    bad = "model.layers.1.mlp.down_proj.weight"
+    proc, endpoint, results = _start_engine(channels=layout.pp, fail_on=bad)
+    outcomes = [r for r in run_local(_push_until_error, layout.min_world_size(), str(tiny_model_dir("qwen3")),
+                                     layout, endpoint, transport, 60) if r is not None]
+    status, message = results.get(timeout=60)
+    proc.join(timeout=10)
+    assert len(outcomes) == layout.pp  # one leader per channel
+    expected = rf"failed while loading '{re.escape(bad)}': RuntimeError: The size of tensor a \(64\) must match"
+    for seconds, error in outcomes:
+        assert re.search(rf"rank \d \(PP stage \d\): the weight update failed: the engine at .+ {expected}", error), error
+        assert seconds < 10, (seconds, error)  # a generous bound: the point is not waiting for the timeout
+    assert status == "error" and re.search(expected, message), message
 
 
 def test_engine_holding_other_values_is_named(tiny_model_dir):
