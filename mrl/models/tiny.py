@@ -104,6 +104,8 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     )),
     # Qwen3-MoE without renormalised top-k weights: softmax over all experts, top-k taken as is.
     "qwen3_moe_unnormed": ("qwen3_moe", dict(norm_topk_prob=False)),
+    # Qwen3-MoE whose first layer is a dense MLP (mlp_only_layers): a model mixing dense and MoE layers.
+    "qwen3_moe_dense": ("qwen3_moe", dict(mlp_only_layers=[0])),
 }
 TINY_MODELS = TINY_ARCHS + tuple(TINY_VARIANTS)
 _CHAT_TEMPLATE = (

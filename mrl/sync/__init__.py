@@ -18,7 +18,10 @@ rendezvousing on a TCPStore that the engine hosts. Per bucket the leader sends a
 The engine compares each received tensor's checksum with the sender's, so a failed parity check
 can name the first tensor that arrived different. Every wait has a timeout, and its error names
 the rank, the pipeline stage, the bucket and the tensors it was waiting for; a peer that dies
-closes its sockets, which fails the wait at once instead of hanging.
+closes its sockets, which fails the wait at once instead of hanging. An engine that fails while
+loading (its load_weights names the tensor by raising WeightLoadError) writes the error under
+`{sync_id}/error` in its store; each leader looks there before every bucket, stops sending, and
+gets the same error as the answer to its end marker, so every sender raises it within seconds.
 """
 
 
@@ -26,7 +29,7 @@ from mrl.sync.channel import SyncEndpoint
 from mrl.sync.parity import ParityError
 from mrl.sync.receiver import WeightReceiver
 from mrl.sync.sender import TRANSPORTS, WeightSender
-from mrl.sync.wire import Bucket, SyncError, WeightUpdateReport
+from mrl.sync.wire import Bucket, SyncError, WeightLoadError, WeightUpdateReport
 
-__all__ = ["TRANSPORTS", "Bucket", "ParityError", "SyncEndpoint", "SyncError", "WeightReceiver", "WeightSender",
-           "WeightUpdateReport"]
+__all__ = ["TRANSPORTS", "Bucket", "ParityError", "SyncEndpoint", "SyncError", "WeightLoadError", "WeightReceiver",
+           "WeightSender", "WeightUpdateReport"]

@@ -38,6 +38,7 @@ CASES = {
     "deepseek_v3": MOE_LAYOUTS,
     "deepseek_v3_groups": VARIANT_LAYOUTS,  # group-limited routing with topk/topk_group = 3/2
     "qwen3_moe_unnormed": VARIANT_LAYOUTS,  # norm_topk_prob=false
+    "qwen3_moe_dense": VARIANT_LAYOUTS,  # mlp_only_layers=[0]: a dense MLP beside MoE layers
 }
 
 

@@ -150,3 +150,4 @@ def test_variants_change_only_their_fields():
         qk_nope_head_dim=32, v_head_dim=32,
     )
     assert tiny_hf_config("qwen3_moe_unnormed") == tiny_hf_config("qwen3_moe") | dict(norm_topk_prob=False)
+    assert tiny_hf_config("qwen3_moe_dense") == tiny_hf_config("qwen3_moe") | dict(mlp_only_layers=[0])
