@@ -21,6 +21,10 @@ class SyncEndpoint:
     host: str
     port: int
     dtype: str  # the engine's parameter dtype: tensors are cast before they travel
+    token: str = ""  # the engine's store holds it under IDENTITY_KEY: a sender checks it met this engine
+
+
+IDENTITY_KEY = "mrl/engine-token"
 
 
 def channel_count(transport: str, pipeline_stages: int) -> int:

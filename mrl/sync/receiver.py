@@ -9,13 +9,14 @@ import queue
 import socket
 import threading
 import time
+import uuid
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mrl.sync.channel import Channel, SyncEndpoint
+from mrl.sync.channel import IDENTITY_KEY, Channel, SyncEndpoint
 from mrl.sync.wire import SyncError, WeightUpdateReport, checksums_match, describe, describe_failure, error_key, unpack
 
 
@@ -30,7 +31,8 @@ class WeightReceiver:
             port = s.getsockname()[1]
         self.store = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
-        self.endpoint = SyncEndpoint(host, port, str(engine.dtype))
+        self.endpoint = SyncEndpoint(host, port, str(engine.dtype), token=uuid.uuid4().hex)
+        self.store.set(IDENTITY_KEY, self.endpoint.token)
         self._used_ids: set[str] = set()
 
     def receive(self, sync_id: str, channels: int) -> WeightUpdateReport:

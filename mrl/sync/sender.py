@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -12,11 +13,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mrl.sync.channel import Channel, SyncEndpoint, channel_count
+from mrl.sync.channel import IDENTITY_KEY, Channel, SyncEndpoint, channel_count
 from mrl.sync.wire import Bucket, SyncError, describe, describe_failure, dtype_named, error_key, nbytes, pack
 
 TRANSPORTS = ("colocated", "broadcast")
 SHM_DIR = "/dev/shm"
+# TCPStore retries an unreachable port for its timeout, and its last try (plus a back-off) may
+# start just before that ends (measured: ~9.5 s with a 3 s timeout): wait 2 × timeout + this.
+CONNECT_GRACE_S = 5.0
 
 
 # --- trainer side ------------------------------------------------------------------------------
@@ -98,12 +102,39 @@ class WeightSender:
 
     def _connect(self, sync_id: str) -> tuple[Channel, Any]:
         who = f"rank {self.coords.rank} (PP stage {self.stage}) → engine at {self.endpoint.host}:{self.endpoint.port}"
-        try:
-            store = dist.TCPStore(self.endpoint.host, self.endpoint.port, is_master=False,
-                                  timeout=timedelta(seconds=self.timeout_s))
-        except (RuntimeError, OSError) as err:
-            raise SyncError(f"{who}: cannot reach the engine's weight-sync store: {err}") from err
+        store = self._open_store(who)
         return Channel(store, f"{sync_id}/channel{self.stage}", 0, self.timeout_s, who), store
+
+    def _open_store(self, who: str) -> Any:
+        """The engine's store, after a handshake that has a timeout. TCPStore's own connect waits
+        for a reply with none: when an engine dies, its freed port may be reused (even by this
+        process's own gloo group), which accepts the connection and never answers."""
+        wait_s = 2 * self.timeout_s + CONNECT_GRACE_S
+        opened: dict[str, Any] = {}
+
+        def connect() -> None:
+            try:
+                opened["store"] = dist.TCPStore(self.endpoint.host, self.endpoint.port, is_master=False,
+                                                timeout=timedelta(seconds=self.timeout_s))
+            except (RuntimeError, OSError) as err:
+                opened["error"] = err
+
+        thread = threading.Thread(target=connect, daemon=True)  # left behind if the port never answers
+        thread.start()
+        thread.join(wait_s)
+        if thread.is_alive():
+            raise SyncError(f"{who}: the port accepted a connection but no weight-sync store answered within "
+                            f"{wait_s:.0f}s: the engine probably died and its port was reused; restart the engine")
+        if "error" in opened:
+            raise SyncError(f"{who}: cannot reach the engine's weight-sync store: {opened['error']}") from opened["error"]
+        store = opened["store"]
+        if not self.endpoint.token:  # an endpoint made by hand (tests): nothing to compare
+            return store
+        token = store.get(IDENTITY_KEY).decode() if store.check([IDENTITY_KEY]) else None
+        if token != self.endpoint.token:
+            raise SyncError(f"{who}: the store at that address belongs to another engine (token {token!r}, "
+                            f"expected {self.endpoint.token!r}): the engine was restarted; ask it for its endpoint again")
+        return store
 
     def _pack(self, bucket: Bucket, sync_id: str, index: int) -> tuple[dict, torch.Tensor]:
         if self.transport != "colocated":

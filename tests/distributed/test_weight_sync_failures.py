@@ -181,3 +181,30 @@ def test_parity_gate():
         check_parity(gap, 0.1, WeightUpdateReport(tensors=3), step=1)
     with pytest.raises(ValueError, match="probe batches differ"):
         logprob_gap([[-1.0]], [[-1.0, -2.0]])
+
+
+def test_port_that_accepts_but_never_answers_times_out(tiny_model_dir):
+    """An engine died and its port was reused by something that is no weight-sync store: TCPStore's
+    connect would wait for its reply forever; the handshake gives up after its timeout."""
+    import socket
+
+    with socket.socket() as listener:  # the kernel completes connections into the backlog: no reply ever
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        endpoint = SyncEndpoint("127.0.0.1", listener.getsockname()[1], "torch.float32", token="x")
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"rank 0 \(PP stage 0\).* the port accepted a connection but no "
+                                              r"weight-sync store answered within 13s: .*restart the engine"):
+            run_local(_push, 1, str(tiny_model_dir("qwen3")), ParallelLayout(), endpoint, "broadcast", 4)
+        assert time.monotonic() - start < 60
+
+
+def test_store_of_another_engine_is_refused(tiny_model_dir):
+    """A restarted engine got the old one's port: its token differs, and the sender says so."""
+    proc, endpoint, _ = _start_engine()
+    try:
+        stale = SyncEndpoint(endpoint.host, endpoint.port, endpoint.dtype, token="an-earlier-engine")
+        with pytest.raises(WorkerError, match=r"belongs to another engine .*ask it for its endpoint again"):
+            run_local(_push, 1, str(tiny_model_dir("qwen3")), ParallelLayout(), stale, "broadcast", 10)
+    finally:
+        proc.kill()
