@@ -18,12 +18,12 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from mrl.rollout.engine import Generation, SamplingSettings
-from mrl.sync.wire import Bucket, WeightUpdateReport, tensor_checksum, wire_dtype
+from mrl.sync.wire import Bucket, WeightLoadError, WeightUpdateReport, tensor_checksum, wire_dtype
 
 # The engine lives in the caller's process (one engine per process): no hidden engine core process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -38,11 +38,24 @@ def _model(worker: Any) -> torch.nn.Module:
 def _begin_reload(worker: Any) -> None:
     from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
+    _check_cpu_experts(_model(worker))  # before any layer is unloaded: the engine stays usable
     initialize_layerwise_reload(_model(worker))
 
 
 def _load(worker: Any, bucket: Bucket) -> list[str]:
-    return sorted(_model(worker).load_weights(iter(bucket)) or ())
+    """Load a bucket; a failure names the tensor vLLM was given last (layer-wise reload processes
+    a layer when its last tensor arrives, so that is the tensor whose loading failed)."""
+    current = [""]
+
+    def named() -> Any:
+        for name, tensor in bucket:
+            current[0] = name
+            yield name, tensor
+
+    try:
+        return sorted(_model(worker).load_weights(named()) or ())
+    except Exception as err:
+        raise WeightLoadError(current[0], f"{type(err).__name__}: {err}") from err
 
 
 def _finish_reload(worker: Any) -> list[str]:
@@ -204,6 +217,34 @@ def _bind_cpu_workers(workers: int) -> None:
     )
 
 
+def _cpu_experts(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, Any]]:
+    """(name, layer, its CPU experts kernel) of every fused-MoE layer that runs on vLLM-CPU's kernel."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for name, module in model.named_modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            yield name, module, experts
+
+
+def _check_cpu_experts(model: torch.nn.Module) -> None:
+    """Refuse, before loading anything, an update vLLM-CPU would fail half-way through.
+
+    Its expert kernel pads the per-rank MoE intermediate size to a multiple of 32 at start-up; a
+    layer-wise reload then copies the unpadded new weights into the padded ones and fails
+    (measured: moe_intermediate_size 32 on a TP2 engine, 16 per rank, "size of tensor a (64) must
+    match the size of tensor b (32)"), leaving the engine with half-loaded layers.
+    """
+    for name, _, experts in _cpu_experts(model):
+        config = experts.moe_config
+        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+            raise NotImplementedError(
+                f"{name}: weight updates on vLLM-CPU need the MoE intermediate size per engine TP rank "
+                f"({config.intermediate_size_per_partition}) to be a multiple of {experts.output_alignment}; "
+                "lower rollout.tensor_parallel_size (or sync a model with a larger moe_intermediate_size)."
+            )
+
+
 def _prepack_cpu_experts(model: torch.nn.Module) -> None:
     """Re-run the CPU experts' weight pre-packing that vLLM 0.32 skips on a weight update.
 
@@ -211,19 +252,8 @@ def _prepack_cpu_experts(model: torch.nn.Module) -> None:
     first load; on a reload the new weights land unpacked in storage the CPU kernel reads as packed
     (measured: reloading the *same* weights moved logprobs by 0.2). GPU experts need no packing.
     """
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
-    for name, module in model.named_modules():
-        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-        if not isinstance(experts, CPUUnquantizedExperts):
-            continue
-        config = experts.moe_config
-        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
-            raise NotImplementedError(
-                f"{name}: weight updates on vLLM-CPU need the MoE intermediate size per rank "
-                f"({config.intermediate_size_per_partition}) to be a multiple of {experts.output_alignment}."
-            )
-        experts.process_weights_after_loading(module)
+    for _, module, experts in _cpu_experts(model):
+        experts.process_weights_after_loading(module)  # sizes checked by _check_cpu_experts
 
 
 def _repack_tied_lm_head(model: torch.nn.Module) -> None:

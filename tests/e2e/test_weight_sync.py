@@ -8,6 +8,9 @@ silently does nothing cannot pass.
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 
 from mrl.layout import ParallelLayout
@@ -18,9 +21,12 @@ ray = pytest.importorskip("ray")
 
 DENSE_CASES = [(ParallelLayout(tp=2), "colocated"), (ParallelLayout(pp=2), "broadcast")]
 MOE_CASES = [(ParallelLayout(ep=2), "broadcast"), (ParallelLayout(tp=2, ep=2), "colocated")]
+# Mixed dense/MoE models: DeepSeek-V3's first layer is dense (first_k_dense_replace=1), and so is
+# qwen3_moe_dense's (mlp_only_layers=[0]); TP2×PP2 covers DeepSeek-V3's TP and PP splits at once.
 CASES = {
     "llama": DENSE_CASES, "qwen2": DENSE_CASES, "qwen3": DENSE_CASES,
-    "qwen3_moe": DENSE_CASES + MOE_CASES, "deepseek_v3": [(ParallelLayout(tp=2, pp=2), "broadcast")] + MOE_CASES,
+    "qwen3_moe": DENSE_CASES + MOE_CASES, "qwen3_moe_dense": DENSE_CASES + MOE_CASES,
+    "deepseek_v3": [(ParallelLayout(tp=2, pp=2), "broadcast")] + MOE_CASES,
 }
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20)
 TOL = 1e-4  # fp32 on both sides: measured ≤ 1e-5
@@ -92,5 +98,57 @@ def test_rollout_tp_is_independent_of_the_trainer_layout(tiny_model_dir, tmp_pat
         trainer = next(r["logprobs"] for r in results if r["logprobs"] is not None)
         assert not report.mismatched and not report.not_updated
         assert logprob_gap(ray.get(actor.score.remote(probe)), trainer)["rollout/logprob_abs_diff_max"] < TOL
+    finally:
+        ray.kill(actor)
+
+
+def _push_until_error(rank, world, hf_dir, layout, endpoint, transport, sync_id):
+    """Push, expecting the engine to refuse: (seconds the push took, its SyncError) on the leader."""
+    from mrl.bridge.hf_import import load_hf_weights
+    from mrl.megatron.model import build_model
+    from mrl.megatron.parallel import initialize_layout
+    from mrl.models.registry import model_spec_from_hf
+    from mrl.sync.sender import WeightSender
+    from mrl.sync.wire import SyncError
+
+    coords = initialize_layout(layout)
+    built = build_model(model_spec_from_hf(hf_dir), layout)
+    load_hf_weights(built, coords, hf_dir)
+    sender = WeightSender(endpoint, built, coords, transport=transport, bucket_bytes=1 << 20, timeout_s=120)
+    start = time.monotonic()
+    try:
+        sent = sender.push(sync_id)
+    except SyncError as err:
+        return time.monotonic() - start, str(err)
+    return None if sent is None else (0.0, "no error")
+
+
+def test_engine_refusal_reaches_the_trainer_at_once(tmp_path, ray_local):
+    """The issue's case: Qwen3-MoE with a dense first layer, trainer TP2×EP2, a TP2 vLLM-CPU engine.
+    vLLM-CPU cannot reload experts whose per-rank intermediate size (32 / 2) it padded; the engine
+    refuses before touching a layer, every sender hears why within seconds (its wait would last
+    120 s), and the engine keeps serving its old weights."""
+    from mrl.launch.rollout_actor import start_rollout_actor
+    from mrl.models.registry import model_spec_from_hf
+    from mrl.sync.parity import probe_sequences
+    from mrl.sync.wire import SyncError
+
+    start, target = (write_tiny_model("qwen3_moe_dense", tmp_path / name, seed=seed) for name, seed in (("a", 0), ("b", 7)))
+    probe = probe_sequences(model_spec_from_hf(start).vocab_size)
+    actor = start_rollout_actor(str(start), ENGINE | {"tensor_parallel_size": 2}, num_cpus=2)
+    try:
+        before = ray.get(actor.score.remote(probe))
+        endpoint = ray.get(actor.endpoint.remote())  # before receive_weights, which holds the actor
+        layout = ParallelLayout(tp=2, ep=2)
+        receipt = actor.receive_weights.remote("refused", 1)
+        results = run_local(_push_until_error, layout.min_world_size(), str(target), layout, endpoint,
+                            "colocated", "refused", timeout_s=300)
+        seconds, error = next(r for r in results if r is not None)
+        refusal = r"MoE intermediate size per engine TP rank \(16\) to be a multiple of 32"
+        assert re.search(rf"rank 0 \(PP stage 0\): the weight update failed: the engine at \S+ failed: .*{refusal}", error), error
+        assert seconds < 10, (seconds, error)  # a generous bound: the point is not waiting 120 s
+        with pytest.raises(SyncError, match=refusal):
+            ray.get(receipt, timeout=60)
+        assert ray.get(actor.score.remote(probe)) == before  # nothing was unloaded
     finally:
         ray.kill(actor)
