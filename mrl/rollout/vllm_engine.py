@@ -42,9 +42,10 @@ def _begin_reload(worker: Any) -> None:
     initialize_layerwise_reload(_model(worker))
 
 
-def _load(worker: Any, bucket: Bucket) -> list[str]:
-    """Load a bucket; a failure names the tensor vLLM was given last (layer-wise reload processes
-    a layer when its last tensor arrives, so that is the tensor whose loading failed)."""
+def _load(worker: Any, bucket: Bucket) -> list[str] | dict[str, str]:
+    """Load a bucket. A failure is returned as plain data, {"tensor", "error"} (vLLM's executor
+    flattens a raised or returned exception into a string), naming the tensor vLLM was given last:
+    layer-wise reload processes a layer when its last tensor arrives, so that one failed."""
     current = [""]
 
     def named() -> Any:
@@ -54,8 +55,8 @@ def _load(worker: Any, bucket: Bucket) -> list[str]:
 
     try:
         return sorted(_model(worker).load_weights(named()) or ())
-    except Exception as err:
-        raise WeightLoadError(current[0], f"{type(err).__name__}: {err}") from err
+    except Exception as err:  # noqa: BLE001 - raised by VLLMEngine.load_weights
+        return {"tensor": current[0], "error": f"{type(err).__name__}: {err}"}
 
 
 def _finish_reload(worker: Any) -> list[str]:
@@ -406,6 +407,8 @@ class VLLMEngine:
         start = time.perf_counter()
         apply = _copy_in_place if self.weight_apply == "in_place" else _load
         for loaded in self.llm.collective_rpc(apply, args=(bucket,)):
+            if isinstance(loaded, dict):  # _load's failure, as data (see _load)
+                raise WeightLoadError(loaded["tensor"], loaded["error"])
             self._loaded.update(loaded)
         self._report.load_seconds += time.perf_counter() - start
 

@@ -152,3 +152,32 @@ def test_engine_refusal_reaches_the_trainer_at_once(tmp_path, ray_local):
         assert ray.get(actor.score.remote(probe)) == before  # nothing was unloaded
     finally:
         ray.kill(actor)
+
+
+BAD_LOAD = """
+import sys, torch
+from mrl.rollout.vllm_engine import VLLMEngine
+from mrl.sync.wire import WeightLoadError
+if __name__ == "__main__":
+    engine = VLLMEngine(sys.argv[1], dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20)
+    engine.begin_weight_update()
+    try:
+        engine.load_weights([("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 7))])  # [64, 128] expected
+    except WeightLoadError as err:
+        print("TENSOR " + err.tensor)
+        print("MESSAGE " + err.message)
+"""
+
+
+def test_vllm_load_failure_names_the_tensor_and_keeps_vllms_message(tiny_model_dir, tmp_path):
+    """vLLM's executor turns a worker's exception into a string; the engine still raises
+    WeightLoadError with the tensor's name and vLLM's own message (the receiver sends both on)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "bad_load.py"
+    script.write_text(BAD_LOAD)
+    out = subprocess.run([sys.executable, str(script), str(tiny_model_dir("qwen3"))], capture_output=True,
+                         text=True, timeout=300).stdout
+    assert "TENSOR model.layers.0.mlp.down_proj.weight\n" in out, out[-2000:]
+    assert re.search(r"MESSAGE RuntimeError: .*\(7\)", out), out[-2000:]
