@@ -146,20 +146,28 @@ def _box(box: tuple) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
 
-def _copy_in_place(worker: Any, bucket: Bucket) -> list[str]:
-    """Write each HF tensor's planned slices straight into the engine's parameters."""
-    plan, targets = worker.mrl_sync_plan, worker.mrl_sync_targets
+def _copy_in_place(worker: Any, bucket: Bucket) -> list[str] | dict:
+    """Write each HF tensor's planned slices straight into the engine's parameters. A failure is
+    returned as data, {"tensor", "error"}, as _load's is."""
     for name, tensor in bucket:
-        if name not in plan:
-            raise KeyError(f"HF tensor {name!r} is not in this engine's sync plan (the trainer exports a model "
-                           "the engine was not started with?); sync.apply: load_weights loads by name instead")
-        if tuple(tensor.shape) != worker.mrl_sync_shapes[name]:
-            raise ValueError(f"HF tensor {name!r} arrived with shape {list(tensor.shape)}, the engine's sync plan "
-                             f"expects {list(worker.mrl_sync_shapes[name])}: the trainer's model is not the engine's")
-        for c in plan[name]:
-            dst = targets[c.param].data[_box(c.param_box)]
-            dst.copy_(tensor[_box(c.hf_box)].reshape(dst.shape))
+        try:
+            _copy_tensor(worker, name, tensor)
+        except Exception as err:  # noqa: BLE001 - raised by VLLMEngine.load_weights
+            return {"tensor": name, "error": f"{type(err).__name__}: {err}"}
     return [name for name, _ in bucket]
+
+
+def _copy_tensor(worker: Any, name: str, tensor: torch.Tensor) -> None:
+    plan, targets = worker.mrl_sync_plan, worker.mrl_sync_targets
+    if name not in plan:
+        raise KeyError(f"HF tensor {name!r} is not in this engine's sync plan (the trainer exports a model "
+                       "the engine was not started with?); sync.apply: load_weights loads by name instead")
+    if tuple(tensor.shape) != worker.mrl_sync_shapes[name]:
+        raise ValueError(f"HF tensor {name!r} arrived with shape {list(tensor.shape)}, the engine's sync plan "
+                         f"expects {list(worker.mrl_sync_shapes[name])}: the trainer's model is not the engine's")
+    for c in plan[name]:
+        dst = targets[c.param].data[_box(c.param_box)]
+        dst.copy_(tensor[_box(c.hf_box)].reshape(dst.shape))
 
 
 def _hook_kernel_formats(worker: Any, model: torch.nn.Module, touched: set[str]) -> None:
