@@ -96,50 +96,39 @@ def test_in_place_matches_load_weights(arch, tiny_model_dir, tmp_path, ray_local
                          [("qwen3_moe", "ep2", "broadcast"), ("deepseek_v3", "tp2", "colocated")])
 def test_trainer_push_applies_in_place(arch, layout, transport, tiny_model_dir, tmp_path, ray_local):
     """The whole path: Megatron export → sender → receiver → in-place apply; parity against Megatron."""
-    from test_weight_sync import TOL as SYNC_TOL, _push
-
-    from mrl.launch.rollout_actor import start_rollout_actor
     from mrl.layout import ParallelLayout
-    from mrl.megatron.local_launch import run_local
-    from mrl.models.registry import model_spec_from_hf
-    from mrl.sync.parity import logprob_gap, probe_sequences
 
     layout = ParallelLayout(ep=2) if layout == "ep2" else ParallelLayout(tp=2)
-    start, target = tiny_model_dir(arch), write_tiny_model(arch, tmp_path / "b", seed=7)
-    probe = probe_sequences(model_spec_from_hf(start).vocab_size)
-    actor = start_rollout_actor(str(start), ENGINE | {"weight_apply": "in_place"})
-    try:
-        endpoint = ray.get(actor.endpoint.remote())
-        receipt = actor.receive_weights.remote("in-place", 1)
-        results = run_local(_push, layout.min_world_size(), str(target), layout, endpoint, transport, "in-place",
-                            probe, timeout_s=300)
-        report = ray.get(receipt, timeout=120)
-        trainer = next(r["logprobs"] for r in results if r["logprobs"] is not None)
-        assert not report.mismatched and not report.not_updated
-        assert logprob_gap(ray.get(actor.score.remote(probe)), trainer)["rollout/logprob_abs_diff_max"] < SYNC_TOL
-    finally:
-        ray.kill(actor)
+    _push_in_place(arch, layout, transport, ENGINE | {"weight_apply": "in_place"}, tiny_model_dir, tmp_path)
 
 
 def test_engine_tp2_applies_in_place(tiny_model_dir, tmp_path, ray_local):
     """A TP2 engine (two workers, each with its own plan): qwen2's single K/V head is replicated on
     both ranks, its 896-row vocabulary split in two; parity against the Megatron that pushed."""
+    from mrl.layout import ParallelLayout
+
+    options = ENGINE | {"weight_apply": "in_place", "tensor_parallel_size": 2}
+    _push_in_place("qwen2", ParallelLayout(pp=2), "broadcast", options, tiny_model_dir, tmp_path, num_cpus=2)
+
+
+def _push_in_place(arch, layout, transport, options, tiny_model_dir, tmp_path, num_cpus=1):
+    """Push model B from Megatron in `layout` into an in-place engine started on model A; the
+    engine's log-probs must then match the Megatron that pushed."""
     from test_weight_sync import TOL as SYNC_TOL, _push
 
     from mrl.launch.rollout_actor import start_rollout_actor
-    from mrl.layout import ParallelLayout
     from mrl.megatron.local_launch import run_local
     from mrl.models.registry import model_spec_from_hf
+    from mrl.sync.channel import channel_count
     from mrl.sync.parity import logprob_gap, probe_sequences
 
-    start, target = tiny_model_dir("qwen2"), write_tiny_model("qwen2", tmp_path / "b", seed=7)
+    start, target = tiny_model_dir(arch), write_tiny_model(arch, tmp_path / "b", seed=7)
     probe = probe_sequences(model_spec_from_hf(start).vocab_size)
-    options = ENGINE | {"weight_apply": "in_place", "tensor_parallel_size": 2}
-    actor = start_rollout_actor(str(start), options, num_cpus=2)
+    actor = start_rollout_actor(str(start), options, num_cpus=num_cpus)
     try:
         endpoint = ray.get(actor.endpoint.remote())
-        receipt = actor.receive_weights.remote("tp2-in-place", 2)
-        results = run_local(_push, 2, str(target), ParallelLayout(pp=2), endpoint, "broadcast", "tp2-in-place",
+        receipt = actor.receive_weights.remote("in-place", channel_count(transport, layout.pp))
+        results = run_local(_push, layout.min_world_size(), str(target), layout, endpoint, transport, "in-place",
                             probe, timeout_s=300)
         report = ray.get(receipt, timeout=120)
         trainer = next(r["logprobs"] for r in results if r["logprobs"] is not None)
