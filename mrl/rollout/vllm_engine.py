@@ -280,12 +280,6 @@ def _repack_tied_lm_head(model: torch.nn.Module) -> None:
         method.process_weights_after_loading(head)
 
 
-def _post_apply_hooks(arch: str) -> tuple[str, ...]:
-    from mrl.sync.plan import POST_APPLY
-
-    return POST_APPLY[arch]
-
-
 class VLLMEngine:
     """A vLLM `LLM` behind mrl's RolloutEngine protocol."""
 
@@ -388,7 +382,7 @@ class VLLMEngine:
 
     def _install_sync_plan(self) -> None:
         """Once per engine: compute every TP worker's sync plan and keep it in the worker."""
-        from mrl.sync.plan import PlanError, build_plan, hf_metadata
+        from mrl.sync.plan import POST_APPLY, PlanError, build_plan, hf_metadata
 
         if self._param_sources is not None:
             return
@@ -400,7 +394,7 @@ class VLLMEngine:
         arch = json.loads((Path(self.model_path) / "config.json").read_text())["model_type"]
         plans = {w["tp_rank"]: build_plan(arch, hf, w) for w in self.parameter_metadata()}
         self.llm.collective_rpc(_install_plan, args=(plans, hf))
-        self._hooks = _post_apply_hooks(arch)
+        self._hooks = POST_APPLY[arch]
         self._param_sources = {}
         for c in plans[0]:
             if c.hf_name is not None:

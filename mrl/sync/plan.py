@@ -10,9 +10,7 @@ full coverage: every element of every loaded engine parameter is written exactly
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,11 +22,14 @@ __all__ = ["EXPERT_MODULE", "FUSIONS", "POST_APPLY", "TP_DIMS", "VOCAB", "Copy",
 
 def hf_metadata(model_dir: str | Path) -> dict[str, dict]:
     """{HF name: {shape, dtype}} from a checkpoint's safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
     out = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with open(path, "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        out.update({k: {"shape": v["shape"], "dtype": v["dtype"]} for k, v in header.items() if k != "__metadata__"})
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                out[name] = {"shape": tensor.get_shape(), "dtype": tensor.get_dtype()}
     return out
 
 
