@@ -96,7 +96,7 @@ def _scalar(name: str, value: Any) -> float | int | None:
                     f"log floats, ints or one-element tensors")
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     """Call write(binary file) on a temp file beside `path`, then rename it over `path`."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -117,8 +117,13 @@ def read_metrics(jsonl_path: str | os.PathLike) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file at {path}; fix: point at the metrics.jsonl a run wrote "
                                 f"(<trainer.output_dir>/{JSONL_NAME})")
+    return step_rows(path.read_text())
+
+
+def step_rows(jsonl: str) -> list[dict]:
+    """The objects of JSON-lines text that carry an integer "step"; a line cut short is skipped."""
     rows = []
-    for line in path.read_text().splitlines():
+    for line in jsonl.splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
@@ -134,7 +139,7 @@ def _drop_steps_from(jsonl_path: Path, first_dropped: int) -> None:
         return
     kept = [row for row in read_metrics(jsonl_path) if row["step"] < first_dropped]
     text = "".join(json.dumps(row) + "\n" for row in kept)
-    _atomic_write(jsonl_path, lambda f: f.write(text.encode()))
+    atomic_write(jsonl_path, lambda f: f.write(text.encode()))
 
 
 class MetricsLogger:
@@ -290,7 +295,7 @@ def plot_metrics(jsonl_path: str | os.PathLike, png_path: str | os.PathLike,
 
     png = Path(png_path)
     png.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(png, lambda f: fig.savefig(f, format="png"))
+    atomic_write(png, lambda f: fig.savefig(f, format="png"))
     return png
 
 

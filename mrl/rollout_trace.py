@@ -33,6 +33,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from mrl.metrics import atomic_write, step_rows
+
 if TYPE_CHECKING:
     from mrl.rewards import RewardResult
     from mrl.rollout.engine import Generation
@@ -141,21 +143,11 @@ def _bounded(record: dict, max_chars: int) -> dict:
 def write_trace(path: Path, records: list[dict]) -> Path:
     """Write `records` as JSON lines to `path`, atomically (a reader never sees half a step)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in records).encode()))
     return path
 
 
 def read_traces(output_dir: str | os.PathLike) -> list[dict]:
     """Every traced sample of a run, by step then sample; lines that do not parse are skipped."""
-    records = []
-    for path in sorted((Path(output_dir) / TRACE_DIR).glob("step_*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                records.append(record)
-    return records
+    return [record for path in sorted((Path(output_dir) / TRACE_DIR).glob("step_*.jsonl"))
+            for record in step_rows(path.read_text())]

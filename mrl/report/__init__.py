@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from mrl.metrics import atomic_write
 from mrl.report.collect import ReportError, collect_run
 from mrl.report.page import render_page
 
@@ -18,9 +19,7 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     page = render_page(collect_run(run_dir))
     path = Path(out) if out is not None else Path(run_dir) / REPORT_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, path)  # a browser reloading the page never reads half of it
+    atomic_write(path, lambda f: f.write(page.encode("utf-8")))  # a reloading browser never reads half of it
     return path
 
 
