@@ -59,6 +59,7 @@ class RolloutConfig:
     """The generation engine and its sampling parameters."""
 
     engine: Literal["vllm"] = "vllm"
+    num_engines: int = 1  # engines in the fleet (mrl/launch/fleet.py), each tensor_parallel_size GPUs wide
     tensor_parallel_size: int = 1
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     max_model_len: int = 4096

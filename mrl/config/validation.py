@@ -25,6 +25,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.sft_lr", lambda v: v is None or v > 0, "> 0 (or null: optim.lr)"),
     ("trainer.sft_pack_tokens", lambda v: v is None or v >= 2, ">= 2 (or null: no packing)"),
     ("trainer.eval_every", lambda v: v >= 0, ">= 0"),
+    ("rollout.num_engines", lambda v: v >= 1, ">= 1"),
     ("rollout.tensor_parallel_size", lambda v: v >= 1, ">= 1"),
     ("rollout.max_model_len", lambda v: v >= 2, ">= 2"),
     ("rollout.kv_cache_memory_mb", lambda v: v is None or v >= 1, ">= 1 (or null)"),
@@ -335,13 +336,26 @@ def _actor_world(cfg: RunConfig, layout: ParallelLayout) -> tuple[int | None, li
         return None, errors
     if world > gpus:
         errors.append(f"parallel.world_size {world} exceeds the {gpus} actor GPUs: lower it or add nodes.")
-    rollout_gpus = reserved or total
-    if rollout_gpus % cfg.rollout.tensor_parallel_size:
-        errors.append(
-            f"rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} does not divide the {rollout_gpus} "
-            "rollout GPUs: choose a size that divides them."
-        )
+    errors += _check_engine_gpus(cfg, reserved, total)
     return world, errors
+
+
+def _check_engine_gpus(cfg: RunConfig, reserved: int, total: int) -> list[str]:
+    """The fleet's GPUs, rollout.num_engines × tensor_parallel_size: exactly the reserved ones
+    (separate placement: a reserved GPU left idle is a mistake too), or at most the cluster's
+    (colocated: the engines share the trainer's GPUs)."""
+    n, tp = cfg.rollout.num_engines, cfg.rollout.tensor_parallel_size
+    need = f"rollout.num_engines {n} × rollout.tensor_parallel_size {tp} = {n * tp} engine GPUs"
+    if reserved:
+        if n * tp == reserved:
+            return []
+        fix = f"set rollout.num_engines: {reserved // tp}" if reserved % tp == 0 else "choose a tensor_parallel_size that divides it"
+        return [f"{need}, but launch.rollout_gpus reserves {reserved}: make them equal ({fix}, or "
+                f"launch.rollout_gpus: {n * tp})."]
+    if n * tp > total:
+        return [f"{need} exceed the cluster's {total} GPUs (colocated engines share the trainer's): lower "
+                "rollout.num_engines or add nodes."]
+    return []
 
 
 def _check_files(cfg: RunConfig) -> list[str]:

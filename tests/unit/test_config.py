@@ -221,13 +221,27 @@ def test_a_quantised_model_path_is_refused_with_the_conversion_to_run(tmp_path):
         (["launch.placement=separate", "sync.transport=broadcast"], "launch.placement separate needs 1 <= launch.rollout_gpus < 128"),
         (["launch.placement=separate"], "sync.transport 'colocated' needs launch.placement: colocated"),
         (["launch.num_nodes=20", "launch.placement=separate", "sync.transport=broadcast", "launch.rollout_gpus=24"],
-         "rollout.tensor_parallel_size 16 does not divide the 24 rollout GPUs"),
+         "rollout.num_engines 1 × rollout.tensor_parallel_size 16 = 16 engine GPUs, but launch.rollout_gpus reserves "
+         "24: make them equal (choose a tensor_parallel_size that divides it, or launch.rollout_gpus: 16)."),
+        (["launch.num_nodes=20", "launch.placement=separate", "sync.transport=broadcast", "launch.rollout_gpus=32"],
+         "rollout.num_engines 1 × rollout.tensor_parallel_size 16 = 16 engine GPUs, but launch.rollout_gpus reserves "
+         "32: make them equal (set rollout.num_engines: 2, or launch.rollout_gpus: 16)."),
+        (["rollout.num_engines=9"], "rollout.num_engines 9 × rollout.tensor_parallel_size 16 = 144 engine GPUs exceed "
+         "the cluster's 128 GPUs (colocated engines share the trainer's): lower rollout.num_engines or add nodes."),
+        (["rollout.num_engines=0"], "rollout.num_engines must be >= 1, got 0."),
         (["parallel.world_size=256"], "parallel.world_size 256 exceeds the 128 actor GPUs"),
     ],
 )
 def test_resources(overrides, message):
     errors = errors_of(DSV3, *overrides, check_files=False)
     assert any(e.startswith(message) for e in errors), errors
+
+
+@pytest.mark.parametrize("overrides", [["rollout.num_engines=8"],  # colocated: 8 × TP16 = all 128 GPUs
+                                       ["launch.num_nodes=20", "launch.placement=separate", "sync.transport=broadcast",
+                                        "launch.rollout_gpus=32", "rollout.num_engines=2"]])
+def test_an_engine_fleet_that_fits_its_gpus_is_accepted(overrides):
+    assert load_config(DSV3, overrides, check_files=False).rollout.num_engines in (2, 8)
 
 
 def test_missing_files(tmp_path):
