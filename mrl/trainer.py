@@ -78,7 +78,8 @@ def rl_step(step: int, run: Run) -> dict:
     with timer("step", metrics):
         prompts = [run.train_set[i] for i in run.sampler.next_batch()]
         with timer("gen", metrics):
-            groups = cluster.generate([p["prompt_ids"] for p in prompts], sampling_for(cfg, step))
+            groups, engine_metrics = cluster.generate([p["prompt_ids"] for p in prompts], sampling_for(cfg, step))
+        metrics.update(engine_metrics)  # rollout/engine{i}/...: each engine's throughput
         metrics["perf/gen_tokens_per_s"] = sum(len(g.token_ids) for gs in groups for g in gs) / metrics["timing_s/gen"]
         cluster.release_engine()
         with timer("reward", metrics):
@@ -214,7 +215,7 @@ def evaluate(run: Run) -> float | None:
     """Greedy accuracy on the held-out split (a score >= 1 counts as correct)."""
     if not run.heldout:
         return None
-    groups = run.cluster.generate([p["prompt_ids"] for p in run.heldout], greedy_settings(run.cfg))
+    groups, _ = run.cluster.generate([p["prompt_ids"] for p in run.heldout], greedy_settings(run.cfg))
     return float((score(run.reward, run.heldout, groups) >= 1.0).float().mean())
 
 

@@ -1,6 +1,6 @@
 """Bring up what a run needs: Ray (local or an existing cluster), the Megatron actor's worker group
-(and a PPO critic's), and the rollout engine's actor, each behind a typed proxy (mrl.launch.proxies);
-and the one operation that joins them, the weight sync (mrl.sync.driver)."""
+(and a PPO critic's), and the rollout engines (rollout.num_engines, mrl.launch.fleet), each behind a
+typed proxy (mrl.launch.proxies); and the one operation that joins them, the weight sync (mrl.sync.driver)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import ray
 
 from mrl.config import RunConfig
 from mrl.config.derived import actor_world_size, engine_options, has_critic, layout_of, optim_for
+from mrl.launch.fleet import EngineFleet
 from mrl.launch.proxies import ActorGroup, EngineHandle
 from mrl.launch.rollout_actor import start_rollout_actor
 from mrl.launch.worker_group import WorkerGroup
@@ -25,26 +26,28 @@ from mrl.workers.actor import ActorSetup
 @dataclass
 class Cluster:
     """The run's Ray processes: Megatron ranks (`actor`, and for PPO `critic` in the same layout)
-    and the vLLM engine (`engine`, None for SFT only), and the weight sync between them."""
+    and the vLLM engines (`engines`, None for SFT only), and the weight sync between them."""
 
     cfg: RunConfig
     actor: ActorGroup
-    engine: EngineHandle | None
+    engines: EngineFleet | None
     owns_ray: bool
     critic: ActorGroup | None = None
     sync: WeightSync | None = None
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
-        return self.engine.generate(prompt_ids, sampling)
+    def generate(self, prompt_ids: list[list[int]],
+                 sampling: SamplingSettings) -> tuple[list[list[Generation]], dict[str, float]]:
+        """Samples per prompt, spread over the engines; and each engine's throughput metrics."""
+        return self.engines.generate(prompt_ids, sampling)
 
     def release_engine(self) -> None:
-        """Colocated placement: the engine frees its accelerator memory while the actor trains
-        (vLLM sleep; a no-op on CPU). Whatever it is asked next (generate, a sync) wakes it."""
+        """Colocated placement: the engines free their accelerator memory while the actor trains
+        (vLLM sleep; a no-op on CPU). Whatever they are asked next (generate, a sync) wakes them."""
         if self.cfg.launch.placement == "colocated":
-            self.engine.sleep()
+            self.engines.sleep()
 
     def sync_weights(self) -> dict[str, float]:
-        """Push the actor's weights into the engine; check parity when due. Returns metrics."""
+        """Push the actor's weights into every engine; check parity when due. Returns metrics."""
         return self.sync()
 
     def trainers(self) -> list[ActorGroup]:
@@ -52,7 +55,7 @@ class Cluster:
         return [self.actor] + ([self.critic] if self.critic is not None else [])
 
     def close(self) -> None:
-        """Stop every group, the engine and an owned Ray, whatever fails on the way (the first
+        """Stop every group, the engines and an owned Ray, whatever fails on the way (the first
         error is raised at the end)."""
         errors = []
         for group in self.trainers():
@@ -60,8 +63,11 @@ class Cluster:
                 group.shutdown()
             except Exception as err:  # noqa: BLE001 - the other groups must stop too
                 errors.append(err)
-        if self.engine is not None:
-            self.engine.close()
+        if self.engines is not None:
+            try:
+                self.engines.close()
+            except Exception as err:  # noqa: BLE001 - Ray must stop too
+                errors.append(err)
         if self.owns_ray:
             ray.shutdown()
         if errors:
@@ -69,21 +75,21 @@ class Cluster:
 
 
 def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: bool = True) -> Cluster:
-    """Ray, the engine (started first: its weights come from `hf_dir` too), the actor ranks and,
-    for PPO, the critic ranks (a second group in the same layout, with a value head)."""
-    launch, world, critic = cfg.launch, actor_world_size(cfg), has_critic(cfg)
+    """Ray, the engines (started first, all at once: their weights come from `hf_dir` too), the
+    actor ranks and, for PPO, the critic ranks (a second group in the same layout, with a value head)."""
+    launch, world, critic, engines = cfg.launch, actor_world_size(cfg), has_critic(cfg), cfg.rollout.num_engines
     # Logical CPUs for every process we start, whatever the machine's count.
-    owns_ray = init_ray(launch.address, max(launch.cpus_per_node, world * (1 + critic) + 2),
+    owns_ray = init_ray(launch.address, max(launch.cpus_per_node, world * (1 + critic) + engines + 1),
                         launch.gpus_per_node or None)
     colocated = launch.placement == "colocated"
     # Processes that share each GPU: actor and critic ranks, and the engine when colocated.
     share = 0.0 if launch.gpus_per_node == 0 else 1 / (1 + critic + colocated)
     engine_gpus = 0 if not share else (share if colocated else 1) * cfg.rollout.tensor_parallel_size
-    engine, groups = None, []
+    fleet, groups = None, []
     try:
         if with_engine:
-            engine = EngineHandle(start_rollout_actor(hf_dir, engine_options(cfg), num_cpus=1, num_gpus=engine_gpus,
-                                                      sync_timeout_s=cfg.sync.timeout_s), cfg.sync.timeout_s)
+            fleet = EngineFleet.start(hf_dir, engine_options(cfg), engines, num_cpus=1, num_gpus=engine_gpus,
+                                      sync_timeout_s=cfg.sync.timeout_s, timeout_s=cfg.sync.timeout_s)
         setup = ActorSetup(hf_dir=hf_dir, layout=layout_of(cfg), params_dtype=cfg.model.dtype,
                            transformer_impl=cfg.model.transformer_impl, seed=cfg.trainer.seed,
                            optim=optim_for(cfg), reference=cfg.algo.kl_coef > 0)
@@ -93,17 +99,18 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
             groups.append(ActorGroup(WorkerGroup(world, cpus_per_worker=1, gpus_per_worker=share,
                                                  timeout_s=max(600.0, cfg.sync.timeout_s))))
             groups[-1].setup(role_setup)
-        sync = None if engine is None else WeightSync(groups[0], engine, cfg.sync, channel_count(cfg.sync.transport, cfg.parallel.pp),
-                                                      probe_sequences(vocab_size))
+        sync = None if fleet is None else WeightSync(groups[0], fleet.handles, cfg.sync,
+                                                     channel_count(cfg.sync.transport, cfg.parallel.pp),
+                                                     probe_sequences(vocab_size))
     except BaseException:
         for group in groups:
             group.group.shutdown()
-        if engine is not None:
-            engine.close()
+        if fleet is not None:
+            fleet.close()
         if owns_ray:
             ray.shutdown()
         raise
-    return Cluster(cfg, groups[0], engine, owns_ray, critic=groups[1] if critic else None, sync=sync)
+    return Cluster(cfg, groups[0], fleet, owns_ray, critic=groups[1] if critic else None, sync=sync)
 
 
 def init_ray(address: str | None, num_cpus: int, num_gpus: int | None = None) -> bool:

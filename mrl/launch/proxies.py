@@ -126,16 +126,23 @@ class PendingReport:
 class EngineHandle:
     """The rollout engine's Ray actor: typed calls, each waited for with a timeout."""
 
+    GENERATE_TIMEOUT_FACTOR = 4  # a rollout may take longer than other calls: generate waits this × timeout_s
+
     def __init__(self, actor: Any, timeout_s: float):
         self.actor, self.timeout_s = actor, timeout_s
 
+    def submit(self, method: Callable, *args: Any) -> Any:
+        """Start RolloutServer.`method` without waiting: its Ray reference (a fleet waits for all
+        its engines at once, see mrl.launch.fleet)."""
+        return getattr(self.actor, _checked(method, *args)).remote(*args)
+
     def _call(self, method: Callable, *args: Any, timeout_s: float | None = None) -> Any:
-        ref = getattr(self.actor, _checked(method, *args)).remote(*args)
-        return ray.get(ref, timeout=timeout_s or self.timeout_s)
+        return ray.get(self.submit(method, *args), timeout=timeout_s or self.timeout_s)
 
     def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
         """Samples per prompt; a sleeping engine wakes first (the engine does it, see VLLMEngine)."""
-        return self._call(RolloutServer.generate, prompts, sampling, timeout_s=self.timeout_s * 4)
+        return self._call(RolloutServer.generate, prompts, sampling,
+                          timeout_s=self.timeout_s * self.GENERATE_TIMEOUT_FACTOR)
 
     def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
         return self._call(RolloutServer.score, sequences)
@@ -145,6 +152,9 @@ class EngineHandle:
 
     def endpoint(self) -> SyncEndpoint:
         return self._call(RolloutServer.endpoint)
+
+    def node_ip(self) -> str:
+        return self._call(RolloutServer.node_ip)
 
     def receive_weights(self, sync_id: str, channels: int) -> PendingReport:
         """Start receiving an update; the senders push while this waits (see mrl.sync.driver)."""

@@ -23,6 +23,10 @@ class RolloutServer:
     def endpoint(self):
         return self.receiver.endpoint
 
+    def node_ip(self) -> str:
+        """The node this engine runs on: a fleet names it when the engine fails."""
+        return ray.util.get_node_ip_address()
+
     def receive_weights(self, sync_id: str, channels: int) -> WeightUpdateReport:
         # Holds this (single-threaded) actor until the update is complete: ask for endpoint() first.
         return self.receiver.receive(sync_id, channels)
@@ -38,13 +42,20 @@ class RolloutServer:
         self.engine.sleep()
 
 
+def launch_rollout_actor(model: str, engine_options: dict[str, Any], *, num_cpus: float = 1,
+                         num_gpus: float = 0, sync_timeout_s: float = 300.0) -> Any:
+    """Start the actor without waiting for its engine (a fleet starts several, then waits once)."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    return ray.remote(RolloutServer).options(
+        num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env}
+    ).remote(model, engine_options, sync_timeout_s)
+
+
 def start_rollout_actor(model: str, engine_options: dict[str, Any], *, num_cpus: float = 1,
                         num_gpus: float = 0, sync_timeout_s: float = 300.0, start_timeout_s: float = 600.0) -> Any:
     """Start the actor and wait until its engine is up: an engine that fails or hangs raises here."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-    actor = ray.remote(RolloutServer).options(
-        num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env}
-    ).remote(model, engine_options, sync_timeout_s)
+    actor = launch_rollout_actor(model, engine_options, num_cpus=num_cpus, num_gpus=num_gpus,
+                                 sync_timeout_s=sync_timeout_s)
     try:
         ray.get(actor.endpoint.remote(), timeout=start_timeout_s)
     except ray.exceptions.GetTimeoutError:

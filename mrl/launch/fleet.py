@@ -1,0 +1,149 @@
+"""The engine fleet: rollout.num_engines vLLM engines, each in its own Ray actor (RolloutServer),
+behind one driver-side object with the calls the trainer makes (generate, score, sleep, close).
+
+A batch is spread by load: a prompt's n samples stay on one engine (their shared prompt is
+computed once, in its prefix cache), and prompts go to engines by estimated work, longest first
+(`assign_by_load`). The engines run concurrently; the driver waits for all of them at once, with
+one deadline, and hands back the results in the batch's order. An engine that dies, raises or
+does not answer by the deadline fails the call with an EngineError naming the engine and its node.
+
+Sampling needs no per-engine seeding: vLLM seeds each request from SamplingSettings.seed (sample j
+of a prompt from seed + j), so a prompt's samples do not depend on which engine, or which batch,
+generates them (tests/e2e/test_fleet.py checks a 2-engine fleet against one engine token for token).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import ray
+
+from mrl.launch.proxies import EngineHandle
+from mrl.launch.rollout_actor import RolloutServer, launch_rollout_actor
+from mrl.rollout.engine import Generation, SamplingSettings
+
+
+class EngineError(RuntimeError):
+    """A rollout engine failed, died or did not answer in time; the message names it and its node."""
+
+
+def assign_by_load(costs: Sequence[float], engines: int) -> list[list[int]]:
+    """Prompt indices per engine, each list in batch order. Greedy longest-first: the costliest
+    prompt left goes to the engine with the least work so far (ties: the lower index), which keeps
+    the slowest engine within 4/3 of the best possible split. One engine gets the batch as it is."""
+    if engines < 1:
+        raise ValueError(f"an engine fleet needs at least one engine, got {engines}")
+    loads, parts = [0.0] * engines, [[] for _ in range(engines)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        engine = min(range(engines), key=lambda e: (loads[e], e))
+        parts[engine].append(i)
+        loads[engine] += costs[i]
+    return [sorted(part) for part in parts]
+
+
+def prompt_costs(prompt_ids: Sequence[list[int]], sampling: SamplingSettings) -> list[float]:
+    """Estimated work per prompt: its tokens and the most it may generate, for each of its n samples."""
+    return [float((len(p) + sampling.max_tokens) * sampling.n) for p in prompt_ids]
+
+
+class EngineFleet:
+    """N rollout engines (`handles`, with the node each runs on): the trainer's engine calls."""
+
+    def __init__(self, handles: list[EngineHandle], nodes: list[str]):
+        if not handles or len(nodes) != len(handles):
+            raise ValueError(f"an engine fleet needs one node per engine, got {len(handles)} engines, {len(nodes)} nodes")
+        self.handles, self.nodes = handles, nodes
+        self.timeout_s = handles[0].timeout_s
+
+    @classmethod
+    def start(cls, model: str, engine_options: dict[str, Any], count: int, *, num_cpus: float = 1,
+              num_gpus: float = 0, sync_timeout_s: float = 300.0, timeout_s: float = 300.0,
+              start_timeout_s: float = 600.0) -> "EngineFleet":
+        """Start `count` engines at once and wait for all of them together (N engines start in about
+        the time of one); one that fails or hangs stops them all and raises EngineError naming it."""
+        actors = [launch_rollout_actor(model, engine_options, num_cpus=num_cpus, num_gpus=num_gpus,
+                                       sync_timeout_s=sync_timeout_s) for _ in range(count)]
+        fleet = cls([EngineHandle(actor, timeout_s) for actor in actors], ["not known: starting"] * count)
+        try:
+            nodes, _ = fleet._gather({i: h.submit(RolloutServer.node_ip) for i, h in enumerate(fleet.handles)},
+                                     f"start (model {model}; its log is in the Ray session's worker logs)",
+                                     start_timeout_s)
+        except BaseException:
+            fleet.close()
+            raise
+        fleet.nodes = [nodes[i] for i in range(count)]
+        return fleet
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def name(self, i: int) -> str:
+        return f"rollout engine {i} of {len(self)} (node {self.nodes[i]})"
+
+    # --- the trainer's calls ------------------------------------------------------------------
+
+    def generate(self, prompt_ids: Sequence[list[int]],
+                 sampling: SamplingSettings) -> tuple[list[list[Generation]], dict[str, float]]:
+        """Per prompt (in batch order) its `sampling.n` generations, and each engine's throughput:
+        `rollout/engine{i}/tokens_per_s` (generated tokens over the seconds until its answer came)
+        and `rollout/engine{i}/gen_s`, for the engines that had prompts."""
+        parts = assign_by_load(prompt_costs(prompt_ids, sampling), len(self))
+        refs = {i: self.handles[i].submit(RolloutServer.generate, [prompt_ids[j] for j in part], sampling)
+                for i, part in enumerate(parts) if part}
+        answers, seconds = self._gather(refs, "generate", self.timeout_s * EngineHandle.GENERATE_TIMEOUT_FACTOR)
+        groups: list[list[Generation]] = [[] for _ in prompt_ids]
+        metrics = {}
+        for i, answer in answers.items():
+            if len(answer) != len(parts[i]):
+                raise EngineError(f"{self.name(i)} answered {len(answer)} prompts of the {len(parts[i])} it was sent")
+            for j, generations in zip(parts[i], answer):
+                groups[j] = generations
+            tokens = sum(len(g.token_ids) for generations in answer for g in generations)
+            metrics[f"rollout/engine{i}/tokens_per_s"] = tokens / max(seconds[i], 1e-9)
+            metrics[f"rollout/engine{i}/gen_s"] = seconds[i]
+        return groups, metrics
+
+    def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs on the first engine (every engine holds the same weights)."""
+        return self._gather({0: self.handles[0].submit(RolloutServer.score, sequences)}, "score", self.timeout_s)[0][0]
+
+    def sleep(self) -> None:
+        """Every engine frees its accelerator memory (colocated placement, while the actor trains)."""
+        self._gather({i: h.submit(RolloutServer.sleep) for i, h in enumerate(self.handles)}, "sleep", self.timeout_s)
+
+    def close(self) -> None:
+        """Stop every engine, whatever fails on the way (the first error is raised at the end)."""
+        errors = []
+        for handle in self.handles:
+            try:
+                handle.close()
+            except Exception as err:  # noqa: BLE001 - the other engines must stop too
+                errors.append(err)
+        if errors:
+            raise errors[0]
+
+    # --- waiting ------------------------------------------------------------------------------
+
+    def _gather(self, refs: dict[int, Any], what: str, timeout_s: float) -> tuple[dict[int, Any], dict[int, float]]:
+        """Each engine's answer (by engine index) and the seconds until it came, all within one
+        deadline. The first engine to fail, or the ones still silent at the deadline, raise
+        EngineError naming them and their nodes."""
+        start = time.perf_counter()
+        engine_of = {ref: i for i, ref in refs.items()}
+        pending, answers, seconds = list(engine_of), {}, {}
+        while pending:
+            left = timeout_s - (time.perf_counter() - start)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0.0))
+            if not ready:
+                silent = ", ".join(self.name(engine_of[ref]) for ref in pending)
+                raise EngineError(f"{what}: {silent} did not answer within {timeout_s:.0f}s (hung or overloaded; "
+                                  "raise sync.timeout_s if it is only slow)")
+            i = engine_of[ready[0]]
+            seconds[i] = time.perf_counter() - start
+            try:
+                answers[i] = ray.get(ready[0])
+            except ray.exceptions.RayError as err:
+                died = isinstance(err, ray.exceptions.RayActorError)
+                raise EngineError(f"{what}: {self.name(i)} {'died' if died else 'failed'}: {err}") from err
+        return answers, seconds
