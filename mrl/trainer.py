@@ -81,7 +81,7 @@ def rl_step(step: int, run: Run) -> dict:
             groups, engine_metrics = cluster.generate([p["prompt_ids"] for p in prompts], sampling_for(cfg, step))
         metrics.update(engine_metrics)  # rollout/engine{i}/...: each engine's throughput
         metrics["perf/gen_tokens_per_s"] = sum(len(g.token_ids) for gs in groups for g in gs) / metrics["timing_s/gen"]
-        cluster.release_engine()
+        cluster.release_engines()
         with timer("reward", metrics):
             rewards = reward_results(run.reward, prompts, groups, run.out / "reward_errors.jsonl")
         scores = torch.tensor([r.score for r in rewards], dtype=torch.float32)

@@ -40,7 +40,7 @@ class Cluster:
         """Samples per prompt, spread over the engines; and each engine's throughput metrics."""
         return self.engines.generate(prompt_ids, sampling)
 
-    def release_engine(self) -> None:
+    def release_engines(self) -> None:
         """Colocated placement: the engines free their accelerator memory while the actor trains
         (vLLM sleep; a no-op on CPU). Whatever they are asked next (generate, a sync) wakes them."""
         if self.cfg.launch.placement == "colocated":
