@@ -109,9 +109,11 @@ def select_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str,
     return {key: value[rows] for key, value in batch.items()}
 
 
-def actor_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What the actor workers need of a batch (nothing the driver alone uses crosses to them)."""
-    return _pick(batch, ("tokens", "response_mask", "advantages", "old_logprobs", "ref_logprobs"))
+def actor_inputs(batch: dict[str, torch.Tensor], rollout_logprobs: bool = False) -> dict[str, torch.Tensor]:
+    """What the actor workers need of a batch (nothing the driver alone uses crosses to them); the
+    engine's log-probs only with `rollout_logprobs` (an off-policy correction or decoupled PPO)."""
+    keys = ("tokens", "response_mask", "advantages", "old_logprobs", "ref_logprobs")
+    return _pick(batch, keys + (("rollout_logprobs",) if rollout_logprobs else ()))
 
 
 def critic_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

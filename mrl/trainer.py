@@ -95,6 +95,7 @@ def rl_step(step: int, run: Run) -> dict:
             if cfg.algo.kl_coef > 0:
                 batch["ref_logprobs"] = cluster.actor.logprobs(actor_inputs(batch), reference=True)
         metrics.update(drift_metrics(batch))
+        metrics.update(correction_metrics(batch, cfg.algo))
         if cluster.critic is not None:
             with timer("values", metrics):
                 batch["values"] = cluster.critic.values(critic_inputs(batch))
@@ -107,7 +108,8 @@ def rl_step(step: int, run: Run) -> dict:
                 metrics.update(train_epochs(cfg, lambda: critic.update_critic(
                     critic_inputs(batch), cfg.critic.cliprange_value, cfg.algo.aggregation)))
         with timer("update_actor", metrics):
-            metrics.update(train_epochs(cfg, lambda: cluster.actor.update(actor_inputs(batch), cfg.algo)))
+            inputs = actor_inputs(batch, algo.uses_rollout_logprobs(cfg.algo.rollout_correction, cfg.algo.policy_loss))
+            metrics.update(train_epochs(cfg, lambda: cluster.actor.update(inputs, cfg.algo)))
         metrics.update(cluster.sync_weights())
     tokens = float(batch["response_mask"].sum())
     metrics["perf/throughput"] = tokens / metrics["timing_s/step"]
@@ -204,6 +206,21 @@ def drift_metrics(batch: dict) -> dict[str, float]:
     diff = (batch["rollout_logprobs"] - batch["old_logprobs"])[mask].abs()
     return {"rollout/train_logprob_abs_diff_mean": float(diff.mean()),
             "rollout/train_logprob_abs_diff_max": float(diff.max())}
+
+
+def correction_metrics(batch: dict, a) -> dict[str, float]:
+    """rollout/is_* of the weights the update applies (algo.rollout_correction, or decoupled_ppo's
+    behaviour weights), over the whole batch: exact global means whatever the DP split. The weights
+    depend only on the trainer's and the engine's log-probs, so the workers compute the same ones."""
+    old, engine, mask = batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"]
+    if a.policy_loss in algo.BEHAVIOUR_LOSSES:
+        correction = algo.behaviour_weights(old, engine, mask, a.behav_imp_weight_cap)
+    elif a.rollout_correction != "none":
+        correction = algo.rollout_correction(a.rollout_correction, old, engine, mask,
+                                             **algo.correction_settings(a.rollout_correction, a))
+    else:
+        return {}
+    return {f"rollout/{name}": float(value) for name, value in correction.metrics.items()}
 
 
 def mean_over_ranks(results: list[dict]) -> dict[str, float]:

@@ -5,6 +5,9 @@ Shapes: B sequences, T response positions.
                    policy that generated them (old_logp is a constant: no gradient flows into it)
   advantages     : [B, T]
   response_mask  : [B, T] 1 on response tokens, 0 on padding
+  weights        : [B, T] optional constant per-token weights (an off-policy correction, see
+                   mrl.algo.rollout_correction) multiplying the per-token loss before aggregation;
+                   None leaves the loss exactly as without them
 Each loss returns (scalar loss, metrics) with metrics as detached 0-d tensors:
   ppo_kl      mean over response tokens of old_logp - logp
   pg_clipfrac fraction of response tokens whose clipped objective was the one used
@@ -18,6 +21,7 @@ import torch
 
 from mrl.algo.aggregation import aggregate
 from mrl.algo.masked import masked_max, masked_mean
+from mrl.algo.rollout_correction import behaviour_weights
 from mrl.registry import Registry
 
 POLICY_LOSSES: Registry = Registry("policy loss")
@@ -39,6 +43,7 @@ def ppo_clip_loss(
     clip_high: float = 0.2,
     clip_ratio_c: float | None = None,
     aggregation: str = "token-mean",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip: max(-A·r, -A·clip(r, 1-clip_low, 1+clip_high)) per token, then aggregated.
 
@@ -48,7 +53,7 @@ def ppo_clip_loss(
     log_ratio = (logp - old_logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     return _clipped_objective(
-        ratio, log_ratio, advantages, response_mask, clip_low, clip_high, clip_ratio_c, aggregation
+        ratio, log_ratio, advantages, response_mask, clip_low, clip_high, clip_ratio_c, aggregation, weights
     )
 
 
@@ -63,6 +68,7 @@ def dapo_loss(
     clip_high: float = 0.28,
     clip_ratio_c: float | None = None,
     aggregation: str = "token-mean",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DAPO: PPO-clip with clip-higher (clip_high > clip_low lets unlikely tokens grow, keeping
     entropy up) and token-level aggregation (every token weighs the same however long its answer).
@@ -71,7 +77,7 @@ def dapo_loss(
         raise ValueError(f"DAPO aggregates per token: aggregation must be 'token-mean', got {aggregation!r}.")
     return ppo_clip_loss(
         logp, old_logp, advantages, response_mask,
-        clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, aggregation=aggregation,
+        clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, aggregation=aggregation, weights=weights,
     )
 
 
@@ -86,6 +92,7 @@ def gspo_loss(
     clip_high: float = 4e-4,
     clip_ratio_c: float | None = None,
     aggregation: str = "seq-mean-token-mean",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: a sequence-level importance ratio s = exp(mean_t(logp - old_logp)), the geometric mean
     of the token ratios, clipped per sequence (hence the small default clip range).
@@ -99,8 +106,40 @@ def gspo_loss(
     token_log_ratio = token_log_ratio.clamp(max=_SEQ_LOG_RATIO_MAX)
     ratio = torch.exp(token_log_ratio)
     return _clipped_objective(
-        ratio, logp - old_logp, advantages, response_mask, clip_low, clip_high, clip_ratio_c, aggregation
+        ratio, logp - old_logp, advantages, response_mask, clip_low, clip_high, clip_ratio_c, aggregation, weights
     )
+
+
+@POLICY_LOSSES.register("decoupled_ppo")
+def decoupled_ppo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    behav_logp: torch.Tensor,
+    behav_weight_cap: float | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    aggregation: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """AReaL's decoupled PPO for asynchronous RL: three policies. The engine's behaviour policy
+    (behav_logp, which sampled the tokens), the proximal policy (old_logp, the trainer's recomputed
+    log-probs) and π_θ. The PPO ratio r = π_θ/π_prox is clipped as in ppo_clip, and each token's
+    clipped objective is multiplied by the constant importance weight π_prox/π_behav, which corrects
+    for the tokens having been sampled by the behaviour policy. With behav_weight_cap, tokens whose
+    weight exceeds it are dropped (weight 0; see rollout_correction.behaviour_weights).
+    """
+    weights = behaviour_weights(old_logp.detach(), behav_logp.detach(), response_mask, behav_weight_cap).weights
+    return ppo_clip_loss(
+        logp, old_logp, advantages, response_mask,
+        clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, aggregation=aggregation, weights=weights,
+    )
+
+
+# Losses that read the engine's log-probs (the behaviour policy) as behav_logp.
+BEHAVIOUR_LOSSES = frozenset({"decoupled_ppo"})
 
 
 def _clipped_objective(
@@ -112,6 +151,7 @@ def _clipped_objective(
     clip_high: float,
     clip_ratio_c: float | None,
     aggregation: str,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -129,6 +169,8 @@ def _clipped_objective(
         lower_clipped = (advantages < 0) & (capped < loss)
         metrics["pg_clipfrac_lower"] = masked_mean(lower_clipped.to(ratio.dtype), mask).detach()
         loss = torch.where(advantages < 0, capped, loss)
+    if weights is not None:  # after dual clip, as verl applies its IS weights
+        loss = loss * weights.detach()
     return aggregate(loss, mask, aggregation), metrics
 
 

@@ -117,6 +117,19 @@ class AlgoConfig:
     aggregation: str | None = None  # None: the policy loss's own (gspo: seq-mean-token-mean, others: token-mean)
     dynamic_sampling: bool = False
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    # Off-policy correction between the engine's sampling log-probs (μ) and the trainer's (π_old), on
+    # the per-token ratio ρ = π_old/μ; it weights the policy-gradient term only (mrl/algo/rollout_correction.py).
+    # none: off (the loss is exactly the uncorrected one); tis: token weights min(ρ, cap);
+    # mis: a sequence whose Π ρ lies outside [low, high] is masked out, the others weighted by it;
+    # icepop: tokens with ρ outside [low, high] are masked out, the others weighted by ρ.
+    rollout_correction: str = "none"
+    rollout_is_cap: float | None = None  # tis: the cap C >= 1 (None: 2.0)
+    rollout_mis_low: float | None = None  # mis: lower bound on a sequence's ratio, <= 1 (None: 0.5)
+    rollout_mis_high: float | None = None  # mis: upper bound, >= 1 (None: 2.0)
+    rollout_icepop_low: float | None = None  # icepop: lower bound on a token's ratio, <= 1 (None: 0.5)
+    rollout_icepop_high: float | None = None  # icepop: upper bound, >= 1 (None: 5.0)
+    # policy_loss decoupled_ppo (AReaL): tokens whose weight π_old/μ exceeds this are dropped, > 1 (None: no cap)
+    behav_imp_weight_cap: float | None = None
 
     def __post_init__(self) -> None:
         if self.aggregation is None:  # GSPO must not silently train with another loss's aggregation

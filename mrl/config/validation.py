@@ -46,6 +46,8 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("algo.lam", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("algo.kl_coef", lambda v: v >= 0, ">= 0"),
     ("algo.entropy_coef", lambda v: v >= 0, ">= 0"),
+    ("algo.rollout_is_cap", lambda v: v is None or v >= 1, ">= 1 (or null: 2.0); a cap below 1 shrinks even on-policy tokens"),
+    ("algo.behav_imp_weight_cap", lambda v: v is None or v > 1, "> 1 (or null: no cap)"),
     ("algo.overlong.buffer_length", lambda v: v >= 1, ">= 1"),
     ("algo.overlong.penalty_factor", lambda v: v >= 0, ">= 0"),
     ("optim.lr", lambda v: v > 0, "> 0"),
@@ -150,6 +152,7 @@ def _check_algo(cfg: RunConfig) -> list[str]:
         name = getattr(algo, key)
         if name not in registry:
             errors.append(f"algo.{key}: {registry.unknown_message(name)}")
+    errors += _check_rollout_correction(algo)
     if algo.policy_loss == "dapo" and algo.aggregation != "token-mean":
         errors.append(f"algo.policy_loss 'dapo' aggregates per token: set algo.aggregation: token-mean (got {algo.aggregation!r}).")
     grouped = algo.advantage_estimator in ("grpo", "rloo") or algo.dynamic_sampling
@@ -163,6 +166,31 @@ def _check_algo(cfg: RunConfig) -> list[str]:
             f"algo.overlong.buffer_length {algo.overlong.buffer_length} exceeds rollout.max_new_tokens "
             f"{cfg.rollout.max_new_tokens}: use a buffer shorter than the longest response."
         )
+    return errors
+
+
+def _check_rollout_correction(algo: Any) -> list[str]:
+    """algo.rollout_correction: a known mode, only its own settings, bounds that keep ratio 1; the
+    behaviour-weight cap only with decoupled_ppo, which is not combined with another correction."""
+    from mrl.algo import ROLLOUT_CORRECTIONS, correction_settings, foreign_settings
+
+    name = algo.rollout_correction
+    if name != "none" and name not in ROLLOUT_CORRECTIONS:
+        return [f"algo.rollout_correction: {ROLLOUT_CORRECTIONS.unknown_message(name)} Or 'none'."]
+    errors = [f"algo.{key} is a setting of rollout_correction {mode!r}, but algo.rollout_correction is {name!r}: "
+              f"remove it (or set algo.rollout_correction: {mode})." for key, mode in foreign_settings(name, algo)]
+    bounds = correction_settings(name, algo)
+    low, high = bounds.get("low", 0.0), bounds.get("high", 2.0)
+    if not (0 <= low <= 1 <= high and low < high):
+        errors.append(f"algo.rollout_{name}_low {low} and algo.rollout_{name}_high {high} must "
+                      "satisfy 0 <= low <= 1 <= high, low < high (ratio 1, where engine and trainer agree, must be "
+                      f"kept): e.g. algo.rollout_{name}_low=0.5 algo.rollout_{name}_high=2.")
+    if algo.behav_imp_weight_cap is not None and algo.policy_loss != "decoupled_ppo":
+        errors.append(f"algo.behav_imp_weight_cap is a setting of policy_loss 'decoupled_ppo', but algo.policy_loss is "
+                      f"{algo.policy_loss!r}: remove it (or set algo.policy_loss: decoupled_ppo).")
+    if algo.policy_loss == "decoupled_ppo" and name != "none":
+        errors.append(f"algo.policy_loss 'decoupled_ppo' already weights every token by π_old/π_rollout: set "
+                      f"algo.rollout_correction: none (got {name!r}), or use ppo_clip with {name!r}.")
     return errors
 
 

@@ -15,6 +15,7 @@ A rollout batch is a dict of CPU tensors:
   response_mask float [B, L]    1.0 where labels[:, t] = tokens[:, t+1] is a response token
   advantages    float [B, L]    (RL)
   old_logprobs  float [B, L]    (RL; from compute_logprobs)
+  rollout_logprobs float [B, L] (RL with algo.rollout_correction or decoupled_ppo: the engine's)
   ref_logprobs  float [B, L]    (optional; the KL-in-the-loss term)
   values        float [B, L]    (critic update; from compute_values)
   returns       float [B, L]    (critic update; the GAE targets)
@@ -45,7 +46,8 @@ from mrl.megatron.parallel import from_last_stage
 from mrl.megatron.training import LossFn, Trainable, attention_mask, lm_loss, train_step
 
 # Per-token keys of a rollout batch, all [B, L]; "tokens" [B, L+1] is handled apart.
-PER_TOKEN_KEYS = ("response_mask", "advantages", "old_logprobs", "ref_logprobs", "values", "returns", "segments")
+PER_TOKEN_KEYS = ("response_mask", "advantages", "old_logprobs", "rollout_logprobs", "ref_logprobs", "values", "returns",
+                  "segments")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,6 +368,18 @@ class ActorLoss:
     kl_estimator: str = "k3"
     kl_in_reward: bool = False
     entropy_coef: float = 0.0
+    rollout_correction: str = "none"
+    rollout_is_cap: float | None = None
+    rollout_mis_low: float | None = None
+    rollout_mis_high: float | None = None
+    rollout_icepop_low: float | None = None
+    rollout_icepop_high: float | None = None
+    behav_imp_weight_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy_loss == "decoupled_ppo" and self.rollout_correction != "none":
+            raise ValueError("decoupled_ppo already weights every token by π_old/π_rollout: "
+                             f"rollout_correction must be 'none', got {self.rollout_correction!r}")
 
     @classmethod
     def of(cls, algo: Any) -> "ActorLoss":
@@ -383,6 +397,27 @@ class ActorLoss:
     def kl_in_loss(self) -> bool:
         return self.kl_coef > 0 and not self.kl_in_reward
 
+    @property
+    def uses_rollout_logprobs(self) -> bool:
+        from mrl.algo import uses_rollout_logprobs
+
+        return uses_rollout_logprobs(self.rollout_correction, self.policy_loss)
+
+    def policy_loss_inputs(self, micro: dict) -> dict:
+        """The policy loss's keywords beyond the clip settings: decoupled_ppo's behaviour log-probs,
+        a rollout correction's per-token weights (computed per micro-batch: a micro-batch holds
+        whole sequences, which MIS's sequence ratio needs). Nothing when neither is on."""
+        from mrl.algo import BEHAVIOUR_LOSSES, correction_settings, rollout_correction
+
+        inputs: dict = {}
+        if self.policy_loss in BEHAVIOUR_LOSSES:
+            inputs.update(behav_logp=micro["rollout_logprobs"], behav_weight_cap=self.behav_imp_weight_cap)
+        if self.rollout_correction != "none":
+            inputs["weights"] = rollout_correction(
+                self.rollout_correction, micro["old_logprobs"], micro["rollout_logprobs"], micro["response_mask"],
+                **correction_settings(self.rollout_correction, self)).weights
+        return inputs
+
 
 def policy_loss_fn(algo: Any, vocab_size: int | None = None) -> LossFn:
     """A train_step loss: policy loss + kl_coef·KL(ref) + entropy bonus on one micro-batch.
@@ -390,6 +425,9 @@ def policy_loss_fn(algo: Any, vocab_size: int | None = None) -> LossFn:
     `algo` is an ActorLoss, an AlgoConfig or a dict of the same fields. Metrics use verl's names:
     actor/pg_loss, actor/ppo_kl, actor/pg_clipfrac, actor/ratio_mean, actor/ratio_max,
     actor/entropy, actor/kl_loss (KL in the loss only), actor/pg_clipfrac_lower (dual clip only).
+    A rollout correction (algo.rollout_correction) or decoupled_ppo weights the policy-gradient term
+    per token (numerator only: the normaliser is the batch's, as without them); KL and entropy terms
+    are not weighted. Their rollout/is_* metrics are the trainer's, over the whole batch.
     train_step reports each as the mean over micro-batches (ratio_max included); pg_loss is
     weighted like the loss itself, so it is the batch's loss whatever the micro-batching.
     """
@@ -404,7 +442,7 @@ def policy_loss_fn(algo: Any, vocab_size: int | None = None) -> LossFn:
         pg_loss, pg_metrics = policy_loss(
             config.policy_loss, logp, micro["old_logprobs"], micro["advantages"], mask,
             clip_low=config.clip_low, clip_high=config.clip_high, clip_ratio_c=config.clip_ratio_c,
-            aggregation=config.aggregation,
+            aggregation=config.aggregation, **config.policy_loss_inputs(micro),
         )
         loss = pg_loss
         metrics = {"actor/pg_loss": pg_loss.detach() * _loss_scale(micro, config.aggregation)}
@@ -469,11 +507,14 @@ def update_actor(
     actor/skipped. Use the same micro_batch_size / max_tokens as compute_logprobs did.
     """
     config = ActorLoss.of(algo)
-    needed = ["advantages", "old_logprobs"] + (["ref_logprobs"] if config.kl_in_loss else [])
+    needed = (["advantages", "old_logprobs"] + (["ref_logprobs"] if config.kl_in_loss else [])
+              + (["rollout_logprobs"] if config.uses_rollout_logprobs else []))
     missing = [key for key in needed if key not in batch]
     if missing:
         raise ValueError(f"update_actor needs batch keys {missing}"
-                         + (" (kl_coef > 0 puts the KL in the loss)" if "ref_logprobs" in missing else ""))
+                         + (" (kl_coef > 0 puts the KL in the loss)" if "ref_logprobs" in missing else "")
+                         + (" (the engine's log-probs: algo.rollout_correction or decoupled_ppo)"
+                            if "rollout_logprobs" in missing else ""))
     loss_fn = policy_loss_fn(config, trainable.built.spec.vocab_size)
     return _update(trainable, batch, loss_fn, micro_batch_size, max_tokens, prefix="actor")
 

@@ -153,6 +153,43 @@ def test_two_data_sources():
     ]
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algo.rollout_correction=tiss"],
+         "algo.rollout_correction: unknown rollout correction 'tiss' - did you mean 'tis'? Valid: icepop, mis, tis. Or 'none'."),
+        (["algo.rollout_correction=tis", "algo.rollout_is_cap=0"],
+         "algo.rollout_is_cap must be >= 1 (or null: 2.0); a cap below 1 shrinks even on-policy tokens, got 0.0."),
+        (["algo.rollout_correction=mis", "algo.rollout_mis_low=3"],
+         "algo.rollout_mis_low 3.0 and algo.rollout_mis_high 2.0 must satisfy 0 <= low <= 1 <= high, low < high"),
+        (["algo.rollout_correction=icepop", "algo.rollout_icepop_low=1", "algo.rollout_icepop_high=1"],
+         "algo.rollout_icepop_low 1.0 and algo.rollout_icepop_high 1.0 must satisfy"),
+        (["algo.rollout_correction=tis", "algo.rollout_mis_low=0.5"],
+         "algo.rollout_mis_low is a setting of rollout_correction 'mis', but algo.rollout_correction is 'tis': "
+         "remove it (or set algo.rollout_correction: mis)."),
+        (["algo.rollout_icepop_high=5"],
+         "algo.rollout_icepop_high is a setting of rollout_correction 'icepop', but algo.rollout_correction is 'none'"),
+        (["algo.behav_imp_weight_cap=5"],
+         "algo.behav_imp_weight_cap is a setting of policy_loss 'decoupled_ppo', but algo.policy_loss is 'ppo_clip'"),
+        (["algo.policy_loss=decoupled_ppo", "algo.behav_imp_weight_cap=1"], "algo.behav_imp_weight_cap must be > 1"),
+        (["algo.policy_loss=decoupled_ppo", "algo.rollout_correction=tis"],
+         "algo.policy_loss 'decoupled_ppo' already weights every token by π_old/π_rollout: set algo.rollout_correction: none"),
+    ],
+)
+def test_rollout_correction_settings(overrides, message):
+    (error,) = errors_of(TINY, *overrides)
+    assert error.startswith(message), error
+
+
+def test_rollout_corrections_that_validate():
+    for overrides in (["algo.rollout_correction=tis", "algo.rollout_is_cap=3"],
+                      ["algo.rollout_correction=mis", "algo.rollout_mis_low=0.25", "algo.rollout_mis_high=4"],
+                      ["algo.rollout_correction=icepop"],
+                      ["algo.policy_loss=decoupled_ppo", "algo.behav_imp_weight_cap=5"]):
+        cfg = load_config(TINY, overrides)
+        assert cfg.algo.rollout_correction == overrides[0].split("=")[1] or cfg.algo.policy_loss == "decoupled_ppo"
+
+
 def test_dapo_needs_token_mean():
     (error,) = errors_of(TINY, "algo.policy_loss=dapo", "algo.aggregation=seq-mean-token-mean")
     assert error == "algo.policy_loss 'dapo' aggregates per token: set algo.aggregation: token-mean (got 'seq-mean-token-mean')."
