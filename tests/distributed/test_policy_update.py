@@ -207,3 +207,85 @@ def test_loss_means_are_over_the_global_batch_under_dp2(tiny_model_dir):
         (norm1, loss1), (norm2a, loss2a), (norm2b, loss2b) = single[case], split[0][case], split[1][case]
         assert norm2a == pytest.approx(norm1, rel=1e-5) and norm2b == norm2a, f"{case}: DP1 {norm1}, DP2 {norm2a}"
         assert (loss2a + loss2b) / 2 == pytest.approx(loss1, rel=1e-5, abs=1e-7), f"{case}: {loss1} vs {loss2a}, {loss2b}"
+
+
+# name → (algo, how the engine's log-probs relate to the trainer's: "same" or "drift")
+CORRECTION_CASES = {
+    "none": ({}, None),
+    "tis, engine = trainer": ({"rollout_correction": "tis"}, "same"),
+    "decoupled_ppo, engine = trainer": ({"policy_loss": "decoupled_ppo", "behav_imp_weight_cap": 3.0}, "same"),
+    "tis, drift": ({"rollout_correction": "tis", "rollout_is_cap": 1.5}, "drift"),
+    # a product over up to 18 tokens: the default [0.5, 2] would mask every sequence here
+    "mis, drift": ({"rollout_correction": "mis", "rollout_mis_low": 0.25, "rollout_mis_high": 4.0}, "drift"),
+    "icepop, drift": ({"rollout_correction": "icepop"}, "drift"),
+    "decoupled_ppo, drift": ({"policy_loss": "decoupled_ppo", "behav_imp_weight_cap": 1.5}, "drift"),
+}
+
+
+def _corrected_updates(rank: int, world_size: int, hf_dir: str) -> dict:
+    """One update per CORRECTION_CASES entry on this rank's DP share (lr 0: every update starts from
+    the same weights); each update's metrics and gradient (the DDP grad buffers, after the DP mean)."""
+    from megatron.core import parallel_state as ps
+
+    from mrl.bridge.hf_import import load_hf_weights
+    from mrl.megatron.model import build_model
+    from mrl.megatron.parallel import destroy_layout, initialize_layout
+    from mrl.megatron.policy import compute_logprobs, data_parallel_rows, update_actor
+    from mrl.megatron.training import OptimConfig, make_trainable
+
+    from mrl.models.registry import model_spec_from_hf
+
+    layout = ParallelLayout()
+    coords = initialize_layout(layout)
+    built = build_model(model_spec_from_hf(hf_dir), layout)
+    load_hf_weights(built, coords, hf_dir)
+    trainable = make_trainable(built, OptimConfig(lr=0.0, clip_grad=0.0))
+    whole = _rollout_batch(built.spec.vocab_size)
+    whole = {k: v[[2, 4, 1, 3]] for k, v in whole.items()}
+    batch = data_parallel_rows(whole, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    old = compute_logprobs(trainable, batch, 1, 1)["logprobs"]
+    # The engine's log-probs off by up to ±1 nat per token: some ratios truncated, some masked.
+    noise = (torch.rand(old.shape, generator=torch.Generator().manual_seed(rank)) * 2 - 1) * batch["response_mask"]
+    results = {}
+    for name, (algo, engine) in CORRECTION_CASES.items():
+        inputs = {**batch, "old_logprobs": old}
+        if engine is not None:
+            inputs["rollout_logprobs"] = old.clone() if engine == "same" else old + noise
+        metrics = update_actor(trainable, inputs, {**algo, "kl_coef": 0.0}, 1)
+        grads = [getattr(p, "main_grad", p.grad).detach().clone() for c in trainable.ddp_chunks for p in c.parameters()]
+        results[name] = {"metrics": metrics, "grads": grads}
+    destroy_layout()
+    results["inputs"] = {"old_logprobs": old, "rollout_logprobs": old + noise, "response_mask": batch["response_mask"]}
+    return results
+
+
+def test_rollout_correction_updates_under_dp2(tiny_model_dir):
+    """With the engine's log-probs equal to the trainer's, TIS and decoupled PPO weigh every token 1:
+    the update's gradient is bitwise the uncorrected one. With drift every mode runs, changes the
+    gradient, and the first step's PPO ratio stays exactly 1 (the correction weighs, never moves it)."""
+    from mrl.megatron.policy import ActorLoss
+    from mrl.trainer import correction_metrics
+
+    per_rank = run_local(_corrected_updates, 2, str(tiny_model_dir("qwen3")), timeout_s=TIMEOUT_S)
+    # The drift truncates or masks some tokens but not all (the trainer's metrics over both ranks' rows).
+    whole = {k: torch.cat([r["inputs"][k] for r in per_rank]) for k in per_rank[0]["inputs"]}
+    for name, (algo, engine) in CORRECTION_CASES.items():
+        if engine == "drift":
+            drift = correction_metrics(whole, ActorLoss.of(algo))
+            cut = drift.get("rollout/is_clipfrac", drift.get("rollout/is_masked_frac"))
+            assert 0 < cut < 1 and drift["rollout/is_weight_mean"] > 0, f"{name}: {drift}"
+    for rank, results in enumerate(per_rank):
+        plain = results.pop("inputs") and results["none"]
+        for name, result in results.items():
+            metrics = result["metrics"]
+            assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/ratio_mean"] == 1.0, f"{name}: {metrics}"
+            assert metrics["actor/grad_norm"] > 0, f"{name}: {metrics}"
+            same = all(torch.equal(a, b) for a, b in zip(result["grads"], plain["grads"]))
+            if CORRECTION_CASES[name][1] == "drift":
+                assert not same, f"rank {rank} {name}: the correction did not change the gradient"
+            else:
+                assert same, f"rank {rank} {name}: the gradient differs from the uncorrected one"
+                assert metrics == plain["metrics"], f"rank {rank} {name}: {metrics} vs {plain['metrics']}"
+    # DP ranks average their gradients: both ranks hold the same one.
+    for name in CORRECTION_CASES:
+        assert all(torch.equal(a, b) for a, b in zip(per_rank[0][name]["grads"], per_rank[1][name]["grads"])), name
