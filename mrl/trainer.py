@@ -14,6 +14,7 @@ import torch
 
 from mrl import algo
 from mrl.config import RunConfig, config_to_dict
+from mrl.config.schema import AlgoConfig
 from mrl.config.derived import data_parallel_size
 from mrl.experience import actor_inputs, critic_inputs, rollout_batch, select_rows
 from mrl.launch.cluster import generate_once
@@ -208,7 +209,7 @@ def drift_metrics(batch: dict) -> dict[str, float]:
             "rollout/train_logprob_abs_diff_max": float(diff.max())}
 
 
-def correction_metrics(batch: dict, a) -> dict[str, float]:
+def correction_metrics(batch: dict, a: AlgoConfig) -> dict[str, float]:
     """rollout/is_* of the weights the update applies (algo.rollout_correction, or decoupled_ppo's
     behaviour weights), over the whole batch: exact global means whatever the DP split. The weights
     depend only on the trainer's and the engine's log-probs, so the workers compute the same ones."""

@@ -347,6 +347,24 @@ def test_a_reward_model_scores_the_rollouts(tmp_path, tiny_model_dir, tiny_rewar
     assert (step["critic/score/min"], step["critic/score/max"]) == pytest.approx((min(expected), max(expected)), abs=1e-5)
 
 
+def test_truncated_importance_sampling_step_reports_the_engine_trainer_weights(tmp_path, tiny_model_dir, ray_local):
+    """algo.rollout_correction tis through the whole loop: the engine's log-probs reach the update,
+    the step logs rollout/is_*, and as engine and trainer hold the same weights (parity-checked) the
+    weights sit at 1 and nothing is truncated at the default cap 2."""
+    from mrl.trainer import train
+
+    reward = tmp_path / "reward.py"  # scores that vary within a group: a non-zero gradient
+    reward.write_text("def score(prompt, response, ground_truth, metadata):\n    return len(response) % 3 / 2.0\n")
+    cfg = load_config(RECIPE, _overrides(tmp_path, tiny_model_dir("qwen3"), "model.tiny=null", "parallel.tp=1",
+                                         "parallel.ep=1", "trainer.total_steps=1", "checkpoint.save_every=0",
+                                         f"reward.name={reward}:score", "algo.rollout_correction=tis"))
+    train(cfg)
+    step = _metrics(tmp_path / "run")[1]
+    assert step["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-2), step
+    assert step["rollout/is_clipfrac"] == 0.0 and step["rollout/is_ratio_max"] < 1.1, step
+    assert step["actor/ppo_kl"] == 0.0 and step["actor/grad_norm"] > 0, step
+
+
 def _write_megatron_lm(rank: int, world: int, hf_dir: str, root: str) -> int:
     from fixtures.megatron_lm import write_checkpoint
     from mrl.layout import ParallelLayout
