@@ -46,8 +46,8 @@ from mrl.megatron.parallel import from_last_stage
 from mrl.megatron.training import LossFn, Trainable, attention_mask, lm_loss, train_step
 
 # Per-token keys of a rollout batch, all [B, L]; "tokens" [B, L+1] is handled apart.
-PER_TOKEN_KEYS = ("response_mask", "advantages", "old_logprobs", "rollout_logprobs", "ref_logprobs", "values", "returns",
-                  "segments")
+PER_TOKEN_KEYS = ("response_mask", "advantages", "old_logprobs", "rollout_logprobs", "ref_logprobs", "values",
+                  "returns", "segments")
 
 
 # ---------------------------------------------------------------------------------------------
