@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from mrl.metrics import atomic_write, step_rows
+from mrl.modes import policy_step
 
 if TYPE_CHECKING:
     from mrl.rewards import RewardResult
@@ -49,12 +50,15 @@ def trace_path(output_dir: str | os.PathLike, step: int) -> Path:
 
 
 def trace_rollouts(run: Run, step: int, prompts: Sequence[dict], groups: Sequence[Sequence[Generation]],
-                   rewards: Sequence[RewardResult], batch: dict) -> Path | None:
-    """Write step `step`'s trace when `logging.trace_every` says so; returns the file written."""
+                   rewards: Sequence[RewardResult], batch: dict, start_step: int | None = None) -> Path | None:
+    """Write step `step`'s trace when `logging.trace_every` says so; returns the file written.
+    `start_step`: the start step of the run that generated the samples (None: this run's; a batch a
+    one_step_off checkpoint saved was generated before the resume)."""
     log = run.cfg.logging
     if not log.trace_every or step % log.trace_every:
         return None
-    records = trace_records(step, prompts, groups, rewards, batch, start_step=run.start,
+    records = trace_records(step, prompts, groups, rewards, batch,
+                            start_step=run.start if start_step is None else start_step,
                             max_samples=log.trace_samples, max_chars=log.trace_chars)
     return write_trace(trace_path(run.out, step), records)
 
@@ -82,7 +86,7 @@ def trace_records(step: int, prompts: Sequence[dict], groups: Sequence[Sequence[
             "reward": None, "advantage": None, "logprob_drift_mean": None, "logprob_drift_max": None,
             "response_tokens": len(generation.token_ids), "finish_reason": generation.finish_reason,
             "weight_version": generation.weight_version,
-            "policy_step": _policy_step(generation.weight_version, start_step),
+            "policy_step": policy_step(generation.weight_version, start_step),
             "kept": index in trained,
         }
         record.update(trained.get(index, {}))
@@ -108,15 +112,6 @@ def _trained_rows(batch: dict, limit: int) -> dict[int, dict[str, float]]:
             "logprob_drift_max": None if empty else float(drift[row][tokens].max()),
         }
     return rows
-
-
-def _policy_step(weight_version: int | None, start_step: int) -> int | None:
-    """The trainer step whose weights the engine held at `weight_version`: the run's first sync
-    carries the start step's weights, each later sync the step just trained. Version 0 is the
-    model the engine loaded at start (no trainer step)."""
-    if not weight_version:
-        return None
-    return start_step + weight_version - 1
 
 
 def _json_safe(info: dict) -> Any:

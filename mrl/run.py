@@ -7,7 +7,7 @@ writes at each checkpoint, so that a resume reproduces the run.
 
 Checkpoints: the actor under checkpoint.dir, a PPO critic under checkpoint.dir/critic at the same
 steps, the SFT result (RL step 0) under checkpoint.dir/sft. Each RL checkpoint records the sampler,
-the RL step and `rl_start`, the policy checkpoint RL started from (None: the HF model): the KL
+the RL step, in one_step_off the batch generated for the next step (`in_flight`), and `rl_start`, the policy checkpoint RL started from (None: the HF model): the KL
 reference and a fresh critic are loaded from it, also after a resume.
 
 `checkpoint.resume` may also name a checkpoint of Megatron-LM's training loop (a pretraining or SFT
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mrl.checkpoint_dir import list_iterations, locate, read_latest, resolve
 from mrl.config import ConfigError, RunConfig, config_to_dict, save_config
@@ -30,6 +31,9 @@ from mrl.data import EpochSampler, load_splits
 from mrl.inputs import prepare_model, tokenize_samples
 from mrl.launch.cluster import Cluster, start_cluster
 from mrl.rewards import build_reward
+
+if TYPE_CHECKING:
+    from mrl.modes import GeneratedBatch
 
 
 @dataclass
@@ -45,6 +49,7 @@ class Run:
     cluster: Cluster
     start: int = 0  # the RL step resumed from (0: none)
     rl_start: str | None = None  # the policy checkpoint RL starts from (None: the HF model)
+    in_flight: dict | None = None  # a resumed one_step_off checkpoint's generated, untrained batch (GeneratedBatch state)
 
     @property
     def out(self) -> Path:
@@ -55,11 +60,16 @@ class Run:
         """Nothing trained yet: no RL step, no SFT checkpoint."""
         return self.start == 0 and self.rl_start is None
 
-    def save(self, step: int) -> None:
-        """Checkpoint RL step `step`: the actor, and the critic beside it."""
+    def save(self, step: int, in_flight: GeneratedBatch | None = None) -> None:
+        """Checkpoint RL step `step`: the actor, and the critic beside it. `in_flight`: a batch
+        generated for step + 1 and not trained yet (one_step_off): its samples came from weights a
+        resume cannot recreate, so they are saved with the sampler that already counted their
+        prompts, in the same atomic directory."""
         c = self.cfg.checkpoint
         data = {"sampler": self.sampler.state_dict(), "rl_step": step,
                 "rl_start": portable_rl_start(self.rl_start, c.dir)}
+        if in_flight is not None:
+            data["in_flight"] = in_flight.to_state()
         for group, root in zip(self.cluster.trainers(), (c.dir, critic_checkpoint(c.dir))):
             group.save(str(root), step, data, config_to_dict(self.cfg), c.keep_last, c.async_save)
 
@@ -140,6 +150,7 @@ def resume(run: Run) -> tuple[int, str | None]:
     if cluster.critic is not None:
         cluster.critic.load(str(critic_checkpoint(path)))
     run.sampler.load_state_dict(data["sampler"])
+    run.in_flight = data.get("in_flight")
     print(f"resumed from {path} at RL step {data['rl_step']}", flush=True)
     return int(data["rl_step"]), located_rl_start(data.get("rl_start"), path)
 

@@ -1,5 +1,9 @@
 """The RL loop, top to bottom: generate → reward → advantages → old/ref log-probs → update → sync.
 
+A step is `collect` (rewards on the driver) then `learn` (log-probs, advantages, updates);
+trainer.mode's batch source (mrl/modes.py) decides where its generations come from and when the
+weights go out: in sync mode right before and right after, in one_step_off overlapped with learning.
+
 The driver process holds the data, the reward functions and the algorithm's batch-level math; the
 Megatron ranks (mrl/workers/actor.py) and the vLLM engine run in Ray actors (mrl/launch), reached
 through typed proxies. Set-up, resume and checkpoints are the run's state (mrl/run.py).
@@ -8,6 +12,7 @@ through typed proxies. Set-up, resume and checkpoints are the run's state (mrl/r
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +24,7 @@ from mrl.config.derived import data_parallel_size
 from mrl.experience import actor_inputs, critic_inputs, rollout_batch, select_rows
 from mrl.launch.cluster import generate_once
 from mrl.metrics import MetricsLogger, plot_metrics, timer
+from mrl.modes import BatchSource, GeneratedBatch, PendingBatch, make_source, overlap_metrics
 from mrl.profiling import profiled_step
 from mrl.rewards import RewardInput, RewardResult
 from mrl.rollout.engine import SamplingSettings
@@ -49,14 +55,15 @@ def train(cfg: RunConfig) -> dict:
         first["eval/accuracy"] = summary["accuracy_before"] = summary["accuracy_after"] = evaluate(run)
         if run.start == 0:
             logger.log(0, first)
+        source = batch_source(run)  # trainer.mode: where batches come from, when weights go out
         for step in range(run.start + 1, cfg.trainer.total_steps + 1):
             with profiled_step(run, step):  # profile.steps: torch.profiler traces (mrl/profiling.py)
-                metrics = rl_step(step, run)
+                metrics = rl_step(step, run, source)
             if step == cfg.trainer.total_steps or (cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0):
                 metrics["eval/accuracy"] = summary["accuracy_after"] = evaluate(run)
             logger.log(step, metrics)
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
-                run.save(step)
+                run.save(step, source.in_flight())
         if cfg.checkpoint.save_every and cfg.trainer.total_steps % cfg.checkpoint.save_every:
             run.save(cfg.trainer.total_steps)
         for group in run.cluster.trainers():
@@ -73,48 +80,85 @@ def train(cfg: RunConfig) -> dict:
     return summary
 
 
-def rl_step(step: int, run: Run) -> dict:
-    """One RL step; returns its metrics."""
-    cfg, cluster, metrics = run.cfg, run.cluster, {}
+def rl_step(step: int, run: Run, source: BatchSource) -> dict:
+    """One RL step; returns its metrics. The mode's batch source says where the batch comes from
+    and when the weights go out (mrl/modes.py); the step is computed the same in every mode."""
+    metrics = {}
     with timer("step", metrics):
-        prompts = [run.train_set[i] for i in run.sampler.next_batch()]
-        with timer("gen", metrics):
-            groups, engine_metrics = cluster.generate([p["prompt_ids"] for p in prompts], sampling_for(cfg, step))
-        metrics.update(engine_metrics)  # rollout/engine{i}/...: each engine's throughput
-        metrics["perf/gen_tokens_per_s"] = sum(len(g.token_ids) for gs in groups for g in gs) / metrics["timing_s/gen"]
-        cluster.release_engines()
-        with timer("reward", metrics):
-            rewards = reward_results(run.reward, prompts, groups, run.out / "reward_errors.jsonl")
-        scores = torch.tensor([r.score for r in rewards], dtype=torch.float32)
-        batch = rollout_batch(groups, scores.tolist())
-        metrics.update(rollout_metrics(batch, groups, scores))
-        batch = shape_rewards(batch, scores, cfg, metrics)
-        if batch is None:  # dynamic sampling left no group with a learning signal
-            return metrics
-        with timer("old_log_prob", metrics):
-            batch["old_logprobs"] = cluster.actor.logprobs(actor_inputs(batch))
-            if cfg.algo.kl_coef > 0:
-                batch["ref_logprobs"] = cluster.actor.logprobs(actor_inputs(batch), reference=True)
-        metrics.update(drift_metrics(batch))
-        metrics.update(correction_metrics(batch, cfg.algo))
-        if cluster.critic is not None:
-            with timer("values", metrics):
-                batch["values"] = cluster.critic.values(critic_inputs(batch))
-        batch["advantages"], batch["returns"] = advantages(batch, cfg)
-        metrics.update(algo.advantage_metrics(batch))
-        trace_rollouts(run, step, prompts, groups, rewards, batch)  # every logging.trace_every steps
-        if cluster.critic is not None:
-            with timer("update_critic", metrics):
-                critic = cluster.critic
-                metrics.update(train_epochs(cfg, lambda: critic.update_critic(
-                    critic_inputs(batch), cfg.critic.cliprange_value, cfg.algo.aggregation)))
-        with timer("update_actor", metrics):
-            inputs = actor_inputs(batch, algo.uses_rollout_logprobs(cfg.algo.rollout_correction, cfg.algo.policy_loss))
-            metrics.update(train_epochs(cfg, lambda: cluster.actor.update(inputs, cfg.algo)))
-        metrics.update(cluster.sync_weights())
-    tokens = float(batch["response_mask"].sum())
-    metrics["perf/throughput"] = tokens / metrics["timing_s/step"]
+        generated = source.next(step, metrics)
+        rollout = collect(step, run, generated, metrics)
+        if rollout.batch is not None:  # None: dynamic sampling left no group with a learning signal
+            learn(step, run, rollout, metrics)
+        source.after_update(step, rollout.batch is not None, metrics)
+    metrics.update(overlap_metrics(step, generated, metrics, source.engine_seconds))
+    if rollout.batch is not None:
+        metrics["perf/throughput"] = float(rollout.batch["response_mask"].sum()) / metrics["timing_s/step"]
     return metrics
+
+
+@dataclass
+class Rollout:
+    """A step's samples on the driver, scored: what `learn` trains on (`batch` None: nothing)."""
+
+    generated: GeneratedBatch
+    prompts: list[dict]
+    rewards: list[RewardResult]
+    batch: dict | None
+
+
+def collect(step: int, run: Run, generated: GeneratedBatch, metrics: dict) -> Rollout:
+    """Score the generations and shape the rewards (on the driver)."""
+    cfg, groups = run.cfg, generated.groups
+    prompts = [run.train_set[i] for i in generated.prompt_indices]
+    metrics.update(generated.engine_metrics)  # rollout/engine{i}/...: each engine's throughput
+    metrics["perf/gen_tokens_per_s"] = sum(len(g.token_ids) for gs in groups for g in gs) / generated.gen_seconds
+    with timer("reward", metrics):
+        rewards = reward_results(run.reward, prompts, groups, run.out / "reward_errors.jsonl")
+    scores = torch.tensor([r.score for r in rewards], dtype=torch.float32)
+    batch = rollout_batch(groups, scores.tolist())
+    metrics.update(rollout_metrics(batch, groups, scores))
+    return Rollout(generated, prompts, rewards, shape_rewards(batch, scores, cfg, metrics))
+
+
+def learn(step: int, run: Run, rollout: Rollout, metrics: dict) -> None:
+    """Old/reference log-probs, values, advantages, then the critic's and the actor's updates."""
+    cfg, cluster, batch = run.cfg, run.cluster, rollout.batch
+    with timer("old_log_prob", metrics):
+        batch["old_logprobs"] = cluster.actor.logprobs(actor_inputs(batch))
+        if cfg.algo.kl_coef > 0:
+            batch["ref_logprobs"] = cluster.actor.logprobs(actor_inputs(batch), reference=True)
+    metrics.update(drift_metrics(batch))
+    metrics.update(correction_metrics(batch, cfg.algo))
+    if cluster.critic is not None:
+        with timer("values", metrics):
+            batch["values"] = cluster.critic.values(critic_inputs(batch))
+    batch["advantages"], batch["returns"] = advantages(batch, cfg)
+    metrics.update(algo.advantage_metrics(batch))
+    trace_rollouts(run, step, rollout.prompts, rollout.generated.groups, rollout.rewards, batch,
+                   start_step=rollout.generated.start_step)  # every logging.trace_every steps
+    if cluster.critic is not None:
+        with timer("update_critic", metrics):
+            critic = cluster.critic
+            metrics.update(train_epochs(cfg, lambda: critic.update_critic(
+                critic_inputs(batch), cfg.critic.cliprange_value, cfg.algo.aggregation)))
+    with timer("update_actor", metrics):
+        inputs = actor_inputs(batch, algo.uses_rollout_logprobs(cfg.algo.rollout_correction, cfg.algo.policy_loss))
+        metrics.update(train_epochs(cfg, lambda: cluster.actor.update(inputs, cfg.algo)))
+
+
+def batch_source(run: Run) -> BatchSource:
+    """trainer.mode's batch source over this run's sampler, engine and weight sync; a batch a
+    one_step_off checkpoint saved is trained first."""
+    cfg, cluster = run.cfg, run.cluster
+
+    def launch(step: int) -> PendingBatch:
+        indices = run.sampler.next_batch()
+        pending = cluster.generate_async([run.train_set[i]["prompt_ids"] for i in indices], sampling_for(cfg, step))
+        return PendingBatch(step, indices, pending, run.start)
+
+    restored = None if run.in_flight is None else GeneratedBatch.from_state(run.in_flight)
+    return make_source(cfg.trainer.mode, launch, cluster.sync_weights, cluster.release_engines,
+                       cfg.trainer.total_steps, restored)
 
 
 def sampling_for(cfg: RunConfig, step: int) -> SamplingSettings:

@@ -27,6 +27,9 @@ class TrainerConfig:
     sft_pack_tokens: int | None = None  # SFT packs several sequences into rows of this many tokens (None: one per row)
     ppo_epochs: int = 1  # optimizer passes over each rollout batch
     eval_every: int = 0  # held-out evaluation every N steps (0: only before and after)
+    # sync: each step generates its batch, trains, pushes the weights. one_step_off: batch k+1 is
+    # generated (with the weights after step k-1) while step k trains (mrl/modes.py).
+    mode: Literal["sync", "one_step_off"] = "sync"
 
 
 @dataclass

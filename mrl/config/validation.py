@@ -91,6 +91,7 @@ def validate(cfg: RunConfig, check_files: bool = True) -> list[str]:
     """Every problem in `cfg`; check_files=False skips what needs this machine (model, data, reward
     files, a free Prometheus port), e.g. to check a cluster recipe on a laptop."""
     errors = _check_ranges(cfg) + _check_algo(cfg) + _check_data(cfg) + _check_reward(cfg, check_files)
+    errors += _check_mode(cfg)
     dims, model_errors = _model_dims(cfg, check_files)
     errors += model_errors
     errors += _check_layout(cfg, dims)
@@ -128,6 +129,17 @@ def _check_ranges(cfg: RunConfig) -> list[str]:
     if cfg.optim.min_lr > cfg.optim.lr:
         errors.append(f"optim.min_lr {cfg.optim.min_lr} exceeds optim.lr {cfg.optim.lr}: lower min_lr.")
     return errors
+
+
+def _check_mode(cfg: RunConfig) -> list[str]:
+    """one_step_off generates while the actor trains: on GPUs the engine needs GPUs of its own
+    (colocated, vLLM would sleep and the two would share each GPU's memory). On CPU both run."""
+    launch = cfg.launch
+    if cfg.trainer.mode == "one_step_off" and launch.placement == "colocated" and launch.gpus_per_node:
+        return ["trainer.mode one_step_off generates while the actor trains, which colocated placement cannot do "
+                "on GPUs (the engine shares the actor's GPUs and sleeps while it trains): set "
+                "launch.placement: separate (with launch.rollout_gpus), or trainer.mode: sync."]
+    return []
 
 
 def _check_profile(steps: list[int] | None, total_steps: int) -> list[str]:

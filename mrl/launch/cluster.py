@@ -12,7 +12,7 @@ import ray
 
 from mrl.config import RunConfig
 from mrl.config.derived import actor_world_size, engine_options, has_critic, layout_of, optim_for
-from mrl.launch.fleet import EngineFleet
+from mrl.launch.fleet import EngineFleet, FleetGeneration
 from mrl.launch.proxies import ActorGroup, EngineHandle
 from mrl.launch.rollout_actor import start_rollout_actor
 from mrl.launch.worker_group import WorkerGroup
@@ -40,9 +40,14 @@ class Cluster:
         """Samples per prompt, spread over the engines; and each engine's throughput metrics."""
         return self.engines.generate(prompt_ids, sampling)
 
+    def generate_async(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> FleetGeneration:
+        """Start generating; the driver goes on until the result is asked for (trainer.mode one_step_off)."""
+        return self.engines.generate_async(prompt_ids, sampling)
+
     def release_engines(self) -> None:
         """Colocated placement: the engines free their accelerator memory while the actor trains
-        (vLLM sleep; a no-op on CPU). Whatever they are asked next (generate, a sync) wakes them."""
+        (vLLM sleep; a no-op on CPU). Whatever they are asked next (generate, a sync) wakes them.
+        Never while they generate (one_step_off does not call this: validation keeps it off colocated GPUs)."""
         if self.cfg.launch.placement == "colocated":
             self.engines.sleep()
 

@@ -85,24 +85,19 @@ class EngineFleet:
 
     def generate(self, prompt_ids: Sequence[list[int]],
                  sampling: SamplingSettings) -> tuple[list[list[Generation]], dict[str, float]]:
-        """Per prompt (in batch order) its `sampling.n` generations, and each engine's throughput:
-        `rollout/engine{i}/tokens_per_s` (generated tokens over the seconds until its answer came)
-        and `rollout/engine{i}/gen_s`, for the engines that had prompts."""
+        """Per prompt (in batch order) its `sampling.n` generations, and each engine's throughput
+        (FleetGeneration.metrics)."""
+        pending = self.generate_async(prompt_ids, sampling)
+        return pending.result(), pending.metrics
+
+    def generate_async(self, prompt_ids: Sequence[list[int]], sampling: SamplingSettings) -> "FleetGeneration":
+        """Start generating on every engine and return at once (trainer.mode one_step_off trains
+        meanwhile). Each engine runs one call at a time: what it is asked next (a weight update,
+        sleep) starts only when its part of this generation has finished."""
         parts = assign_by_load(prompt_costs(prompt_ids, sampling), len(self))
         refs = {i: self.handles[i].submit(RolloutServer.generate, [prompt_ids[j] for j in part], sampling)
                 for i, part in enumerate(parts) if part}
-        answers, seconds = self._gather(refs, "generate", self.timeout_s * EngineHandle.GENERATE_TIMEOUT_FACTOR)
-        groups: list[list[Generation]] = [[] for _ in prompt_ids]
-        metrics = {}
-        for i, answer in answers.items():
-            if len(answer) != len(parts[i]):
-                raise EngineError(f"{self.name(i)} answered {len(answer)} prompts of the {len(parts[i])} it was sent")
-            for j, generations in zip(parts[i], answer):
-                groups[j] = generations
-            tokens = sum(len(g.token_ids) for generations in answer for g in generations)
-            metrics[f"rollout/engine{i}/tokens_per_s"] = tokens / max(seconds[i], 1e-9)
-            metrics[f"rollout/engine{i}/gen_s"] = seconds[i]
-        return groups, metrics
+        return FleetGeneration(self, parts, refs, len(prompt_ids))
 
     def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
         """Teacher-forced log-probs on the first engine (every engine holds the same weights)."""
@@ -147,3 +142,45 @@ class EngineFleet:
                 died = isinstance(err, ray.exceptions.RayActorError)
                 raise EngineError(f"{what}: {self.name(i)} {'died' if died else 'failed'}: {err}") from err
         return answers, seconds
+
+
+class FleetGeneration:
+    """A batch being generated on the fleet. Each engine's finishing time is recorded when it
+    finishes (not when the driver asks), so `seconds` and the throughput metrics are the engines'
+    own even when the driver was busy training meanwhile."""
+
+    def __init__(self, fleet: EngineFleet, parts: list[list[int]], refs: dict[int, Any], prompts: int):
+        self.fleet, self.parts, self.refs, self.prompts = fleet, parts, refs, prompts
+        self.started = time.perf_counter()
+        self.finished: dict[int, float] = {}
+        self.metrics: dict[str, float] = {}  # filled by result()
+        for i, ref in refs.items():
+            ref.future().add_done_callback(lambda _done, i=i: self.finished.setdefault(i, time.perf_counter()))
+
+    @property
+    def seconds(self) -> float | None:
+        """From the call until the last engine finished; None while one is still generating."""
+        if len(self.finished) < len(self.refs):
+            return None
+        return max(self.finished.values()) - self.started
+
+    def result(self) -> list[list[Generation]]:
+        """Per prompt (in batch order) its generations; waits at most the generate timeout from now.
+        Sets `metrics`: `rollout/engine{i}/tokens_per_s` and `rollout/engine{i}/gen_s` for each
+        engine that had prompts."""
+        answers, _ = self.fleet._gather(self.refs, "generate",
+                                        self.fleet.timeout_s * EngineHandle.GENERATE_TIMEOUT_FACTOR)
+        now = time.perf_counter()
+        groups: list[list[Generation]] = [[] for _ in range(self.prompts)]
+        for i, answer in answers.items():
+            part = self.parts[i]
+            if len(answer) != len(part):
+                raise EngineError(f"{self.fleet.name(i)} answered {len(answer)} prompts of the {len(part)} it was sent")
+            for j, generations in zip(part, answer):
+                groups[j] = generations
+            # Ray runs the callback on its own thread, possibly just after get returned.
+            seconds = self.finished.setdefault(i, now) - self.started
+            tokens = sum(len(g.token_ids) for generations in answer for g in generations)
+            self.metrics[f"rollout/engine{i}/tokens_per_s"] = tokens / max(seconds, 1e-9)
+            self.metrics[f"rollout/engine{i}/gen_s"] = seconds
+        return groups

@@ -391,3 +391,13 @@ def test_sync_apply(tmp_path):
     (model / "config.json").write_text('{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}')
     errors = errors_of(TINY, "sync.apply=in_place", "model.tiny=null", f"model.path={model}")
     assert "sync.apply 'in_place' has no vLLM fusion table for model_type 'mamba'" in " ".join(errors)
+
+
+def test_one_step_off_needs_the_engine_off_the_actors_gpus():
+    errors = errors_of(DSV3, "trainer.mode=one_step_off", check_files=False)
+    assert any(e.startswith("trainer.mode one_step_off generates while the actor trains") and
+               "set launch.placement: separate" in e for e in errors), errors
+    separate = ["trainer.mode=one_step_off", "launch.placement=separate", "sync.transport=broadcast",
+                "launch.num_nodes=20", "launch.rollout_gpus=32"]
+    assert load_config(DSV3, separate, check_files=False).trainer.mode == "one_step_off"
+    assert load_config(TINY, ["trainer.mode=one_step_off"]).trainer.mode == "one_step_off"  # CPU: both run colocated
