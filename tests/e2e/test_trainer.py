@@ -12,6 +12,9 @@ Three runs share one local Ray instance:
   4. PPO with a Megatron critic (GAE) on a tiny dense model in TP2.
   5. One GRPO step scored by a reward model (reward.name: reward_model), on one rank.
   6. GRPO started from a checkpoint written the way Megatron-LM writes one (PP2, torch_dist), in TP2.
+  7. trainer.mode one_step_off on one rank: every batch after the first a weight version behind;
+     resumed from its step-2 checkpoint (which holds the batch generated for step 3), it reproduces
+     steps 3 and 4 exactly.
 """
 
 from __future__ import annotations
@@ -401,3 +404,71 @@ def test_rl_starts_from_a_megatron_lm_checkpoint(tmp_path, tiny_model_dir, ray_l
     assert all(torch.equal(merged[name], tensor) for name, tensor in started.items())
     assert not torch.equal(merged["model.norm.weight"], load_file(tiny_model_dir("qwen3") / "model.safetensors")[
         "model.norm.weight"])
+
+
+@pytest.fixture(scope="module")
+def one_step_off_run(tmp_path_factory, tiny_model_dir, ray_local):
+    import time
+
+    from mrl.trainer import train
+
+    tmp = tmp_path_factory.mktemp("one_step_off")
+    reward = tmp / "length_reward.py"
+    reward.write_text(textwrap.dedent(LENGTH_REWARD))
+    overrides = ["model.tiny=null", "parallel.tp=1", "parallel.pp=1", "parallel.ep=1", f"reward.name={reward}:score",
+                 "trainer.mode=one_step_off", "logging.trace_every=1", f"model.path={tiny_model_dir('qwen3')}"]
+    started = time.perf_counter()
+    train(load_config(RECIPE, SMALL + [f"trainer.output_dir={tmp / 'run'}", f"checkpoint.dir={tmp / 'ckpt'}",
+                                       *overrides]))
+    print(f"one_step_off run: {time.perf_counter() - started:.0f}s")
+    return tmp, overrides
+
+
+def test_one_step_off_trains_each_batch_after_the_first_a_weight_version_behind(one_step_off_run):
+    from mrl.rollout_trace import read_traces
+
+    tmp, _ = one_step_off_run
+    metrics = _metrics(tmp / "run")
+    assert sorted(metrics) == [1, 2, 3, 4]
+    # b1 is generated with w0 and trained by step 1 (on-policy); b_k with w_{k-2}, trained by step k.
+    first = metrics[1]
+    assert first["actor/ppo_kl"] == 0.0 and first["actor/ratio_mean"] == 1.0 and first["actor/grad_norm"] > 0
+    assert [metrics[s]["async/staleness_max"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
+    assert [metrics[s]["async/staleness_mean"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
+    for step, row in metrics.items():
+        assert 0.0 <= row["trainer/idle_ratio"] <= 1.0 and 0.0 <= row["rollouter/idle_ratio"] <= 1.0, row
+        # The engine sampled with older weights than the trainer scores them with: drift, finite.
+        assert 0.0 <= row["rollout/train_logprob_abs_diff_max"] < float("inf"), row
+    records = read_traces(tmp / "run")
+    assert sorted({r["step"] for r in records}) == [1, 2, 3, 4]
+    for r in records:  # from the engine's tags: weight version v held the weights after step v - 1
+        assert (r["weight_version"], r["policy_step"]) == (max(1, r["step"] - 1), max(0, r["step"] - 2)), r
+    prompts = [r["prompt"] for r in records if r["sample"] % 4 == 0]
+    assert len(prompts) == len(set(prompts)) == 16  # 4 steps × 4 prompts, none trained twice
+
+
+def test_one_step_off_resume_trains_the_saved_batch_and_reproduces_the_run(one_step_off_run, tmp_path):
+    import time
+
+    from mrl.rollout_trace import read_traces
+    from mrl.trainer import train
+
+    tmp, overrides = one_step_off_run
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tmp / "ckpt", ckpt)
+    shutil.rmtree(ckpt / "iter_0000004")
+    (ckpt / "latest").write_text("iter_0000002\n")
+    cfg = load_config(RECIPE, SMALL + [f"trainer.output_dir={tmp_path / 'run'}", f"checkpoint.dir={ckpt}", *overrides])
+    started = time.perf_counter()
+    assert train(cfg)["resumed_from"] == 2
+    print(f"one_step_off resume: {time.perf_counter() - started:.0f}s")
+    original, again = _metrics(tmp / "run"), _metrics(tmp_path / "run")
+    assert sorted(again) == [3, 4]
+    for step in (3, 4):
+        for key in ("critic/score/mean", "actor/ppo_kl", "actor/pg_loss", "actor/grad_norm", "response_length/mean",
+                    "rollout/train_logprob_abs_diff_max", "async/staleness_max"):
+            assert again[step][key] == original[step][key], (step, key)
+    # The same samples, tagged with the same policy: step 3's were generated before the checkpoint.
+    fields = ("step", "prompt", "response", "score", "advantage", "policy_step")
+    before = [tuple(r[f] for f in fields) for r in read_traces(tmp / "run") if r["step"] >= 3]
+    assert [tuple(r[f] for f in fields) for r in read_traces(tmp_path / "run")] == before
