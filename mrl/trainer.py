@@ -86,7 +86,7 @@ def rl_step(step: int, run: Run, source: BatchSource) -> dict:
     metrics = {}
     with timer("step", metrics):
         generated = source.next(step, metrics)
-        rollout = collect(step, run, generated, metrics)
+        rollout = collect(run, generated, metrics)
         if rollout.batch is not None:  # None: dynamic sampling left no group with a learning signal
             learn(step, run, rollout, metrics)
         source.after_update(step, rollout.batch is not None, metrics)
@@ -106,12 +106,13 @@ class Rollout:
     batch: dict | None
 
 
-def collect(step: int, run: Run, generated: GeneratedBatch, metrics: dict) -> Rollout:
+def collect(run: Run, generated: GeneratedBatch, metrics: dict) -> Rollout:
     """Score the generations and shape the rewards (on the driver)."""
     cfg, groups = run.cfg, generated.groups
     prompts = [run.train_set[i] for i in generated.prompt_indices]
     metrics.update(generated.engine_metrics)  # rollout/engine{i}/...: each engine's throughput
-    metrics["perf/gen_tokens_per_s"] = sum(len(g.token_ids) for gs in groups for g in gs) / generated.gen_seconds
+    if generated.gen_seconds > 0:
+        metrics["perf/gen_tokens_per_s"] = sum(len(g.token_ids) for gs in groups for g in gs) / generated.gen_seconds
     with timer("reward", metrics):
         rewards = reward_results(run.reward, prompts, groups, run.out / "reward_errors.jsonl")
     scores = torch.tensor([r.score for r in rewards], dtype=torch.float32)

@@ -50,3 +50,42 @@ def test_push_weights_refuses_settings_other_than_the_first_calls():
     assert worker.push_weights("endpoint", "s1", "broadcast", 1 << 20, 60.0) is None
     with pytest.raises(ValueError, match="one sender setting per run"):
         worker.push_weights("endpoint", "s2", "colocated", 1 << 20, 60.0)
+
+
+def test_a_fleet_generation_takes_each_engines_time_when_it_finishes():
+    import concurrent.futures
+
+    from mrl.launch.fleet import FleetGeneration
+    from mrl.rollout.engine import Generation
+
+    class Ref:
+        def __init__(self):
+            self.done = concurrent.futures.Future()
+
+        def future(self):
+            return self.done
+
+    class Fleet:  # the part of EngineFleet a FleetGeneration uses
+        timeout_s = 7.0
+
+        def __init__(self, answers):
+            self.answers = answers
+
+        def _gather(self, refs, what, timeout_s):
+            return self.answers, {}
+
+        def name(self, i):
+            return f"engine {i}"
+
+    one = Generation([1], [1, 2], "x", [-0.5, -0.25], "stop", 1)
+    refs = {0: Ref(), 1: Ref()}
+    pending = FleetGeneration(Fleet({0: [[one]], 1: [[one], [one]]}), [[1], [0, 2]], refs, 3)
+    assert pending.seconds is None  # still generating
+    refs[0].done.set_result(None)
+    assert pending.seconds is None  # engine 1 still generating
+    refs[1].done.set_result(None)
+    seconds = pending.seconds
+    assert seconds is not None and seconds >= 0
+    groups = pending.result()
+    assert [len(g) for g in groups] == [1, 1, 1] and pending.seconds == seconds  # batch order; time taken at finish
+    assert set(pending.metrics) == {f"rollout/engine{i}/{k}" for i in (0, 1) for k in ("tokens_per_s", "gen_s")}
