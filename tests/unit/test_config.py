@@ -398,6 +398,6 @@ def test_one_step_off_needs_the_engine_off_the_actors_gpus():
     assert any(e.startswith("trainer.mode one_step_off generates while the actor trains") and
                "set launch.placement: separate" in e for e in errors), errors
     separate = ["trainer.mode=one_step_off", "launch.placement=separate", "sync.transport=broadcast",
-                "launch.num_nodes=20", "launch.rollout_gpus=32"]
+                "launch.num_nodes=20", "launch.rollout_gpus=32", "rollout.num_engines=2"]
     assert load_config(DSV3, separate, check_files=False).trainer.mode == "one_step_off"
     assert load_config(TINY, ["trainer.mode=one_step_off"]).trainer.mode == "one_step_off"  # CPU: both run colocated
