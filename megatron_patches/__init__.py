@@ -30,6 +30,7 @@ PATCH_MODULES = (
     "te_placeholders",
     "cpu_grad_clipping",
     "group_routing_top2",
+    "cpu_hybrid_optimizer",
 )
 
 _applied: set[str] = set()

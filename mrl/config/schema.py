@@ -158,6 +158,10 @@ class OptimConfig:
     # None: on with CUDA; off on CPU, where megatron 0.16.1's DistributedOptimizer rejects
     # non-CUDA parameters (a TypeError on `param.type()`); see mrl.megatron.training.make_trainable.
     use_distributed_optimizer: bool | None = None
+    # Fraction of the optimizer (fp32 master weights and Adam moments, by parameter elements, in
+    # parameter order) held and stepped in host memory by megatron-core's HybridDeviceOptimizer.
+    # On a GPU it needs the distributed optimizer; on CPU every byte is host memory already.
+    offload_fraction: float = 0.0
     micro_batch_size: int = 1
     max_tokens_per_micro_batch: int | None = None  # token budget for dynamic batching (None: off)
 

@@ -59,6 +59,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("optim.total_steps", lambda v: v is None or v >= 1, ">= 1 (or null: trainer.total_steps)"),
     ("optim.clip_grad", lambda v: v > 0, "> 0"),
     ("optim.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("optim.offload_fraction", lambda v: 0 <= v <= 1, "in [0, 1] (0: no optimizer offload)"),
     ("optim.micro_batch_size", lambda v: v >= 1, ">= 1"),
     ("optim.max_tokens_per_micro_batch", lambda v: v is None or v >= 1, ">= 1 (or null)"),
     ("critic.lr", lambda v: v is None or v > 0, "> 0 (or null: optim.lr)"),
@@ -126,6 +127,9 @@ def _check_ranges(cfg: RunConfig) -> list[str]:
         errors.append("trainer.sft_pack_tokens packs with a segment mask that Transformer Engine's causal attention "
                       "ignores: set model.transformer_impl: local, or trainer.sft_pack_tokens: null.")
     errors += _check_profile(cfg.profile.steps, cfg.trainer.total_steps)
+    if cfg.optim.offload_fraction > 0 and cfg.launch.gpus_per_node > 0 and cfg.optim.use_distributed_optimizer is False:
+        errors.append("optim.offload_fraction > 0 on GPUs needs the distributed optimizer (megatron-core offloads its "
+                      "shards with their fp32 master weights): set optim.use_distributed_optimizer to true or null.")
     if cfg.optim.min_lr > cfg.optim.lr:
         errors.append(f"optim.min_lr {cfg.optim.min_lr} exceeds optim.lr {cfg.optim.lr}: lower min_lr.")
     return errors

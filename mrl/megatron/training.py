@@ -79,7 +79,7 @@ def make_trainable(built: BuiltModel, config: OptimConfig) -> Trainable:
             optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
             adam_beta1=config.betas[0], adam_beta2=config.betas[1], adam_eps=config.eps,
             clip_grad=config.clip_grad, bf16=model_config.bf16, params_dtype=model_config.params_dtype,
-            use_distributed_optimizer=distributed,
+            use_distributed_optimizer=distributed, **_offload_options(config.offload_fraction, distributed),
         ),
         ddp_chunks,
     )
@@ -90,6 +90,29 @@ def make_trainable(built: BuiltModel, config: OptimConfig) -> Trainable:
         wd_incr_steps=_decay_steps(config), wd_incr_style="constant",
     )
     return Trainable(built, ddp_chunks, optimizer, scheduler, config)
+
+
+def _offload_options(fraction: float, distributed: bool) -> dict[str, Any]:
+    """OptimizerConfig fields for megatron-core's optimizer offload (HybridDeviceOptimizer).
+
+    On a GPU it runs inside the distributed optimizer with the precision-aware path, so the fp32
+    master weights of the offloaded shards live in host memory too (Megatron-LM demands both
+    flags); without it Megatron's Float16 wrapper would keep a second fp32 master copy on the GPU.
+    On CPU the distributed optimizer is unavailable and host memory is the device: the offloaded
+    part gets its own host copy (megatron_patches.cpu_hybrid_optimizer), so the same copy-step-copy
+    back path runs and is tested against the plain optimizer.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"optim.offload_fraction must be in [0, 1], got {fraction}")
+    if fraction == 0.0:
+        return {}
+    cuda = torch.cuda.is_available()
+    if cuda and not distributed:
+        raise ValueError("optim.offload_fraction > 0 on a GPU needs the distributed optimizer (megatron-core "
+                         "offloads its shards and their fp32 master weights): set optim.use_distributed_optimizer "
+                         "to true or null, or optim.offload_fraction to 0")
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction,
+                use_precision_aware_optimizer=cuda, pin_cpu_grads=cuda, pin_cpu_params=cuda)
 
 
 def _check_schedule(config: OptimConfig) -> None:
