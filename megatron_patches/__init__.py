@@ -31,6 +31,7 @@ PATCH_MODULES = (
     "cpu_grad_clipping",
     "group_routing_top2",
     "cpu_hybrid_optimizer",
+    "checkpoint_without_te",
 )
 
 _applied: set[str] = set()

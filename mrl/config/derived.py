@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Literal
 
-from mrl.config.schema import OptimConfig, RunConfig
+from mrl.config.schema import OptimConfig, Recompute, RunConfig
 from mrl.layout import ParallelLayout
 
 
@@ -53,6 +53,12 @@ def optim_for(cfg: RunConfig, phase: Literal["rl", "sft", "critic"] = "rl") -> O
         lr = cfg.critic.lr or o.lr
         return replace(rl, lr=lr, min_lr=min(o.min_lr, lr))
     return rl
+
+
+def recompute_of(cfg: RunConfig) -> Recompute:
+    m = cfg.model
+    modules = None if m.recompute_modules is None else tuple(m.recompute_modules)
+    return Recompute(m.recompute, modules, m.recompute_num_layers)
 
 
 def engine_options(cfg: RunConfig) -> dict[str, Any]:

@@ -41,6 +41,26 @@ class ModelConfig:
     critic_path: str | None = None  # PPO with GAE: the critic's initial trunk (None: `path`)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    # Activation recomputation (Megatron's recompute_granularity): "selective" recomputes the
+    # submodules in recompute_modules in backward (None: Megatron's default, core attention);
+    # "full" saves only each block's input and reruns blocks of recompute_num_layers layers.
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_modules: list[str] | None = None
+    recompute_num_layers: int = 1
+
+
+# Megatron's selective-recompute submodules that mrl's local layer spec runs ("moe_act" needs
+# grouped GEMM, which mrl's sequential experts do not use).
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts", "mla_up_proj")
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """The model section's recompute settings as one value (what an actor rank builds with)."""
+
+    granularity: Literal["none", "selective", "full"] = "none"
+    modules: tuple[str, ...] | None = None
+    num_layers: int = 1
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from mrl.checkpoint_dir import CheckpointDirError, locate
 from mrl.config.derived import actor_gpus, actor_world_size
-from mrl.config.schema import RunConfig
+from mrl.config.schema import RECOMPUTE_MODULES, RunConfig
 from mrl.layout import LayoutError, ModelDims, ParallelLayout
 
 # (dotted key, requirement that holds for valid values, the requirement in words)
@@ -26,6 +26,9 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.sft_pack_tokens", lambda v: v is None or v >= 2, ">= 2 (or null: no packing)"),
     ("trainer.eval_every", lambda v: v >= 0, ">= 0"),
     ("rollout.num_engines", lambda v: v >= 1, ">= 1"),
+    ("model.recompute_num_layers", lambda v: v >= 1, ">= 1"),
+    ("model.recompute_modules", lambda v: v is None or set(v) <= set(RECOMPUTE_MODULES),
+     f"a list of {', '.join(RECOMPUTE_MODULES)} (or null: core_attn)"),
     ("rollout.tensor_parallel_size", lambda v: v >= 1, ">= 1"),
     ("rollout.max_model_len", lambda v: v >= 2, ">= 2"),
     ("rollout.kv_cache_memory_mb", lambda v: v is None or v >= 1, ">= 1 (or null)"),

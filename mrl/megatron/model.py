@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mrl.config.schema import RECOMPUTE_MODULES, Recompute
 from mrl.layout import ParallelLayout
 from mrl.models.registry import ModelSpec
 
@@ -61,7 +62,26 @@ def padded_vocab_size(vocab_size: int, tp: int, divisor: int = 128) -> int:
     return math.ceil(vocab_size / multiple) * multiple
 
 
-def transformer_config(spec: ModelSpec, layout: ParallelLayout, params_dtype: torch.dtype) -> Any:
+def recompute_options(recompute: Recompute) -> dict[str, Any]:
+    """TransformerConfig fields for `recompute`: Megatron's recompute_granularity and, for "full",
+    the uniform method over blocks of recompute.num_layers layers (each block keeps its input)."""
+    if recompute.granularity == "none":
+        return {}
+    if recompute.granularity == "selective":
+        unknown = set(recompute.modules or ()) - set(RECOMPUTE_MODULES)
+        if unknown:
+            raise ValueError(f"model.recompute_modules {sorted(unknown)} are not among {RECOMPUTE_MODULES}")
+        modules = None if recompute.modules is None else list(recompute.modules)
+        return dict(recompute_granularity="selective", recompute_modules=modules)
+    if recompute.granularity == "full":
+        if recompute.num_layers < 1:
+            raise ValueError(f"model.recompute_num_layers must be >= 1, got {recompute.num_layers}")
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=recompute.num_layers)
+    raise ValueError(f"model.recompute {recompute.granularity!r} is not one of none, selective, full")
+
+
+def transformer_config(spec: ModelSpec, layout: ParallelLayout, params_dtype: torch.dtype,
+                       recompute: Recompute = Recompute()) -> Any:
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     kwargs = dict(spec.config)
@@ -75,6 +95,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, params_dtype: to
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=True,
+        **recompute_options(recompute),
     )
     return (MLATransformerConfig if spec.mla else TransformerConfig)(**kwargs)
 
@@ -99,6 +120,7 @@ def build_model(
     vocab_divisor: int = 128,
     transformer_impl: str = "auto",
     value_head: bool = False,
+    recompute: Recompute = Recompute(),
 ) -> BuiltModel:
     """Build this rank's chunks; Megatron's process groups must already exist (initialize_layout).
 
@@ -109,7 +131,7 @@ def build_model(
     from megatron.core.models.gpt import GPTModel
 
     use_te = resolve_transformer_impl(transformer_impl)
-    config = transformer_config(spec, layout, params_dtype)
+    config = transformer_config(spec, layout, params_dtype, recompute)
     vocab = padded_vocab_size(spec.vocab_size, layout.tp, vocab_divisor)
     vpp = layout.virtual_stages
     chunks = []
@@ -128,6 +150,11 @@ def build_model(
                 **spec.rope,
             )
         )
+    for chunk in chunks:  # Megatron's uniform method would index past a chunk's last layer
+        layers = len(chunk.decoder.layers)
+        if recompute.granularity == "full" and layers % recompute.num_layers:
+            raise ValueError(f"model.recompute_num_layers {recompute.num_layers} does not divide the {layers} layers of "
+                             "a model chunk: pick a divisor of every pipeline stage's layer count")
     if value_head:
         from mrl.megatron.value_head import ValueHead
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mrl.config.schema import OptimConfig
+from mrl.config.schema import OptimConfig, Recompute
 from mrl.layout import ParallelLayout
 from mrl.profiling import TraceRecorder, stage, trace_file
 
@@ -37,6 +37,7 @@ class ActorSetup:
     layout: ParallelLayout
     params_dtype: str = "float32"
     transformer_impl: str = "auto"
+    recompute: Recompute = field(default_factory=Recompute)
     seed: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)  # also the update's micro-batching
     reference: bool = False  # keep a frozen copy of the initial weights for the KL term
@@ -95,7 +96,7 @@ class MegatronActor:
 
         def load() -> Any:
             built = build_model(spec, args.layout, params_dtype=dtype, transformer_impl=args.transformer_impl,
-                                value_head=args.value_head)
+                                value_head=args.value_head, recompute=args.recompute)
             load_hf_weights(built, self.coords, args.hf_dir)
             return built
 
