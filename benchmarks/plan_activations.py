@@ -10,7 +10,10 @@ kernel is printed beside it. With EP the routing is not balanced; the plan assum
 table compares the mean over the expert-parallel ranks of a stage (the balanced value) and shows
 the per-rank spread.
 
-    .venv/bin/python benchmarks/plan_activations.py [--seq 256] [--micro-batch 2]
+With --recompute it runs the recompute cases instead (model.recompute full and selective):
+the same measurement, the plan with the same setting.
+
+    .venv/bin/python benchmarks/plan_activations.py [--seq 256] [--micro-batch 2] [--recompute]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from mrl.config.schema import Recompute
 from mrl.layout import ParallelLayout
 from mrl.megatron.local_launch import run_local
 
@@ -40,8 +44,24 @@ CASES = [
     ("deepseek_v3", "PP2 (4 micro-batches)", ParallelLayout(pp=2), 4),
 ]
 
+FULL, CORE = Recompute("full", num_layers=1), Recompute("selective")
+# (tiny-zoo model, layout name, layout, micro-batches per step, recompute)
+RECOMPUTE_CASES = [
+    ("llama", "TP1·DP2, full", ParallelLayout(), 1, FULL),
+    ("llama", "TP1·DP2, full, blocks of 2", ParallelLayout(), 1, Recompute("full", num_layers=2)),
+    ("llama", "TP1·DP2, selective core_attn", ParallelLayout(), 1, CORE),
+    ("llama", "TP2, selective core_attn + mlp", ParallelLayout(tp=2), 1, Recompute("selective", ("core_attn", "mlp"))),
+    ("llama", "PP2 (4 micro-batches), full", ParallelLayout(pp=2), 4, FULL),
+    ("qwen3_moe", "EP2, selective moe", ParallelLayout(ep=2), 1, Recompute("selective", ("moe",))),
+    ("deepseek_v3", "TP1·DP2, full", ParallelLayout(), 1, FULL),
+    ("deepseek_v3", "TP1·DP2, selective core_attn", ParallelLayout(), 1, CORE),
+    ("deepseek_v3", "TP2·ETP1·EP2, selective core_attn + shared_experts", ParallelLayout(tp=2, ep=2, etp=1), 1,
+     Recompute("selective", ("core_attn", "shared_experts"))),
+]
 
-def measure(rank: int, world: int, hf_dir: str, layout: ParallelLayout, seq: int, size: int, micro: int) -> dict:
+
+def measure(rank: int, world: int, hf_dir: str, layout: ParallelLayout, seq: int, size: int, micro: int,
+            recompute: Recompute = Recompute()) -> dict:
     """Peak saved-for-backward bytes of one forward-backward pass over the step's micro-batches on
     this rank (mrl.megatron.footprint.activation_peak), and the rank's pipeline stage."""
     from mrl.megatron.footprint import activation_peak
@@ -53,7 +73,8 @@ def measure(rank: int, world: int, hf_dir: str, layout: ParallelLayout, seq: int
     torch.manual_seed(0)
     coords = initialize_layout(layout)
     spec = model_spec_from_hf(hf_dir)
-    built = build_model(spec, layout, params_dtype=torch.bfloat16, transformer_impl="local")
+    built = build_model(spec, layout, params_dtype=torch.bfloat16, transformer_impl="local",
+                        recompute=recompute)
     # As mrl.megatron.training.make_trainable on CPU (gloo mismatches batched p2p under VPP).
     built.chunks[0].config.batch_p2p_comm = False
     rows = size * micro * data_parallel_size()
@@ -69,13 +90,15 @@ def measure(rank: int, world: int, hf_dir: str, layout: ParallelLayout, seq: int
     return {"peak": peak, "stage": coords.pp}
 
 
-def planned(spec, layout: ParallelLayout, stage: int, seq: int, size: int, micro: int) -> int:
+def planned(spec, layout: ParallelLayout, stage: int, seq: int, size: int, micro: int,
+            recompute: Recompute = Recompute()) -> int:
     from mrl.plan.activations import MicroBatch, cpu_attention, stage_activations
     from mrl.plan.shapes import ModelShape, stage_chunks
 
     shape = ModelShape.of(spec)
     chunks = stage_chunks(shape.layers, layout, stage)
-    return stage_activations(shape, layout, chunks, MicroBatch(seq, size), 2, micro, cpu_attention(shape)).saved
+    return stage_activations(shape, layout, chunks, MicroBatch(seq, size), 2, micro, cpu_attention(shape),
+                             recompute=recompute).saved
 
 
 def main() -> None:
@@ -83,6 +106,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (a multiple of 2)")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--only", nargs="*", default=None, help="run only these tiny-zoo models")
+    parser.add_argument("--recompute", action="store_true", help="run the recompute cases")
     args = parser.parse_args()
     from mrl.models.registry import model_spec_from_hf
     from mrl.models.tiny import write_tiny_model
@@ -93,17 +117,19 @@ def main() -> None:
     print("| model | layout | stage | attention | measured (mean over EP ranks) | per-rank range | plan | plan / measured |")
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for arch, name, layout, micro in CASES:
+        cases = RECOMPUTE_CASES if args.recompute else [(*case, Recompute()) for case in CASES]
+        for arch, name, layout, micro, recompute in cases:
             if args.only and arch not in args.only:
                 continue
             hf_dir = Path(tmp) / arch
             if not hf_dir.exists():
                 write_tiny_model(arch, hf_dir)
             spec = model_spec_from_hf(hf_dir)
-            results = run_local(measure, 2, str(hf_dir), layout, args.seq, args.micro_batch, micro, timeout_s=900)
+            results = run_local(measure, 2, str(hf_dir), layout, args.seq, args.micro_batch, micro, recompute,
+                                timeout_s=900)
             for stage in sorted({r["stage"] for r in results}):
                 peaks = [r["peak"] for r in results if r["stage"] == stage]
-                mean, plan = statistics.mean(peaks), planned(spec, layout, stage, args.seq, args.micro_batch, micro)
+                mean, plan = statistics.mean(peaks), planned(spec, layout, stage, args.seq, args.micro_batch, micro, recompute)
                 spread = f"{min(peaks) / 1e6:.2f}–{max(peaks) / 1e6:.2f} MB" if len(set(peaks)) > 1 else "–"
                 print(f"| {arch} | {name} | {stage} | {cpu_attention(ModelShape.of(spec))} | {mean / 1e6:.2f} MB | {spread} | "
                       f"{plan / 1e6:.2f} MB | {plan / mean:.3f} |", flush=True)

@@ -4,9 +4,18 @@ The method of Korthikanti et al., "Reducing Activation Recomputation in Large Tr
 (2022, sec. 4): list every tensor a layer saves for its backward pass, per token, and scale by the
 tokens each rank holds. Their GPT layer (34·s·b·h + 5·a·s²·b bytes) is replaced here by the layers
 mrl builds (megatron-core 0.16.1's local spec: torch RMSNorm, SwiGLU, RoPE, MLA, sequential MoE
-experts with the all-to-all dispatcher), no dropout and no recomputation (mrl has no recompute
-setting). Each row below was read off the tensors the layers save on CPU
-(benchmarks/plan_activations.py measures them with saved-tensor hooks and compares this table).
+experts with the all-to-all dispatcher), no dropout. Each row below was read off the tensors the
+layers save on CPU (benchmarks/plan_activations.py measures them with saved-tensor hooks and
+compares this table).
+
+Recomputation (model.recompute, Megatron's recompute_granularity): "full" keeps only each block's
+input ([s/TP, b, h]; blocks of recompute_num_layers layers) and, while one block is back-propagated,
+that block's layers' rows again; "selective" drops the rows of the recomputed submodules — core
+attention keeps its inputs q, k, v (GQA: k and v before the repeat) and loses the kernel's own
+saves, "mlp"/"moe"/"shared_experts" keep only their input (already a row) — and adds back one
+layer's dropped rows while that layer is back-propagated. "layernorm" and "mla_up_proj" are
+planned as if not recomputed (an overestimate; Megatron frees their outputs' storage in place,
+which saved-tensor hooks cannot see, so they are not measured either).
 
 Token scopes: "sp" rows live on the sequence-parallel slice (s·b/TP tokens); "seq" rows on the
 whole sequence with TP-sharded widths; "routed" rows on the tokens this rank's experts process,
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mrl.config.schema import Recompute
 from mrl.layout import ParallelLayout
 from mrl.plan.params import padded_vocab
 from mrl.plan.shapes import Chunk, ModelShape
@@ -62,14 +72,18 @@ def cpu_attention(shape: ModelShape) -> str:
 
 
 def layer_rows(shape: ModelShape, layout: ParallelLayout, layer: int, mb: MicroBatch, e: int,
-               attention: str = "flash") -> list[Row]:
+               attention: str = "flash", modules: tuple[str, ...] = ()) -> list[Row]:
     """The saved tensors of one transformer layer, per token of their scope (e: bytes per element
-    of the model dtype)."""
+    of the model dtype); `modules`: the submodules selective recompute reruns in backward."""
     h = shape.hidden
+    core = "checkpointed" if "core_attn" in modules else attention
     rows = [_norm("input norm", h), Row("attention input", "sp", h * e)]
-    rows += (_mla(shape, layout, mb, e, attention) if shape.mla else _gqa(shape, layout, mb, e, attention))
+    rows += (_mla(shape, layout, mb, e, core) if shape.mla else _gqa(shape, layout, mb, e, core))
     rows += [_norm("pre-MLP norm", h), Row("MLP input", "sp", h * e)]
-    rows += _moe(shape, layout, e) if shape.is_moe_layer(layer) else [Row("MLP fc1..fc2", "seq", 5 * shape.ffn // layout.tp * e)]
+    if shape.is_moe_layer(layer):
+        rows += [] if "moe" in modules else _moe(shape, layout, e, "shared_experts" not in modules)
+    elif "mlp" not in modules:
+        rows.append(Row("MLP fc1..fc2", "seq", 5 * shape.ffn // layout.tp * e))
     return rows
 
 
@@ -83,6 +97,8 @@ def _gqa(shape: ModelShape, layout: ParallelLayout, mb: MicroBatch, e: int, atte
     # Fewer KV heads than heads: mrl's SDPA wrapper repeats k and v (new tensors). Otherwise v is a
     # view of the fused qkv projection's output, whose storage then stays alive whole.
     v_width = heads * d if shape.groups < shape.heads else (heads + 2 * groups) * d
+    if attention == "checkpointed":  # the checkpoint keeps k and v before the repeat: v a view of qkv
+        return rows + _core(heads, d, d, (heads + 2 * groups) * d, mb, e, attention, k_heads=groups)
     return rows + _core(heads, d, d, v_width, mb, e, attention)
 
 
@@ -99,8 +115,15 @@ def _mla(shape: ModelShape, layout: ParallelLayout, mb: MicroBatch, e: int, atte
     return rows + _core(heads, m.qk_nope + m.qk_rope, m.v_dim, v_width, mb, e, attention)
 
 
-def _core(heads: float, qk_dim: int, v_dim: int, v_width: float, mb: MicroBatch, e: int, attention: str) -> list[Row]:
-    """Core attention and the output projection's input."""
+def _core(heads: float, qk_dim: int, v_dim: int, v_width: float, mb: MicroBatch, e: int, attention: str,
+          k_heads: float | None = None) -> list[Row]:
+    """Core attention and the output projection's input ("checkpointed": selective recompute's
+    saved inputs q, k, v and the output, whatever the kernel)."""
+    if attention == "checkpointed":
+        k_heads = heads if k_heads is None else k_heads
+        return [Row("attention q, k (checkpoint inputs)", "seq", (heads + k_heads) * qk_dim * e),
+                Row("attention v (checkpoint input)", "seq", v_width * e),
+                Row("attention output", "seq", heads * v_dim * e)]
     if attention == "flash":
         return [Row("attention q, k", "seq", 2 * heads * qk_dim * e), Row("attention v", "seq", v_width * e),
                 # the kernel's output is the output projection's input (one tensor)
@@ -113,7 +136,7 @@ def _core(heads: float, qk_dim: int, v_dim: int, v_width: float, mb: MicroBatch,
     raise ValueError(f"attention {attention!r} is not one of {ATTENTION_KINDS}")
 
 
-def _moe(shape: ModelShape, layout: ParallelLayout, e: int) -> list[Row]:
+def _moe(shape: ModelShape, layout: ParallelLayout, e: int, shared: bool = True) -> list[Row]:
     moe, h = shape.moe, shape.hidden
     k, experts = moe.topk, moe.experts
     if moe.score == "sigmoid":  # group-limited sigmoid routing (DeepSeek-V3)
@@ -127,7 +150,7 @@ def _moe(shape: ModelShape, layout: ParallelLayout, e: int) -> list[Row]:
         # product scaled by the routing probability, and that probability (fp32)
         Row("routed experts", "routed", h * e + 6 * moe.ffn // layout.expert_tp * e + F32),
     ]
-    if moe.shared_ffn:
+    if moe.shared_ffn and shared:
         rows.append(Row("shared expert fc1..fc2", "seq", 5 * moe.shared_ffn // layout.tp * e))
     return rows
 
@@ -167,15 +190,47 @@ def rows_bytes(rows: list[Row], shape: ModelShape, layout: ParallelLayout, mb: M
     return round(sum(r.bytes_per_token * tokens(r.scope, shape, layout, mb) for r in rows))
 
 
+def selective_modules(recompute: Recompute) -> tuple[str, ...]:
+    """The submodules whose rows selective recompute drops (Megatron's default: core attention)."""
+    if recompute.granularity != "selective":
+        return ()
+    return ("core_attn",) if recompute.modules is None else recompute.modules
+
+
 def chunk_bytes(shape: ModelShape, layout: ParallelLayout, chunk: Chunk, mb: MicroBatch, e: int,
-                attention: str = "flash", value_head: bool = False) -> int:
+                attention: str = "flash", value_head: bool = False, recompute: Recompute = Recompute()) -> int:
     """Saved-for-backward bytes of one micro-batch's forward through `chunk` (loss included)."""
     rows = embedding_rows(layout) if chunk.embedding else []
-    for layer in chunk.layers:
-        rows += layer_rows(shape, layout, layer, mb, e, attention)
+    if recompute.granularity == "full":  # one checkpointed input per block of layers
+        blocks = -(-len(chunk.layers) // recompute.num_layers)
+        rows += [Row("block input (full recompute)", "sp", shape.hidden * e)] * blocks
+    else:
+        for layer in chunk.layers:
+            rows += layer_rows(shape, layout, layer, mb, e, attention, selective_modules(recompute))
     if chunk.head:
         rows += head_rows(shape, layout, e, value_head)
     return rows_bytes(rows, shape, layout, mb)
+
+
+def recompute_bytes(shape: ModelShape, layout: ParallelLayout, chunk: Chunk, mb: MicroBatch, e: int,
+                    attention: str, recompute: Recompute) -> int:
+    """What recomputation holds again while one block (full) or layer (selective) of `chunk` is
+    back-propagated: the rows its forward would have saved (less, for selective, what it kept)."""
+    if recompute.granularity == "none" or not chunk.layers:
+        return 0
+    layers, most = list(chunk.layers), 0
+    if recompute.granularity == "full":
+        for start in range(0, len(layers), recompute.num_layers):
+            rows = [r for layer in layers[start : start + recompute.num_layers]
+                    for r in layer_rows(shape, layout, layer, mb, e, attention)]
+            most = max(most, rows_bytes(rows, shape, layout, mb))
+        return most
+    modules = selective_modules(recompute)
+    for layer in layers:
+        full = rows_bytes(layer_rows(shape, layout, layer, mb, e, attention), shape, layout, mb)
+        kept = rows_bytes(layer_rows(shape, layout, layer, mb, e, attention, modules), shape, layout, mb)
+        most = max(most, full - kept)
+    return most
 
 
 def in_flight(layout: ParallelLayout, stage: int, micro_batches: int) -> list[int]:
@@ -203,13 +258,19 @@ class StageActivations:
 
 
 def stage_activations(shape: ModelShape, layout: ParallelLayout, chunks: list[Chunk], mb: MicroBatch, e: int,
-                      micro_batches: int, attention: str = "flash", value_head: bool = False) -> StageActivations:
+                      micro_batches: int, attention: str = "flash", value_head: bool = False,
+                      recompute: Recompute = Recompute()) -> StageActivations:
     """Activation bytes at a stage's peak: the in-flight forwards' saved tensors, plus the pipeline
     schedule's copy of each one's received input (not on the first stage) and sent output (not on
-    the last)."""
+    the last). With recomputation, the backward pass of one micro-batch holds one block's (or
+    layer's) rows again; its loss rows are gone by then (the head is back-propagated first)."""
     alive = in_flight(layout, chunks[0].stage, micro_batches)
-    per_chunk = [chunk_bytes(shape, layout, c, mb, e, attention, value_head) for c in chunks]
+    per_chunk = [chunk_bytes(shape, layout, c, mb, e, attention, value_head, recompute) for c in chunks]
     boundary = mb.seq * mb.size / layout.tp * shape.hidden * e if layout.pp > 1 else 0
     saved = sum(per_chunk[i] for i in alive)
+    if recompute.granularity != "none":
+        head = [rows_bytes(head_rows(shape, layout, e, value_head), shape, layout, mb) if c.head else 0 for c in chunks]
+        saved += max(max(0, recompute_bytes(shape, layout, chunks[i], mb, e, attention, recompute) - head[i])
+                     for i in set(alive))
     pipeline = sum(boundary * ((not chunks[i].embedding) + (not chunks[i].head)) for i in alive)
     return StageActivations(saved, round(pipeline), len(alive))

@@ -136,33 +136,45 @@ def _layout(params: list[ParamTensor], dtype: str, grad_dtype: str, expert: bool
 
 @dataclass(frozen=True)
 class StaticBytes:
-    """One rank's model state in bytes: parameters, gradient buffers, optimizer state on the GPU."""
+    """One rank's model state in bytes: parameters, gradient buffers, optimizer state on the GPU;
+    `host`: the offloaded optimizer part in host memory (optim.offload_fraction)."""
 
     weights: int
     grads: int
     optimizer: int
+    host: int = 0
 
     @property
     def total(self) -> int:
         return self.weights + self.grads + self.optimizer
 
     def __add__(self, other: "StaticBytes") -> "StaticBytes":
-        return StaticBytes(self.weights + other.weights, self.grads + other.grads, self.optimizer + other.optimizer)
+        return StaticBytes(self.weights + other.weights, self.grads + other.grads, self.optimizer + other.optimizer,
+                           self.host + other.host)
 
 
 def static_bytes(bufs: list[Buffer], dp_rank: int | None = None, expert_dp_rank: int | None = None,
                  optimizer_on_gpu: float = 1.0) -> StaticBytes:
     """Bytes of `bufs` on a rank at the given DP / expert-DP coordinates (None: the rank that keeps
     the most). `optimizer_on_gpu` is the fraction of the optimizer state (main copy and Adam
-    moments) kept on the GPU: 1.0 today; optimizer CPU offload would pass 1 - its offload fraction."""
-    weights = grads = optimizer = 0
+    moments) kept on the GPU, 1 - optim.offload_fraction: megatron-core's HybridDeviceOptimizer
+    offloads that share of the elements, each with an fp32 copy, Adam's two moments and a pinned
+    fp32 gradient copy in host memory (HOST_BYTES_PER_OFFLOADED)."""
+    weights = grads = optimizer = owned_total = 0
     for b in bufs:
         weights += (b.numel if b.distributed else b.param_numel) * DTYPE_BYTES[b.param_dtype]
         grads += b.numel * DTYPE_BYTES[b.grad_dtype]
         rank = expert_dp_rank if b.expert else dp_rank
         owned = b.max_owned() if rank is None else b.owned(rank)
         optimizer += owned * optimizer_bytes_per_element(b.param_dtype)
-    return StaticBytes(weights, grads, round(optimizer * optimizer_on_gpu))
+        owned_total += owned
+    host = round(owned_total * (1 - optimizer_on_gpu)) * HOST_BYTES_PER_OFFLOADED
+    return StaticBytes(weights, grads, round(optimizer * optimizer_on_gpu), host)
+
+
+# An offloaded element in host memory (hybrid_optimizer.py): its fp32 copy (the master weight),
+# exp_avg and exp_avg_sq, and the fp32 buffer the gradient is copied into before the CPU step.
+HOST_BYTES_PER_OFFLOADED = 4 + ADAM_STATE_BYTES + 4
 
 
 def optimizer_bytes_per_element(param_dtype: str) -> int:

@@ -16,19 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mrl.config.schema import RunConfig
+from mrl.config.derived import recompute_of
+from mrl.config.schema import Recompute, RunConfig
 from mrl.layout import LayoutError, ModelDims, ParallelLayout
 from mrl.plan.activations import F32, MicroBatch, stage_activations
 from mrl.plan.ddp import DTYPE_BYTES, StaticBytes, rank_static
 from mrl.plan.params import chunk_params, padded_vocab
 from mrl.plan.rollout import WEIGHT_DTYPES, engine_weight_bytes, kv_bytes_per_token
 from mrl.plan.shapes import ModelShape, PlanError, stage_chunks
-
-# The fraction of the optimizer state (fp32 main copy and Adam moments) kept on the GPU. mrl has no
-# optimizer CPU offload; when optim grows one (e.g. optim.offload_fraction), this becomes
-# `1 - cfg.optim.offload_fraction` in Run.of and every optimizer row follows.
-OPTIMIZER_ON_GPU = 1.0
-
 
 @dataclass(frozen=True)
 class Run:
@@ -55,7 +50,8 @@ class Run:
     # the layout), a token budget below the longest sequence (does not).
     split_problems: tuple[str, ...] = ()
     budget_problems: tuple[str, ...] = ()
-    optimizer_on_gpu: float = OPTIMIZER_ON_GPU
+    optimizer_on_gpu: float = 1.0  # 1 - optim.offload_fraction: the rest is in host memory
+    recompute: Recompute = Recompute()
 
     @property
     def dp(self) -> int:
@@ -97,6 +93,7 @@ class Run:
             engine_dtype=r.dtype, quantization=getattr(r, "quantization", None),
             gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=r.max_model_len, sequences=sequences,
             transformer_impl=cfg.model.transformer_impl, split_problems=split, budget_problems=tuple(budget),
+            optimizer_on_gpu=1.0 - cfg.optim.offload_fraction, recompute=recompute_of(cfg),
         )
 
     @property
@@ -139,6 +136,7 @@ class StagePlan:
     state: dict[str, int]  # held through both phases: weights, gradient buffers, optimizer state
     update: dict[str, int]  # the update's activations and working set
     engine: int  # a colocated engine's budget while it generates (0: none)
+    host: int = 0  # offloaded optimizer state in host memory per GPU's rank (optim.offload_fraction)
 
     @property
     def train_bytes(self) -> int:
@@ -225,13 +223,16 @@ def _stage(shape: ModelShape, run: Run, stage: int, engine: EnginePlan) -> Stage
                            value_head=value_head, optimizer_on_gpu=run.optimizer_on_gpu)
 
     def activations(value_head: bool):
-        return stage_activations(shape, layout, chunks, run.micro, e, run.micro_batches, "flash", value_head)
+        return stage_activations(shape, layout, chunks, run.micro, e, run.micro_batches, "flash", value_head,
+                                 run.recompute)
 
     actor, acts = static(False), activations(False)
     state = {"actor weights": actor.weights, "actor grads": actor.grads, "actor optimizer": actor.optimizer}
     update = {"activations": acts.total}
+    host = actor.host
     if run.critic:
         critic = static(True)
+        host += critic.host
         state |= {"critic weights": critic.weights, "critic grads": critic.grads, "critic optimizer": critic.optimizer}
         update["activations"] = max(acts.total, activations(True).total)  # the critic updates apart
     if run.reference:
@@ -241,7 +242,7 @@ def _stage(shape: ModelShape, run: Run, stage: int, engine: EnginePlan) -> Stage
         update["loss working set"] = _loss_working_set(shape, run)
     layers = [layer for c in chunks for layer in c.layers]
     return StagePlan(stage, layers, run.world // layout.pp, acts.in_flight, state, update,
-                     engine.budget if run.colocated else 0)
+                     engine.budget if run.colocated else 0, host)
 
 
 def _loss_working_set(shape: ModelShape, run: Run) -> int:

@@ -23,8 +23,9 @@ def _groups(stages: list[StagePlan]) -> list[list[StagePlan]]:
     """Runs of consecutive stages with the same memory (a pipeline's middle stages, usually)."""
     groups: list[list[StagePlan]] = []
     for stage in stages:
-        key = (stage.state, stage.update, stage.engine, stage.in_flight)
-        if groups and (groups[-1][0].state, groups[-1][0].update, groups[-1][0].engine, groups[-1][0].in_flight) == key:
+        key = (stage.state, stage.update, stage.engine, stage.in_flight, stage.host)
+        last = groups[-1][0] if groups else None
+        if last and (last.state, last.update, last.engine, last.in_flight, last.host) == key:
             groups[-1].append(stage)
         else:
             groups.append([stage])
@@ -44,7 +45,9 @@ def header(plan: Plan) -> list[str]:
     return [
         f"layout {layout.describe()}{split} · DP {run.dp} · expert-DP {run.expert_dp} on {run.world} actor GPUs "
         f"({run.gpus} in all) of {gb(plan.gpu_bytes)} GB; {run.dtype} weights, fp32 gradient buffers, "
-        f"{'distributed' if run.distributed_optimizer else 'replicated'} Adam",
+        f"{'distributed' if run.distributed_optimizer else 'replicated'} Adam"
+        + (f", {1 - run.optimizer_on_gpu:g} of it offloaded to host memory" if run.optimizer_on_gpu < 1 else "")
+        + _recompute_words(run),
         f"update micro-batch: {mb.size} × {mb.seq} tokens, {run.micro_batches} per DP rank and step; "
         f"rollout: one TP{run.engine_tp} engine, {'colocated' if run.colocated else 'on its own GPUs'}",
         "GB per GPU (10^9 bytes); " + ("train: the update, engine asleep; generate: the engine awake beside the "
@@ -52,13 +55,23 @@ def header(plan: Plan) -> list[str]:
     ]
 
 
+def _recompute_words(run) -> str:
+    r = run.recompute
+    if r.granularity == "full":
+        return f"; full recompute, blocks of {r.num_layers} layer{'s' if r.num_layers > 1 else ''}"
+    if r.granularity == "selective":
+        return f"; selective recompute of {', '.join(r.modules or ('core_attn',))}"
+    return ""
+
+
 def table(plan: Plan) -> str:
     """The per-GPU table: each item, both phases, the verdict."""
     state = list(dict.fromkeys(k for s in plan.stages for k in s.state))
     update = list(dict.fromkeys(k for s in plan.stages for k in s.update))
     engine = any(s.engine for s in plan.stages)
+    host = any(s.host for s in plan.stages)
     columns = (["stage", "layers"] + state + update + ["in flight"] + (["engine"] if engine else [])
-               + ["train", "generate", "verdict"])
+               + ["train", "generate", "verdict"] + (["host (offloaded optimizer)"] if host else []))
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for group in _groups(plan.stages):
         s = group[0]
@@ -69,6 +82,7 @@ def table(plan: Plan) -> str:
         cells.append(str(s.in_flight))
         cells += [gb(s.engine)] if engine else []
         cells += [gb(s.train_bytes), gb(s.generate_bytes) if s.engine else "-", verdict(plan.gpu_bytes - s.peak)]
+        cells += [gb(s.host)] if host else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -97,6 +111,11 @@ def notes(plan: Plan) -> list[str]:
     if run.transformer_impl != "local":
         lines.append(f"note: model.transformer_impl {run.transformer_impl!r}: the activations are those of Megatron's "
                      "local layer spec (measured on CPU); Transformer Engine's fused layers save different tensors.")
+    if run.optimizer_on_gpu < 1:
+        lines.append("note: host (offloaded optimizer) is host memory per GPU's rank (fp32 copy, Adam moments and a "
+                     "gradient copy of the offloaded elements); a node needs it times its GPUs, beyond the GPU column.")
+    if run.recompute.granularity == "selective" and set(run.recompute.modules or ()) & {"layernorm", "mla_up_proj"}:
+        lines.append("note: layernorm and mla_up_proj recompute are planned as not recomputed (an overestimate).")
     if plan.shape.moe:
         lines.append("note: routed-expert activations assume balanced routing; an imbalanced step holds more on "
                      "some ranks.")
@@ -123,7 +142,8 @@ def to_dict(plan: Plan) -> dict[str, Any]:
                        dp=run.dp, expert_dp=run.expert_dp, world=run.world, gpus=run.gpus),
         "micro_batch": dict(size=run.micro.size, seq=run.micro.seq, per_step=run.micro_batches),
         "stages": [dict(stage=s.stage, layers=s.layers, ranks=s.ranks, in_flight=s.in_flight, state=s.state,
-                        update=s.update, engine=s.engine, train_bytes=s.train_bytes, generate_bytes=s.generate_bytes,
+                        update=s.update, engine=s.engine, host_bytes=s.host, train_bytes=s.train_bytes,
+                        generate_bytes=s.generate_bytes,
                         peak=s.peak,
                         free=plan.gpu_bytes - s.peak, fits=s.peak <= plan.gpu_bytes) for s in plan.stages],
         "engine": dict(tp=e.tp, weights=e.weights, kv_bytes_per_token=e.kv_per_token, budget=e.budget,

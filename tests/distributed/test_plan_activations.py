@@ -5,18 +5,22 @@ tiny DeepSeek-V3 in TP2·EP2·ETP1 (MLA, sequence parallelism, routed and shared
 llama in PP2 with four micro-batches (1F1B: two in flight on the first stage). The peak of what
 autograd holds for backward (mrl.megatron.footprint.activation_peak) must be within 5 % of the plan
 for every rank; EP routing is unbalanced, so MoE ranks compare their mean (the plan assumes
-balance). benchmarks/plan_activations.py runs more layouts; docs/plan.md has its table.
+balance). The same two with recomputation (selective core attention; full, one layer per block)
+must be within 5 % too. benchmarks/plan_activations.py runs more layouts; docs/plan.md has its table.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mrl.config.schema import Recompute
 from mrl.layout import ParallelLayout
 from mrl.megatron.local_launch import run_local
 
 SEQ, SIZE = 128, 2
-CASES = [("deepseek_v3", ParallelLayout(tp=2, ep=2, etp=1), 1), ("llama", ParallelLayout(pp=2), 4)]
+NONE, FULL, CORE = Recompute(), Recompute("full"), Recompute("selective")
+CASES = [("deepseek_v3", ParallelLayout(tp=2, ep=2, etp=1), 1, NONE), ("llama", ParallelLayout(pp=2), 4, NONE),
+         ("deepseek_v3", ParallelLayout(tp=2, ep=2, etp=1), 1, CORE), ("llama", ParallelLayout(pp=2), 4, FULL)]
 
 
 def _peaks(rank: int, world: int, dirs: dict) -> list[dict]:
@@ -27,10 +31,11 @@ def _peaks(rank: int, world: int, dirs: dict) -> list[dict]:
     from mrl.models.registry import model_spec_from_hf
 
     results = []
-    for arch, layout, count in CASES:
+    for arch, layout, count, recompute in CASES:
         coords = initialize_layout(layout)
         spec = model_spec_from_hf(dirs[arch])
-        built = build_model(spec, layout, params_dtype=torch.bfloat16, transformer_impl="local")
+        built = build_model(spec, layout, params_dtype=torch.bfloat16, transformer_impl="local",
+                            recompute=recompute)
         built.chunks[0].config.batch_p2p_comm = False  # as make_trainable does on CPU
         rows = SIZE * count * data_parallel_size()
         g = torch.Generator().manual_seed(0)
@@ -49,13 +54,14 @@ def test_activation_estimate_matches_measured_peak(tiny_model_dir):
     from mrl.plan.activations import MicroBatch, cpu_attention, stage_activations
     from mrl.plan.shapes import ModelShape, stage_chunks
 
-    dirs = {arch: str(tiny_model_dir(arch)) for arch, _, _ in CASES}
+    dirs = {arch: str(tiny_model_dir(arch)) for arch, _, _, _ in CASES}
     per_rank = run_local(_peaks, 2, dirs, timeout_s=300)
-    for index, (arch, layout, count) in enumerate(CASES):
+    for index, (arch, layout, count, recompute) in enumerate(CASES):
         shape = ModelShape.of(model_spec_from_hf(dirs[arch]))
         for stage in range(layout.pp):
             measured = [r[index]["peak"] for r in per_rank if r[index]["stage"] == stage]
             chunks = stage_chunks(shape.layers, layout, stage)
-            plan = stage_activations(shape, layout, chunks, MicroBatch(SEQ, SIZE), 2, count, cpu_attention(shape)).saved
+            plan = stage_activations(shape, layout, chunks, MicroBatch(SEQ, SIZE), 2, count, cpu_attention(shape),
+                                    recompute=recompute).saved
             mean = sum(measured) / len(measured)
-            assert abs(plan / mean - 1) < 0.05, f"{arch} {layout.describe()} stage {stage}: plan {plan}, measured {measured}"
+            assert abs(plan / mean - 1) < 0.05, f"{arch} {layout.describe()} {recompute} stage {stage}: plan {plan}, measured {measured}"

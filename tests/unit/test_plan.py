@@ -19,6 +19,7 @@ from mrl.config import load_config
 from mrl.layout import ParallelLayout
 from mrl.plan import PlanError, Run, model_shape, plan
 from mrl.plan.activations import in_flight
+from mrl.plan.report import render
 from mrl.plan.ddp import _layout, buffers, static_bytes
 from mrl.plan.params import ParamTensor, chunk_params
 from mrl.plan.rollout import engine_parameters, engine_weight_bytes, kv_bytes_per_token
@@ -66,6 +67,32 @@ def test_static_bytes_per_element():
     assert static_bytes([bf16, fp32]) == type(static_bytes([bf16]))(1024 * 2 + 128 * 4, (1024 + 128) * 4,
                                                                     256 * 12 + 32 * 8)
     assert static_bytes([bf16], optimizer_on_gpu=0.25).optimizer == 256 * 12 // 4
+    # the other 3/4 of the owned elements in host memory: fp32 copy, two moments, fp32 grad copy
+    assert static_bytes([bf16], optimizer_on_gpu=0.25).host == 192 * 16
+    assert static_bytes([bf16]).host == 0
+
+
+def test_offload_and_recompute_in_the_671b_plan(dsv3):
+    """optim.offload_fraction moves the optimizer row to host memory; recompute shrinks activations
+    (full: the block inputs plus one layer again; selective core_attn: less than none)."""
+    cfg, shape = dsv3
+    base = plan(shape, Run.of(cfg, shape), 80 * GB)
+
+    def with_(*overrides):
+        return plan(shape, Run.of(load_config(RECIPE, [f"model.path={FIXTURE}", *overrides], check_files=False),
+                                  shape), 80 * GB)
+
+    half = with_("optim.offload_fraction=0.5")
+    for before, after in zip(base.stages, half.stages):
+        assert abs(after.state["actor optimizer"] - before.state["actor optimizer"] / 2) <= 1
+        # 12 B per bf16 element on the GPU → 16 B in host memory (the few fp32 norm weights: 8 → 16)
+        assert abs(after.host / (before.state["actor optimizer"] / 2 * 16 / 12) - 1) < 1e-5
+        assert before.host == 0 and after.state["actor weights"] == before.state["actor weights"]
+    full, selective = with_("model.recompute=full"), with_("model.recompute=selective")
+    for b, f, s in zip(base.stages, full.stages, selective.stages):
+        assert f.update["activations"] < s.update["activations"] < b.update["activations"]
+        assert f.state == b.state
+    assert "full recompute" in render(full) and "offloaded to host memory" in render(half)
 
 
 def test_pipeline_chunks():
