@@ -330,6 +330,12 @@ def load_checkpoint(path: str | Path, trainable: Trainable, *, load_optimizer: b
     contents = set(manifest.get("contents", []))
     model_sd = model_sharded_state_dict(trainable.built)
     request: dict = {"model": model_sd}
+    if load_optimizer and "optimizer" in contents and trainable.config.offload_fraction > 0 and not torch.cuda.is_available():
+        # FP32Optimizer/Float16Optimizer around a HybridDeviceOptimizer (CPU: no distributed optimizer)
+        # call its init_state_fn, which megatron leaves None, and the restored state is moved with .to("cuda").
+        raise ValueError(f"{directory}: resuming optimizer state with optim.offload_fraction > 0 is not supported on "
+                         "CPU (megatron-core 0.16.1's offload optimizer restores state only inside the distributed "
+                         "optimizer, which needs CUDA); set optim.offload_fraction: 0 to resume on CPU")
     if load_optimizer and "optimizer" in contents:
         request["optimizer"] = trainable.optimizer.sharded_state_dict(
             model_sd, is_loading=True, metadata=OPTIMIZER_METADATA

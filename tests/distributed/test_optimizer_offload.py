@@ -7,7 +7,9 @@ Acceptance: three steps with offload_fraction 0.5 and 1.0 give the losses and we
 without offload. Not bitwise: the offload path runs torch's fused AdamW kernel (megatron asks for
 fused=True), the plain path torch's loop AdamW; same formula, different rounding, so fp32 weights
 agree to 1e-6 (a wrong split or a missed copy-back moves weights by ~lr = 1e-3). Without the patch
-the first offloaded step fails with upstream's KeyError.
+the first offloaded step fails with upstream's KeyError. A checkpoint of the offloaded run saves,
+and resuming its optimizer on CPU is refused with an error naming the setting (megatron restores
+the offload optimizer's state only inside the distributed optimizer, which needs CUDA).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ FRACTIONS = (0.0, 0.5, 1.0)
 STEPS = 3
 
 
-def _train(hf_dir: str, fraction: float) -> dict:
+def _train(hf_dir: str, fraction: float, checkpoint: str | None = None) -> dict:
     from megatron.core import parallel_state as ps
 
     from mrl.bridge.hf_import import load_hf_weights
@@ -46,14 +48,23 @@ def _train(hf_dir: str, fraction: float) -> dict:
                 # the offloaded copies are other tensors than the model's parameters
                 split["copies"] += sum(c is not p for p, c in hybrid.gpu_params_map_cpu_copy.items())
                 split["on_device"] += sum(len(g["params"]) for g in hybrid.gpu_param_groups)
+        refused = None
+        if checkpoint:  # saving works; resuming the offloaded optimizer on CPU is refused, by name
+            from mrl.megatron.checkpoint import load_checkpoint, save_checkpoint
+
+            save_checkpoint(checkpoint, trainable, step=STEPS)
+            try:
+                load_checkpoint(checkpoint, trainable)
+            except ValueError as err:
+                refused = str(err)
         return {"losses": losses, "weights": {n: p.detach().clone() for n, p in params.items()}, "split": split,
-                "params": len(params)}
+                "params": len(params), "refused": refused}
     finally:
         if ps.model_parallel_is_initialized():
             destroy_layout()
 
 
-def _offload_runs(rank: int, world_size: int, hf_dir: str) -> dict:
+def _offload_runs(rank: int, world_size: int, hf_dir: str, checkpoint: str) -> dict:
     import os
     import traceback
 
@@ -67,11 +78,11 @@ def _offload_runs(rank: int, world_size: int, hf_dir: str) -> dict:
         failure = traceback.format_exc()
     os.environ.pop("MRL_SKIP_PATCHES")
     megatron_patches.apply()
-    return {"failure": failure, "runs": {f: _train(hf_dir, f) for f in FRACTIONS}}
+    return {"failure": failure, "runs": {f: _train(hf_dir, f, checkpoint if f == 1.0 else None) for f in FRACTIONS}}
 
 
-def test_offload_trains_like_no_offload(tiny_model_dir):
-    (result,) = run_local(_offload_runs, 1, str(tiny_model_dir("llama")), timeout_s=300)
+def test_offload_trains_like_no_offload(tiny_model_dir, tmp_path):
+    (result,) = run_local(_offload_runs, 1, str(tiny_model_dir("llama")), str(tmp_path / "ckpt"), timeout_s=300)
     failure = result["failure"]
     assert failure is not None, "offload ran without cpu_hybrid_optimizer: is the patch still needed?"
     assert "hybrid_optimizer.py" in failure and "KeyError" in failure, failure[-2000:]
@@ -90,3 +101,4 @@ def test_offload_trains_like_no_offload(tiny_model_dir):
         assert max(abs(a - b) for a, b in zip(run["losses"], plain["losses"])) <= 1e-6, (run["losses"], plain["losses"])
         worst = max((run["weights"][n] - plain["weights"][n]).abs().max().item() for n in plain["weights"])
         assert worst <= 1e-6, f"offload_fraction {fraction}: weights differ from no offload by {worst:.3g}"
+    assert "offload_fraction > 0 is not supported on CPU" in (runs[1.0]["refused"] or ""), runs[1.0]["refused"]
