@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from mrl.config.schema import OptimConfig
-from mrl.megatron.model import BuiltModel
+from mrl.megatron.model import BuiltModel, transformer_engine_available
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
@@ -97,7 +97,7 @@ def _offload_options(fraction: float, distributed: bool) -> dict[str, Any]:
 
     On a GPU it runs inside the distributed optimizer with the precision-aware path, so the fp32
     master weights of the offloaded shards live in host memory too (Megatron-LM demands both
-    flags); without it Megatron's Float16 wrapper would keep a second fp32 master copy on the GPU.
+    flags; that config reads Transformer Engine's version, so TE must be installed); without it Megatron's Float16 wrapper would keep a second fp32 master copy on the GPU.
     On CPU the distributed optimizer is unavailable and host memory is the device: the offloaded
     part gets its own host copy (megatron_patches.cpu_hybrid_optimizer), so the same copy-step-copy
     back path runs and is tested against the plain optimizer.
@@ -111,6 +111,9 @@ def _offload_options(fraction: float, distributed: bool) -> dict[str, Any]:
         raise ValueError("optim.offload_fraction > 0 on a GPU needs the distributed optimizer (megatron-core "
                          "offloads its shards and their fp32 master weights): set optim.use_distributed_optimizer "
                          "to true or null, or optim.offload_fraction to 0")
+    if cuda and not transformer_engine_available():
+        raise ValueError("optim.offload_fraction > 0 on a GPU needs Transformer Engine installed (pip install -e "
+                         "'.[gpu]'): megatron-core 0.16.1's precision-aware optimizer config reads TE's version")
     return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction,
                 use_precision_aware_optimizer=cuda, pin_cpu_grads=cuda, pin_cpu_params=cuda)
 
