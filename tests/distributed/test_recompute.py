@@ -99,3 +99,30 @@ def test_recompute_gives_the_same_gradients(arch, tiny_model_dir):
         else:
             differ = [n for n, g in reference["grads"].items() if not torch.equal(run["grads"][n], g)]
             assert not differ, f"{arch} {name}: gradients differ for {differ[:4]}"
+
+
+def _actor_setup(rank: int, world_size: int, hf_dir: str) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from mrl.config.schema import OptimConfig
+    from mrl.megatron.parallel import destroy_layout
+    from mrl.workers.actor import ActorSetup, MegatronActor
+
+    actor = MegatronActor(rank, world_size)
+    try:
+        actor.setup(ActorSetup(hf_dir=hf_dir, layout=ParallelLayout(), recompute=Recompute("full", num_layers=2),
+                               optim=OptimConfig(offload_fraction=1.0)))
+        config = actor.trainable.built.chunks[0].config
+        inner = [type(o.optimizer).__name__ for o in actor.trainable.optimizer.chained_optimizers]
+        return {"recompute": (config.recompute_granularity, config.recompute_method, config.recompute_num_layers),
+                "optimizers": inner}
+    finally:
+        if ps.model_parallel_is_initialized():
+            destroy_layout()
+
+
+def test_the_actor_worker_builds_with_both_settings(tiny_model_dir):
+    """What a Ray actor rank does with launch's ActorSetup (mrl.config.derived.recompute_of, optim_for)."""
+    (result,) = run_local(_actor_setup, 1, str(tiny_model_dir("llama")), timeout_s=120)
+    assert result["recompute"] == ("full", "uniform", 2), result
+    assert result["optimizers"] == ["HybridDeviceOptimizer"], result
