@@ -99,6 +99,7 @@ def validate(cfg: RunConfig, check_files: bool = True) -> list[str]:
     dims, model_errors = _model_dims(cfg, check_files)
     errors += model_errors
     errors += _check_layout(cfg, dims)
+    errors += _check_recompute(cfg, dims)
     errors += _check_sync_apply(cfg, check_files)
     if check_files:
         errors += _check_files(cfg) + _check_port(cfg)
@@ -337,6 +338,29 @@ def _check_layout(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
     except LayoutError as exc:
         errors.append("parallel: " + str(exc).replace("--", "parallel."))
     return errors
+
+
+def _check_recompute(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
+    """recompute_modules only mean something for selective recompute; full recompute's blocks must
+    divide every model chunk's layers (Megatron's uniform method indexes past a chunk's end)."""
+    m, p = cfg.model, cfg.parallel
+    if m.recompute_modules is not None and m.recompute != "selective":
+        return [f"model.recompute_modules applies to model.recompute: selective, not {m.recompute!r}: "
+                "set model.recompute: selective or model.recompute_modules: null."]
+    if m.recompute != "full" or dims is None or min(p.pp, p.vpp or 1) < 1:
+        return []
+    first, last = p.first_stage_layers, p.last_stage_layers
+    middle = p.pp - (first is not None) - (last is not None)
+    counts = {n for n in (first, last) if n}
+    if p.vpp:
+        counts.add(dims.num_layers // (p.pp * p.vpp))
+    elif middle > 0:
+        counts.add((dims.num_layers - (first or 0) - (last or 0)) // middle)
+    bad = sorted(n for n in counts if n % m.recompute_num_layers)
+    if bad:
+        return [f"model.recompute_num_layers {m.recompute_num_layers} does not divide model chunks of {bad} layers: "
+                "pick a divisor of every pipeline stage's layer count."]
+    return []
 
 
 def _even_part(cfg: RunConfig, dims: ModelDims) -> tuple[ModelDims, list[str]]:

@@ -133,8 +133,10 @@ def test_bad_types(tmp_path):
         ("algo.advantage_estimator=grpoo", "algo.advantage_estimator: unknown advantage estimator 'grpoo' - did you mean 'grpo'?"),
         ("algo.aggregation=token_mean", "algo.aggregation: unknown loss aggregation 'token_mean' - did you mean 'token-mean'?"),
         ("critic.cliprange_value=0", "critic.cliprange_value must be > 0, got 0."),
-        ("model.recompute_modules=[attn]", "model.recompute_modules must be a list of core_attn, layernorm, mlp"),
+        ("model.recompute=selective model.recompute_modules=[attn]", "model.recompute_modules must be a list of core_attn, layernorm, mlp"),
         ("model.recompute=partial", "model.recompute: must be one of 'none', 'selective', 'full', got 'partial'"),
+        ("model.recompute_modules=[mlp]", "model.recompute_modules applies to model.recompute: selective, not 'none'"),
+        ("model.recompute=full model.recompute_num_layers=3", "model.recompute_num_layers 3 does not divide model chunks of [4] layers"),
         ("optim.offload_fraction=1.5", "optim.offload_fraction must be in [0, 1] (0: no optimizer offload), got 1.5."),
         ("trainer.sft_pack_tokens=1", "trainer.sft_pack_tokens must be >= 2 (or null: no packing), got 1."),
         ("rollout.n_samples_per_prompt=1", "grpo compares samples of one prompt: rollout.n_samples_per_prompt must be >= 2"),
@@ -145,7 +147,7 @@ def test_bad_types(tmp_path):
     ],
 )
 def test_bad_values(override, message):
-    (error,) = errors_of(TINY, override)
+    (error,) = errors_of(TINY, *override.split())  # space-separated overrides
     assert error.startswith(message), error
 
 
