@@ -97,8 +97,8 @@ def _offload_options(fraction: float, distributed: bool) -> dict[str, Any]:
 
     On a GPU it runs inside the distributed optimizer with the precision-aware path, so the fp32
     master weights of the offloaded shards live in host memory too (Megatron-LM demands both
-    flags; that config reads Transformer Engine's version, so TE must be installed); without it Megatron's Float16 wrapper would keep a second fp32 master copy on the GPU.
-    On CPU the distributed optimizer is unavailable and host memory is the device: the offloaded
+    flags; that config reads Transformer Engine's version, so TE must be installed); without it
+    Megatron's Float16 wrapper would keep a second fp32 master copy on the GPU. On CPU the distributed optimizer is unavailable and host memory is the device: the offloaded
     part gets its own host copy (megatron_patches.cpu_hybrid_optimizer), so the same copy-step-copy
     back path runs and is tested against the plain optimizer.
     """
