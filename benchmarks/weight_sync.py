@@ -11,8 +11,13 @@ broadcast channels):
     (memory bandwidth, the physical limit of any same-node transport), best of 3;
 and the peak extra RSS of each trainer rank and of the engine during the sync (sampled every 2 ms).
 
+With `--engines 1,2` each case runs once per engine count: one export fanned out to N engines
+(each in its own Ray actor), timed until the last engine holds the new weights; the N-engine row
+gives `time_ratio_to_1_engine`. `--no-pipeline` sends each bucket before exporting the next.
+
     .venv/bin/python benchmarks/weight_sync.py [--size-gb 1.0] [--layouts tp2,pp2,ep2] [--workdir DIR]
         [--apply load_weights|in_place] [--transports colocated,broadcast] [--cases sync,naive] [--repeats N]
+        [--engines 1,2] [--no-pipeline]
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def copy_gbps(nbytes: int) -> float:
     return nbytes / best / 1e9
 
 
-def _trainer(rank, world, hf_dir, key, layout, endpoint, transport, cases):
+def _trainer(rank, world, hf_dir, key, layout, endpoints, transport, cases, pipeline=True):
     from mrl.bridge.hf_import import load_hf_weights
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import initialize_layout
@@ -67,7 +72,8 @@ def _trainer(rank, world, hf_dir, key, layout, endpoint, transport, cases):
     load_hf_weights(built, coords, hf_dir)
     out = {}
     for name, bucket_bytes in cases:
-        sender = WeightSender(endpoint, built, coords, transport=transport, bucket_bytes=bucket_bytes, timeout_s=600)
+        sender = WeightSender(endpoints, built, coords, transport=transport, bucket_bytes=bucket_bytes, timeout_s=600,
+                              pipeline=pipeline)
         torch.distributed.barrier()
         rss: dict = {}
         with peak_rss(rss, "mb"):
@@ -105,43 +111,65 @@ def _engine_rss_stop(server) -> float:
 
 
 def run(hf_dir: Path, layouts: list[str], apply: str = "load_weights", transports=TRANSPORTS,
-        case_names=("sync", "naive"), repeats: int = 1) -> list[dict]:
-    actor = start_rollout_actor(str(hf_dir), ENGINE | {"weight_apply": apply}, sync_timeout_s=600)
-    endpoint = ray.get(actor.endpoint.remote())
+        case_names=("sync", "naive"), repeats: int = 1, engine_counts=(1,), pipeline: bool = True) -> list[dict]:
+    actors = [start_rollout_actor(str(hf_dir), ENGINE | {"weight_apply": apply}, sync_timeout_s=600)
+              for _ in range(max(engine_counts))]
+    endpoints = ray.get([a.endpoint.remote() for a in actors])
     cases = [c for c in [("sync", 512 * MB), ("naive", 1 << 40)] if c[0] in case_names]
     rows = []
     for key, rep in [(k, r) for r in range(repeats) for k in layouts]:
         layout = LAYOUTS[key]
-        tag = f"{key}-r{rep}"  # sync ids must be new each time
         for transport in transports:
-            channels = channel_count(transport, layout.pp)
-            # An actor runs its calls one at a time in submission order: queue every case's
-            # (RSS start, receive, RSS stop) before the trainers start pushing.
-            queued = {}
-            for name, _ in cases:
-                actor.__ray_call__.remote(_engine_rss_start)
-                receipt = actor.receive_weights.remote(f"{tag}-{transport}-{name}", channels)
-                queued[name] = (receipt, actor.__ray_call__.remote(_engine_rss_stop))
-            results = run_local(_trainer, layout.min_world_size(), str(hf_dir), tag, layout, endpoint, transport, cases,
-                                timeout_s=1800)
-            row = {"layout": key, "repeat": rep, "transport": transport, "apply": apply,
-                   "copy_gbps": round(results[0]["copy_gbps"], 2)}
-            for name, _ in cases:
-                report, engine_rss = ray.get(list(queued[name]), timeout=600)
-                started = min(r[name]["started_at"] for r in results if r[name]["started_at"])
-                seconds = report.finished_at - started
-                nbytes = sum(r[name]["bytes"] for r in results)
-                row[name] = {
-                    "seconds": round(seconds, 3), "gbps": round(nbytes / seconds / 1e9, 3), "bytes": nbytes,
-                    "ratio_to_copy": round(nbytes / seconds / 1e9 / results[0]["copy_gbps"], 3),
-                    "trainer_rss_mb": [r[name]["rss_mb"] for r in results], "engine_rss_mb": engine_rss,
-                    "engine_load_s": round(report.load_seconds, 3), "engine_finish_s": round(report.finish_seconds, 3),
-                    "mismatched": len(report.mismatched), "not_updated": len(report.not_updated),
-                }
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    ray.kill(actor)
+            single: dict[str, float] = {}  # case → seconds with one engine
+            for count in engine_counts:
+                row = _one(hf_dir, key, rep, layout, transport, cases, actors[:count], endpoints[:count], pipeline)
+                row["apply"] = apply
+                for name, _ in cases:
+                    if count == 1:
+                        single[name] = row[name]["seconds"]
+                    elif name in single:
+                        row[name]["time_ratio_to_1_engine"] = round(row[name]["seconds"] / single[name], 3)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    for actor in actors:
+        ray.kill(actor)
     return rows
+
+
+def _one(hf_dir, key, rep, layout, transport, cases, actors, endpoints, pipeline) -> dict:
+    """One push of each case to `actors` (one export, fanned out), timed to the last engine's finish."""
+    count = len(actors)
+    tag = f"{key}-r{rep}-n{count}"  # sync ids must be new each time
+    channels = channel_count(transport, layout.pp)
+    # An actor runs its calls one at a time in submission order: queue every case's
+    # (RSS start, receive, RSS stop) on every engine before the trainers start pushing.
+    queued = {}
+    for name, _ in cases:
+        sync_id = f"{tag}-{transport}-{name}"
+        queued[name] = []
+        for i, actor in enumerate(actors):
+            actor.__ray_call__.remote(_engine_rss_start)
+            receipt = actor.receive_weights.remote(sync_id, channels, count, i, None if i == 0 else endpoints[0])
+            queued[name].append((receipt, actor.__ray_call__.remote(_engine_rss_stop)))
+    results = run_local(_trainer, layout.min_world_size(), str(hf_dir), tag, layout, endpoints, transport, cases,
+                        pipeline, timeout_s=1800)
+    row = {"layout": key, "repeat": rep, "transport": transport, "engines": count, "pipeline": pipeline,
+           "copy_gbps": round(results[0]["copy_gbps"], 2)}
+    for name, _ in cases:
+        answers = [ray.get(list(pair), timeout=600) for pair in queued[name]]
+        reports = [report for report, _ in answers]
+        started = min(r[name]["started_at"] for r in results if r[name]["started_at"])
+        seconds = max(report.finished_at for report in reports) - started
+        nbytes = sum(r[name]["bytes"] for r in results)
+        row[name] = {
+            "seconds": round(seconds, 3), "gbps": round(nbytes / seconds / 1e9, 3), "bytes": nbytes,
+            "ratio_to_copy": round(nbytes / seconds / 1e9 / results[0]["copy_gbps"], 3),
+            "trainer_rss_mb": [r[name]["rss_mb"] for r in results], "engine_rss_mb": [rss for _, rss in answers],
+            "engine_load_s": [round(r.load_seconds, 3) for r in reports],
+            "engine_finish_s": [round(r.finish_seconds, 3) for r in reports],
+            "mismatched": sum(len(r.mismatched) for r in reports), "not_updated": sum(len(r.not_updated) for r in reports),
+        }
+    return row
 
 
 def main() -> None:
@@ -153,6 +181,8 @@ def main() -> None:
     parser.add_argument("--transports", default=",".join(TRANSPORTS))
     parser.add_argument("--cases", default="sync,naive")
     parser.add_argument("--repeats", type=int, default=1, help="syncs per layout on the same engine")
+    parser.add_argument("--engines", default="1", help="engine counts to fan out to, e.g. 1,2 (one export each)")
+    parser.add_argument("--no-pipeline", action="store_true", help="send each bucket before exporting the next")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="mrl-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -161,7 +191,7 @@ def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         run(hf_dir, args.layouts.split(","), args.apply, args.transports.split(","), args.cases.split(","),
-            args.repeats)
+            args.repeats, [int(n) for n in args.engines.split(",")], not args.no_pipeline)
     finally:
         ray.shutdown()
 

@@ -87,10 +87,11 @@ class ActorGroup:
 
     # --- weight sync and checkpoints ------------------------------------------------------------
 
-    def push_weights(self, endpoint: SyncEndpoint, sync_id: str, transport: str, bucket_bytes: int,
+    def push_weights(self, endpoints: list[SyncEndpoint], sync_id: str, transport: str, bucket_bytes: int,
                      timeout_s: float) -> dict:
-        """The sending leader's report (bytes, seconds, checksums)."""
-        return self._first(MegatronActor.push_weights, endpoint, sync_id, transport, bucket_bytes, timeout_s)
+        """One export sent to every engine (endpoints[0] is the hub); the sending leader's report
+        (bytes, seconds, checksums)."""
+        return self._first(MegatronActor.push_weights, endpoints, sync_id, transport, bucket_bytes, timeout_s)
 
     def save(self, root: str, step: int, data_state: dict, config: dict, keep: int, async_save: bool) -> None:
         self._all(MegatronActor.save, root, step, data_state, config, keep, async_save)
@@ -156,10 +157,13 @@ class EngineHandle:
     def node_ip(self) -> str:
         return self._call(RolloutServer.node_ip)
 
-    def receive_weights(self, sync_id: str, channels: int) -> PendingReport:
-        """Start receiving an update; the senders push while this waits (see mrl.sync.driver)."""
-        name = _checked(RolloutServer.receive_weights, sync_id, channels)
-        return PendingReport(getattr(self.actor, name).remote(sync_id, channels), self.timeout_s)
+    def receive_weights(self, sync_id: str, channels: int, engines: int = 1, index: int = 0,
+                        hub: SyncEndpoint | None = None) -> PendingReport:
+        """Start receiving an update (as engine `index` of `engines`, joining engine 0's `hub`);
+        the senders push while this waits (see mrl.sync.driver)."""
+        args = (sync_id, channels, engines, index, hub)
+        name = _checked(RolloutServer.receive_weights, *args)
+        return PendingReport(getattr(self.actor, name).remote(*args), self.timeout_s)
 
     def close(self) -> None:
         ray.kill(self.actor)

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import ray
 
 from mrl.rollout.engine import Generation, SamplingSettings
+from mrl.sync.channel import SyncEndpoint
 from mrl.sync.wire import WeightUpdateReport
 
 
@@ -27,9 +28,12 @@ class RolloutServer:
         """The node this engine runs on: a fleet names it when the engine fails."""
         return ray.util.get_node_ip_address()
 
-    def receive_weights(self, sync_id: str, channels: int) -> WeightUpdateReport:
-        # Holds this (single-threaded) actor until the update is complete: ask for endpoint() first.
-        return self.receiver.receive(sync_id, channels)
+    def receive_weights(self, sync_id: str, channels: int, engines: int = 1, index: int = 0,
+                        hub: SyncEndpoint | None = None) -> WeightUpdateReport:
+        """This engine's part of an update (engine `index` of `engines`; `hub` is engine 0's endpoint
+        for the others). Holds this (single-threaded) actor until the update is complete: ask for
+        endpoint() first."""
+        return self.receiver.receive(sync_id, channels, engines, index, hub)
 
     def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
         return self.engine.generate(prompts, sampling)

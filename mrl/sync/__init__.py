@@ -6,22 +6,35 @@ parity.py). Modules: wire (buckets, pack/unpack, checksums), channel (the transp
 receiver, parity, driver, plan (sync.apply in_place: where each HF slice lands in the engine). The input is the bridge's export; nothing here knows Megatron's layout.
 
 The bridge's export (mrl/bridge/export.py) assembles HF tensors bucket by bucket on a leader rank,
-which hands each bucket to the engine over a *channel*: a two-member gloo group (leader, engine)
-rendezvousing on a TCPStore that the engine hosts. Per bucket the leader sends a JSON header
-(names, shapes, dtypes, byte offsets, checksums) and then the bytes:
+which hands each bucket to the engines over a *channel*: a gloo group of 1 + N members (the leader
+is member 0, engine i is member i + 1) rendezvousing on a TCPStore that engine 0 hosts (the hub;
+engines 1..N-1 are told its endpoint and their index, and join it as store clients). One export
+feeds every engine: per bucket the leader broadcasts a JSON header (names, shapes, dtypes, byte
+offsets, checksums) and then the bytes to all engines at once:
 
 - "broadcast": the bytes go through the channel itself, and every pipeline stage has its own
-  leader and channel, so stages export and send in parallel (the engine may sit on another node);
+  leader and channel, so stages export and send in parallel (the engines may sit on other nodes);
 - "colocated": one leader (global rank 0) for the whole model; the bytes are written once into a
-  shared-memory file that the engine maps (same node; on GPUs this is the place of CUDA IPC).
+  shared-memory file that every engine maps (same node; on GPUs this is the place of CUDA IPC);
+  the leader unlinks each file once every engine has mapped it (a barrier), or at the end after a
+  failure: exactly once either way.
 
-The engine compares each received tensor's checksum with the sender's, so a failed parity check
-can name the first tensor that arrived different. Every wait has a timeout, and its error names
+The leader pipelines: its calling thread exports bucket k + 1 (the export's collectives) while a
+sender thread packs and sends bucket k (at most two buckets, plus the tensor being packed, alive);
+the engines receive the next bucket while loading one (a thread per channel).
+
+Each engine compares each received tensor's checksum with the sender's, so a failed parity check
+can name the first tensor that arrived different (the driver checks every engine's report and
+runs the parity gate on each, naming the engine). Every wait has a timeout, and its error names
 the rank, the pipeline stage, the bucket and the tensors it was waiting for; a peer that dies
-closes its sockets, which fails the wait at once instead of hanging. An engine that fails while
+closes its sockets, which fails the wait at once instead of hanging (with several engines the
+sender then names the engine whose port refuses connections). An engine that fails while
 loading (its load_weights names the tensor by raising WeightLoadError) writes the error under
-`{sync_id}/error` in its store; each leader looks there before every bucket, stops sending, and
-gets the same error as the answer to its end marker, so every sender raises it within seconds.
+`{sync_id}/error` in the hub's store; each leader looks there before every bucket, stops sending,
+and sends the end marker with the error ("abort"). Every engine answers the end marker in turn
+(a broadcast rooted at each), so every sender raises the first engine's error (naming that
+engine) within seconds, and every engine hears the others' answers: an engine that loaded
+everything still reports the update failed when another engine did.
 """
 
 

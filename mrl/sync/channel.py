@@ -1,5 +1,5 @@
-"""One sync channel: a two-member gloo group (a trainer leader, the engine) rendezvousing on a
-TCPStore the engine hosts. Every operation waits with a timeout and names who waited for what."""
+"""One sync channel: a gloo group of a trainer leader and N engines, rendezvousing on a TCPStore
+that engine 0 hosts (the hub). Every operation waits with a timeout and names who waited for what."""
 
 from __future__ import annotations
 
@@ -34,21 +34,26 @@ def channel_count(transport: str, pipeline_stages: int) -> int:
 
 
 class Channel:
-    """Sender (member 0) and engine (member 1) of one stage; every operation waits with a timeout."""
+    """One stage's group: the sender is member 0, engine i is member i + 1 (1 + N members).
 
-    def __init__(self, store: Any, prefix: str, member: int, timeout_s: float, who: str):
+    The sender's headers and bytes go to every engine at once (a gloo broadcast rooted at the
+    sender); the engines' answers to the end marker come back one engine after the other, each
+    rooted at its engine, so every member hears every answer. Every operation waits with a timeout.
+    """
+
+    def __init__(self, store: Any, prefix: str, member: int, timeout_s: float, who: str, members: int = 2):
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
         self.who = who
-        self.member = member
-        try:  # the rendezvous itself waits for the peer
-            self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), member, 2, self.timeout)
+        self.member, self.members = member, members
+        try:  # the rendezvous itself waits for every peer
+            self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), member, members, self.timeout)
         except RuntimeError as err:
             raise SyncError(f"{who}: the peer did not join channel {prefix!r} within {timeout_s:.0f}s: {err}") from err
 
-    def _broadcast(self, tensor: torch.Tensor, what: str, sending: bool) -> None:
+    def _broadcast(self, tensor: torch.Tensor, what: str, root: int) -> None:
         options = dist.BroadcastOptions()
-        options.rootRank = self.member if sending else 1 - self.member
+        options.rootRank = root
         try:
             self.group.broadcast([tensor], options).wait(self.timeout)
         except RuntimeError as err:
@@ -56,21 +61,38 @@ class Channel:
 
     def send_json(self, obj: Any, what: str) -> None:
         data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-        self._broadcast(torch.tensor([data.numel()], dtype=torch.int64), what, sending=True)
-        self._broadcast(data, what, sending=True)
+        self._broadcast(torch.tensor([data.numel()], dtype=torch.int64), what, self.member)
+        self._broadcast(data, what, self.member)
 
-    def recv_json(self, what: str) -> Any:
+    def recv_json(self, what: str, root: int = 0) -> Any:
         length = torch.zeros(1, dtype=torch.int64)
-        self._broadcast(length, what, sending=False)
+        self._broadcast(length, what, root)
         data = torch.empty(int(length.item()), dtype=torch.uint8)
-        self._broadcast(data, what, sending=False)
+        self._broadcast(data, what, root)
         return json.loads(bytes(data.numpy()))
 
     def send_bytes(self, flat: torch.Tensor, what: str) -> None:
-        self._broadcast(flat, what, sending=True)
+        self._broadcast(flat, what, self.member)
 
     def recv_bytes(self, nbytes: int, what: str) -> torch.Tensor:
         flat = torch.empty(nbytes, dtype=torch.uint8)
-        self._broadcast(flat, what, sending=False)
+        self._broadcast(flat, what, 0)
         return flat
 
+    def answers(self, mine: dict | None, what: str) -> list[dict]:
+        """Every engine's answer, engine 0 first (`mine` is this engine's; the sender passes None)."""
+        out = []
+        for root in range(1, self.members):
+            if root == self.member:
+                self.send_json(mine, what)
+                out.append(mine)
+            else:
+                out.append(self.recv_json(f"{what} (engine {root - 1}'s answer)", root))
+        return out
+
+    def barrier(self, what: str) -> None:
+        """Wait until every member got here (an all-reduce of one number)."""
+        try:
+            self.group.allreduce([torch.zeros(1)]).wait(self.timeout)
+        except RuntimeError as err:
+            raise SyncError(f"{self.who}: {what} failed or timed out after {self.timeout_s:.0f}s: {err}") from err

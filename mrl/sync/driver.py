@@ -1,5 +1,6 @@
-"""The driver's side of a sync: start the engine's receipt, have every trainer rank push, then
-check parity when due. Works through the typed proxies (mrl.launch.proxies); knows no Ray."""
+"""The driver's side of a sync: start every engine's receipt, have every trainer rank push once
+(one export reaches every engine), then check each engine's report and parity when due. Works
+through the typed proxies (mrl.launch.proxies); knows no Ray."""
 
 from __future__ import annotations
 
@@ -15,52 +16,52 @@ from mrl.sync.parity import ParityError, check_parity, logprob_gap
 
 @dataclass
 class WeightSync:
-    """Pushes the actor's weights into the engines; every sync is checksummed, the first one and
-    every `settings.parity_every`-th (and any with a stale or mismatched tensor) also parity-checked,
-    on every engine."""
+    """Pushes the actor's weights into every engine at once; every sync is checksummed, the first
+    one and every `settings.parity_every`-th (and any with a stale or mismatched tensor on some
+    engine) also parity-checked on every engine."""
 
     actor: Any  # mrl.launch.proxies.ActorGroup
-    engines: list  # [mrl.launch.proxies.EngineHandle]
+    engines: list[Any]  # mrl.launch.proxies.EngineHandle; engines[0] hosts the rendezvous (the hub)
     settings: SyncConfig
     channels: int  # one per pipeline stage (broadcast) or one (colocated)
     probe: list[list[int]] = field(default_factory=list)
     syncs: int = 0
 
     def __post_init__(self) -> None:
+        if not self.engines:
+            raise ValueError("WeightSync needs at least one engine")
         self.endpoints = [engine.endpoint() for engine in self.engines]
 
     @stage("sync_weights")  # a profiler/NVTX range, as the trainer's timed phases are
     def __call__(self) -> dict[str, float]:
-        # Interim, until the fan-out: one whole export per engine, one engine after another. The
-        # fan-out (one export reaching every engine) replaces this loop.
+        s = self.settings
+        sync_id = f"sync{self.syncs}-{uuid.uuid4().hex[:6]}"
         start = time.perf_counter()
-        per_engine = [self._sync_one(i) for i in range(len(self.engines))]
-        metrics = {"sync/bytes": sum(m["sync/bytes"] for m in per_engine),
-                   "sync/engine_load_s": max(m["sync/engine_load_s"] for m in per_engine),
+        count, hub = len(self.engines), self.endpoints[0]
+        receipts = [engine.receive_weights(sync_id, self.channels, count, i, None if i == 0 else hub)
+                    for i, engine in enumerate(self.engines)]
+        sent = self.actor.push_weights(self.endpoints, sync_id, s.transport, s.bucket_mb << 20, s.timeout_s)
+        reports = [receipt.result() for receipt in receipts]
+        metrics = {"sync/bytes": float(sent["bytes"]), "sync/engines": float(count),
+                   "sync/engine_load_s": max(r.load_seconds for r in reports),
                    "timing_s/sync_weights": time.perf_counter() - start}
-        gated = {i: m for i, m in enumerate(per_engine) if "rollout/logprob_abs_diff_max" in m}
-        if gated:  # the parity gate ran: the worst engine's gap, and with several engines each one's
-            for key in ("rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max"):
-                metrics[key] = max(m[key] for m in gated.values())
-            if len(self.engines) > 1:
-                metrics.update({f"rollout/engine{i}/logprob_abs_diff_max": m["rollout/logprob_abs_diff_max"]
-                                for i, m in gated.items()})
-        self.syncs += 1
-        return metrics
-
-    def _sync_one(self, i: int) -> dict[str, float]:
-        s, engine = self.settings, self.engines[i]
-        sync_id = f"sync{self.syncs}-e{i}-{uuid.uuid4().hex[:6]}"
-        receipt = engine.receive_weights(sync_id, self.channels)
-        sent = self.actor.push_weights(self.endpoints[i], sync_id, s.transport, s.bucket_mb << 20, s.timeout_s)
-        report = receipt.result()
-        metrics = {"sync/bytes": float(sent["bytes"]), "sync/engine_load_s": report.load_seconds}
         due = self.syncs == 0 or (s.parity_every and self.syncs % s.parity_every == 0)
-        if due or report.mismatched or report.not_updated:
-            gap = logprob_gap(engine.score(self.probe), self.actor.probe_logprobs(self.probe))
-            metrics.update(gap)
+        trainer = None
+        for i, (engine, report) in enumerate(zip(self.engines, reports)):
+            if not (due or report.mismatched or report.not_updated):
+                continue
+            trainer = trainer or self.actor.probe_logprobs(self.probe)
+            gap = logprob_gap(engine.score(self.probe), trainer)
+            if gap["rollout/logprob_abs_diff_max"] >= metrics.get("rollout/logprob_abs_diff_max", -1.0):
+                metrics.update(gap)  # the worst engine's gap is the one logged
+            if count > 1:
+                metrics[f"rollout/engine{i}/logprob_abs_diff_max"] = gap["rollout/logprob_abs_diff_max"]
             try:
                 check_parity(gap, s.parity_threshold, report, self.syncs)
             except ParityError as err:
-                raise ParityError(f"rollout engine {i} of {len(self.engines)}: {err}") from None
+                if count == 1:
+                    raise
+                where = f"engine {i} of {count} at {self.endpoints[i].host}:{self.endpoints[i].port}"
+                raise ParityError(f"{where}: {err}") from err
+        self.syncs += 1
         return metrics

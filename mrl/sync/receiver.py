@@ -1,10 +1,10 @@
-"""Engine side of the sync: hosts the rendezvous store, receives every channel in parallel and
-loads the buckets into the engine as they arrive (one thread touches the engine)."""
+"""Engine side of the sync: hosts the rendezvous store (engine 0 of a fan-out; the others join
+it), receives every channel in parallel and loads the buckets into the engine as they arrive
+(one thread touches the engine)."""
 
 from __future__ import annotations
 
 import json
-import os
 import queue
 import socket
 import threading
@@ -35,8 +35,13 @@ class WeightReceiver:
         self.store.set(IDENTITY_KEY, self.endpoint.token)
         self._used_ids: set[str] = set()
 
-    def receive(self, sync_id: str, channels: int) -> WeightUpdateReport:
+    def receive(self, sync_id: str, channels: int, engines: int = 1, index: int = 0,
+                hub: SyncEndpoint | None = None) -> WeightUpdateReport:
         """Receive one complete update from `channels` senders (in parallel) and finish it.
+
+        Fan-out: this is engine `index` of `engines` fed by the same senders; engine 0 hosts the
+        rendezvous (its own store), every other engine joins it at `hub` (engine 0's endpoint) and
+        posts its errors there, where every sender looks.
 
         One thread per channel receives; only this thread calls the engine. vLLM's multi-process
         executor (rollout TP > 1) hung when its collective_rpc was entered from several threads,
@@ -47,36 +52,55 @@ class WeightReceiver:
         if sync_id in self._used_ids:
             raise ValueError(f"weight sync id {sync_id!r} was already used; give each sync a new id (e.g. the step)")
         self._used_ids.add(sync_id)
+        if not 0 <= index < engines or (index > 0) != (hub is not None):
+            raise ValueError(f"engine {index} of {engines}: engine 0 hosts the rendezvous (hub=None), every "
+                             f"other engine needs engine 0's endpoint as hub (got {hub})")
+        store = self.store if hub is None else self._join_hub(hub)
+        fanout = (store, index, engines)
+        peers: list[dict] = []  # the other engines' errors, heard in their answers to the end marker
         outcome: dict[str, Any] = {}  # {"error": ..., "tensor": ...} once the update failed
         # At most one bucket per channel waits here while the engine loads another: bounded memory.
         arrivals: queue.Queue = queue.Queue(maxsize=channels)
         loaded = threading.Event()  # set once the update is finished or failed: the channels answer
-        threads = [threading.Thread(target=self._serve, args=(sync_id, c, arrivals, loaded, outcome), daemon=True)
+        threads = [threading.Thread(target=self._serve, args=(sync_id, c, arrivals, loaded, outcome, fanout, peers), daemon=True)
                    for c in range(channels)]
         try:
             self.engine.begin_weight_update()
         except Exception as err:  # noqa: BLE001 - e.g. a model this engine cannot reload: tell the senders
-            self._fail(sync_id, outcome, err, None)
+            self._fail(sync_id, outcome, err, None, fanout)
         for t in threads:
             t.start()
-        sent = self._drain(sync_id, channels, arrivals, outcome)
+        sent = self._drain(sync_id, channels, arrivals, outcome, fanout)
         report = None
         if not outcome:
             try:
                 report = self.engine.finish_weight_update()
             except Exception as err:  # noqa: BLE001
-                self._fail(sync_id, outcome, err, None)
+                self._fail(sync_id, outcome, err, None, fanout)
         loaded.set()
         for t in threads:
             t.join(self.timeout_s)
         if outcome:
             raise SyncError(describe_failure(outcome))
+        if peers:  # this engine loaded everything, but another engine of the fan-out failed: the update did
+            raise SyncError(describe_failure(peers[0]))
+        late = [item[2] for item in _pending(arrivals) if isinstance(item[2], BaseException)]
+        if late:  # a channel failed while answering the end marker
+            raise SyncError(f"{late[0]}") from late[0]
         report.finished_at = time.time()
         held = report.checksums
         report.mismatched = [n for n, c in sent.items() if n not in held or not checksums_match(c, held[n])]
         return report
 
-    def _drain(self, sync_id: str, channels: int, arrivals: queue.Queue, outcome: dict) -> dict:
+    def _join_hub(self, hub: SyncEndpoint) -> Any:
+        """Engine 0's store, as a client: the rendezvous and the error key live there."""
+        try:
+            return dist.TCPStore(hub.host, hub.port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
+        except (RuntimeError, OSError) as err:
+            raise SyncError(f"engine at {self.endpoint.host}:{self.endpoint.port}: cannot reach the hub engine's "
+                            f"weight-sync store at {hub.host}:{hub.port}: {err}") from err
+
+    def _drain(self, sync_id: str, channels: int, arrivals: queue.Queue, outcome: dict, fanout: tuple) -> dict:
         """Load every channel's buckets until all have ended; after a failure keep receiving (and
         dropping) so that every sender reaches its end marker and hears the error in its answer."""
         sent: dict[str, tuple[float, float]] = {}
@@ -92,7 +116,9 @@ class WeightReceiver:
             if bucket is None or isinstance(bucket, BaseException):  # that channel is done
                 open_channels -= 1
                 if bucket is not None and not outcome:
-                    self._fail(sync_id, outcome, bucket, None)
+                    self._fail(sync_id, outcome, bucket, None, fanout)
+                elif bucket is None and header.get("abort") and not outcome:
+                    outcome.update(header["abort"])  # another engine failed: this update is void too
                 continue
             if outcome:
                 continue
@@ -100,10 +126,10 @@ class WeightReceiver:
             try:
                 self.engine.load_weights(bucket)
             except Exception as err:  # noqa: BLE001 - reported to every sender, then raised
-                self._fail(sync_id, outcome, err, header)
+                self._fail(sync_id, outcome, err, header, fanout)
         return sent
 
-    def _fail(self, sync_id: str, outcome: dict, err: BaseException, header: dict | None) -> None:
+    def _fail(self, sync_id: str, outcome: dict, err: BaseException, header: dict | None, fanout: tuple) -> None:
         """Record the update's first error and post it in the store, where every sender looks for
         it between buckets: they stop sending at once instead of waiting for an answer that the
         engine will never give."""
@@ -111,28 +137,40 @@ class WeightReceiver:
             return
         tensor = getattr(err, "tensor", None) or (describe(header) if header else None)
         message = getattr(err, "message", None) or f"{type(err).__name__}: {err}"
+        store, index, engines = fanout
         outcome.update(error=" ".join(message.split()), tensor=tensor, engine=f"{self.endpoint.host}:{self.endpoint.port}")
-        self.store.set(error_key(sync_id), json.dumps(outcome))
+        if engines > 1:
+            outcome.update(index=index, engines=engines)
+        try:
+            store.set(error_key(sync_id), json.dumps(outcome))
+        except (RuntimeError, OSError):  # the hub is gone: the senders fail on their own channels
+            pass
 
     def _serve(self, sync_id: str, channel_index: int, arrivals: queue.Queue, loaded: threading.Event,
-               outcome: dict) -> None:
+               outcome: dict, fanout: tuple, peers: list) -> None:
         """Receive one channel's buckets into `arrivals`; answer the end marker once the update is
-        finished: {"ok": true}, or the engine's error."""
+        finished: {"ok": true}, or the engine's error (each engine answers in turn)."""
+        store, engine_index, engines = fanout
         try:
-            who = f"engine ← PP stage {channel_index}"
-            channel = Channel(self.store, f"{sync_id}/channel{channel_index}", 1, self.timeout_s, who)
+            who = "engine" if engines == 1 else f"engine {engine_index} of {engines}"
+            who = f"{who} ← PP stage {channel_index}"
+            channel = Channel(store, f"{sync_id}/channel{channel_index}", engine_index + 1, self.timeout_s, who,
+                              members=engines + 1)
             index = 0
             while True:
                 header = channel.recv_json(f"waiting for bucket {index}")
                 if header.get("end"):
                     break
                 flat = self._data(channel, header, f"receiving bucket {index} ({describe(header)})")
+                if "shm" in header:  # the sender unlinks the file once every engine has mapped it
+                    channel.barrier(f"telling the sender bucket {index}'s file is mapped")
                 arrivals.put((channel_index, header, unpack(header, flat)))
                 index += 1
             arrivals.put((channel_index, header, None))
             if not loaded.wait(self.timeout_s):
                 raise SyncError(f"{who}: the engine did not finish loading within {self.timeout_s:.0f}s")
-            channel.send_json(dict(outcome) or {"ok": True}, "answering the end marker")
+            answers = channel.answers(dict(outcome) or {"ok": True}, "answering the end marker")
+            peers.extend(a for a in answers if "error" in a)
         except BaseException as err:  # noqa: BLE001 - surfaced by receive()
             arrivals.put((channel_index, None, err))
 
@@ -142,5 +180,14 @@ class WeightReceiver:
             return channel.recv_bytes(header["nbytes"], what)
         path = header["shm"]
         flat = torch.from_file(path, shared=True, size=max(header["nbytes"], 1), dtype=torch.uint8)
-        os.unlink(path)  # the mapping stays valid; the memory goes when both sides drop it
-        return flat[: header["nbytes"]]
+        return flat[: header["nbytes"]]  # the sender unlinks the file; the mapping stays valid
+
+
+def _pending(arrivals: queue.Queue) -> list:
+    """What is left in the queue (without waiting)."""
+    items = []
+    while True:
+        try:
+            items.append(arrivals.get_nowait())
+        except queue.Empty:
+            return items

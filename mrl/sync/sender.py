@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import queue
+import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -21,6 +24,8 @@ SHM_DIR = "/dev/shm"
 # TCPStore retries an unreachable port for its timeout, and its last try (plus a back-off) may
 # start just before that ends (measured: ~9.5 s with a 3 s timeout): wait 2 × timeout + this.
 CONNECT_GRACE_S = 5.0
+# After a channel error, how long the sender looks for an engine whose port refuses connections.
+GONE_GRACE_S = 5.0
 
 
 # --- trainer side ------------------------------------------------------------------------------
@@ -36,15 +41,26 @@ class SentReport:
 
 
 class WeightSender:
-    """Trainer side of the sync: construct on every rank (collective), then `push` on every rank."""
+    """Trainer side of the sync: construct on every rank (collective), then `push` on every rank.
 
-    def __init__(self, endpoint: SyncEndpoint, built: Any, coords: Any, *, transport: str = "broadcast",
-                 bucket_bytes: int, timeout_s: float = 300.0):
+    `endpoints` are the engines one export feeds (one, or a list: a fan-out); the first is the hub
+    whose store every channel rendezvouses on. With `pipeline`, the leader packs and sends bucket
+    k on a thread while the calling thread exports bucket k + 1 (the export's collectives stay on
+    the calling thread): at most two buckets, plus the tensor being packed, alive at a time.
+    """
+
+    def __init__(self, endpoints: SyncEndpoint | list[SyncEndpoint], built: Any, coords: Any, *,
+                 transport: str = "broadcast", bucket_bytes: int, timeout_s: float = 300.0, pipeline: bool = True):
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown weight-sync transport {transport!r}; choose one of {TRANSPORTS}")
-        self.endpoint, self.built, self.coords = endpoint, built, coords
+        self.endpoints = [endpoints] if isinstance(endpoints, SyncEndpoint) else list(endpoints)
+        if not self.endpoints or len({e.dtype for e in self.endpoints}) != 1:
+            raise ValueError(f"a weight sync feeds one or more engines of one dtype; got {self.endpoints}")
+        self.endpoint = self.endpoints[0]  # the hub: its store hosts every channel's rendezvous
+        self.built, self.coords = built, coords
         self.transport, self.bucket_bytes, self.timeout_s = transport, bucket_bytes, timeout_s
-        self.engine_dtype = dtype_named(endpoint.dtype)
+        self.pipeline = pipeline
+        self.engine_dtype = dtype_named(self.endpoint.dtype)
         self.group, self.leader, self.stage = self._export_group()
 
     def _export_group(self) -> tuple[Any, int, int]:
@@ -63,47 +79,35 @@ class WeightSender:
 
     @property
     def channels(self) -> int:
-        """How many channels the engine must open for this layout."""
+        """How many channels each engine must open for this layout."""
         return channel_count(self.transport, self.built.layout.pp)
 
     def push(self, sync_id: str) -> SentReport | None:
-        """Export and send every tensor; returns the leader's report (None on other ranks)."""
+        """Export and send every tensor to every engine; returns the leader's report (None on other ranks)."""
         from mrl.bridge.export import export_hf_weights  # trainer side only: engines never load the bridge
 
         start = time.perf_counter()
         report = SentReport(started_at=time.time())
-        is_leader = self.coords.rank == self.leader
-        channel, store = self._connect(sync_id) if is_leader else (None, None)
+        link = _Link(self, sync_id) if self.coords.rank == self.leader else None
         buckets = export_hf_weights(self.built, self.coords, bucket_bytes=self.bucket_bytes, dst=self.leader,
                                     group=self.group, timeout_s=self.timeout_s)
-        failed = False
-        for index, bucket in enumerate(buckets):
-            # After the engine posted an error, the export still runs to its end (its other ranks
-            # are sending shards to this one) but nothing more travels to the engine.
-            failed = failed or _engine_failed(store, sync_id, channel.who, index)
-            if failed:
-                continue
-            header, flat = self._pack(bucket, sync_id, index)
-            del bucket
-            what = f"sending bucket {index} ({describe(header)})"
-            channel.send_json(header, what)
-            if "shm" not in header:
-                channel.send_bytes(flat, what)
-            report.checksums.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
-            report.bytes += header["nbytes"]
-            del header, flat  # before the next bucket is assembled: one bucket in flight, not two
-        if channel is not None:
-            channel.send_json({"end": True, "tensors": len(report.checksums)}, "sending the end marker")
-            answer = channel.recv_json("waiting for the engine to finish loading")
-            if "error" in answer:
-                raise SyncError(f"rank {self.coords.rank} (PP stage {self.stage}): {describe_failure(answer)}")
+        if link is None:
+            for _ in buckets:  # drives this rank's sends to its leader
+                pass
+            return None
+        try:
+            if self.pipeline:
+                _pipelined(buckets, lambda index, bucket: link.send(index, bucket, report), link.who, self.timeout_s)
+            else:
+                for index, bucket in enumerate(buckets):
+                    link.send(index, bucket, report)
+            link.finish(report)
+        except SyncError as err:
+            raise SyncError(link.diagnosed(str(err))) from err
+        finally:
+            link.close()
         report.seconds = time.perf_counter() - start
-        return report if is_leader else None
-
-    def _connect(self, sync_id: str) -> tuple[Channel, Any]:
-        who = f"rank {self.coords.rank} (PP stage {self.stage}) → engine at {self.endpoint.host}:{self.endpoint.port}"
-        store = self._open_store(who)
-        return Channel(store, f"{sync_id}/channel{self.stage}", 0, self.timeout_s, who), store
+        return report
 
     def _open_store(self, who: str) -> Any:
         """The engine's store, after a handshake that has a timeout. TCPStore's own connect waits
@@ -136,21 +140,165 @@ class WeightSender:
                             f"expected {self.endpoint.token!r}): the engine was restarted; ask it for its endpoint again")
         return store
 
-    def _pack(self, bucket: Bucket, sync_id: str, index: int) -> tuple[dict, torch.Tensor]:
-        if self.transport != "colocated":
-            return pack(bucket, self.engine_dtype)
-        # Pack straight into a shared-memory file: one copy on this side, none on the engine's.
-        size = sum(nbytes(n, t, self.engine_dtype) for n, t in bucket)
-        path = os.path.join(SHM_DIR, f"mrl-sync-{sync_id.replace('/', '_')}-{index}-{uuid.uuid4().hex[:8]}")
-        flat = torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)[:size]
-        header, flat = pack(bucket, self.engine_dtype, out=flat)
-        header["shm"] = path
-        return header, flat
-
-
 def _engine_failed(store: Any, sync_id: str, who: str, index: int) -> bool:
     """Whether the engine posted an error for this update (a look, not a wait)."""
     try:
         return store.check([error_key(sync_id)])
     except (RuntimeError, OSError) as err:  # the engine's process is gone
         raise SyncError(f"{who}: the engine's store stopped answering before bucket {index}: {err}") from err
+
+
+class _Link:
+    """A leader's channel to every engine of this sync: sends buckets, the end marker, and hears
+    each engine's answer. Colocated buckets travel in /dev/shm files that it unlinks exactly once:
+    when every engine has mapped one, or at close() after a failure."""
+
+    def __init__(self, sender: WeightSender, sync_id: str):
+        self.sender, self.sync_id = sender, sync_id
+        engines = len(sender.endpoints)
+        hub = sender.endpoint
+        to = "engine" if engines == 1 else f"{engines} engines (hub"
+        self.who = f"rank {sender.coords.rank} (PP stage {sender.stage}) → {to} at {hub.host}:{hub.port}" + (
+            ")" if engines > 1 else "")
+        self.short = f"rank {sender.coords.rank} (PP stage {sender.stage})"
+        self.store = sender._open_store(self.who)
+        self.channel = Channel(self.store, f"{sync_id}/channel{sender.stage}", 0, sender.timeout_s, self.who,
+                               members=engines + 1)
+        self.failed = False  # an engine posted an error: nothing more travels
+        self.files: set[str] = set()  # shared-memory files not yet unlinked
+
+    def send(self, index: int, bucket: Bucket, report: SentReport) -> None:
+        """Pack and send one bucket (or drop it once an engine has failed: the export still runs to
+        its end, since its other ranks are sending shards to this one)."""
+        self.failed = self.failed or _engine_failed(self.store, self.sync_id, self.who, index)
+        if self.failed:
+            return
+        header, flat = self._pack(bucket, index)
+        del bucket
+        what = f"sending bucket {index} ({describe(header)})"
+        self.channel.send_json(header, what)
+        if "shm" in header:
+            self.channel.barrier(f"waiting for the engines to map bucket {index}'s file")
+            self._unlink(header["shm"])
+        else:
+            self.channel.send_bytes(flat, what)
+        report.checksums.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
+        report.bytes += header["nbytes"]
+
+    def finish(self, report: SentReport) -> None:
+        """Send the end marker (with the posted error, after a failure) and raise the first engine's error."""
+        marker: dict[str, Any] = {"end": True, "tensors": len(report.checksums)}
+        if self.failed:
+            marker["abort"] = json.loads(self.store.get(error_key(self.sync_id)))
+        self.channel.send_json(marker, "sending the end marker")
+        for answer in self.channel.answers(None, "waiting for the engine to finish loading"):
+            if "error" in answer:
+                raise SyncError(f"{self.short}: {describe_failure(answer)}")
+
+    def diagnosed(self, message: str) -> str:
+        """A channel error, with the engines whose port refuses connections (their process is gone)."""
+        if len(self.sender.endpoints) == 1:
+            return message
+        deadline = time.monotonic() + GONE_GRACE_S  # a process that just died may still be closing its sockets
+        while True:
+            gone = [f"engine {i} at {e.host}:{e.port}" for i, e in enumerate(self.sender.endpoints) if _refuses(e)]
+            if gone or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        if not gone:
+            return message
+        return f"{message} [{', '.join(gone)}: gone (its weight-sync port refuses connections)]"
+
+    def close(self) -> None:
+        for path in list(self.files):
+            self._unlink(path)
+
+    def _unlink(self, path: str) -> None:
+        self.files.discard(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def _pack(self, bucket: Bucket, index: int) -> tuple[dict, torch.Tensor]:
+        dtype = self.sender.engine_dtype
+        if self.sender.transport != "colocated":
+            return pack(bucket, dtype, consume=True)
+        # Pack straight into a shared-memory file: one copy on this side, none on the engines'.
+        size = sum(nbytes(n, t, dtype) for n, t in bucket)
+        path = os.path.join(SHM_DIR, f"mrl-sync-{self.sync_id.replace('/', '_')}-{index}-{uuid.uuid4().hex[:8]}")
+        self.files.add(path)
+        flat = torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)[:size]
+        header, flat = pack(bucket, dtype, out=flat, consume=True)
+        header["shm"] = path
+        return header, flat
+
+
+def _refuses(endpoint: SyncEndpoint) -> bool:
+    """Whether nothing listens on the engine's store port any more (a look with a short timeout)."""
+    try:
+        with socket.create_connection((endpoint.host, endpoint.port), timeout=2.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # a timeout or an unreachable host: no verdict
+        return False
+
+
+def _pipelined(buckets: Iterator[Bucket], send: Callable[[int, Bucket], None], who: str, timeout_s: float) -> None:
+    """Export on the calling thread (its collectives stay there) while a thread sends the previous
+    bucket. Two slots: the bucket being sent and the one being exported. The thread's first error
+    is raised here, once the export has run to its end (its other ranks are sending to this one)."""
+    slots = threading.Semaphore(2)
+    handoff: queue.Queue = queue.Queue(maxsize=1)
+    errors: list[BaseException] = []
+
+    def sending() -> None:
+        index = 0
+        while True:
+            try:
+                item = handoff.get(timeout=timeout_s * 2)
+            except queue.Empty:
+                errors.append(SyncError(f"{who}: the sender thread waited {timeout_s * 2:.0f}s for bucket {index} "
+                                        "from the export"))
+                return
+            if item is None:
+                return
+            index, bucket = item
+            del item
+            try:
+                if not errors:
+                    send(index, bucket)
+            except BaseException as err:  # noqa: BLE001 - raised on the calling thread
+                errors.append(err)
+            finally:
+                del bucket
+                slots.release()
+            index += 1
+
+    thread = threading.Thread(target=sending, name="mrl-sync-sender", daemon=True)
+    thread.start()
+    iterator, index = iter(buckets), 0
+    while True:
+        if not slots.acquire(timeout=timeout_s):
+            raise SyncError(f"{who}: the sender thread did not finish sending bucket {index - 2} within "
+                            f"{timeout_s:.0f}s (the export waited to assemble bucket {index})")
+        bucket = next(iterator, None)
+        if bucket is None:
+            break
+        _put(handoff, (index, bucket), who, f"bucket {index}", timeout_s)
+        del bucket
+        index += 1
+    _put(handoff, None, who, "the end of the export", timeout_s)
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise SyncError(f"{who}: the sender thread did not finish sending within {timeout_s:.0f}s of the export's end")
+    if errors:
+        raise errors[0]
+
+
+def _put(handoff: queue.Queue, item: Any, who: str, what: str, timeout_s: float) -> None:
+    try:
+        handoff.put(item, timeout=timeout_s)
+    except queue.Full:
+        raise SyncError(f"{who}: the sender thread did not take {what} within {timeout_s:.0f}s") from None

@@ -40,9 +40,11 @@ def error_key(sync_id: str) -> str:
 
 
 def describe_failure(outcome: dict) -> str:
-    """An engine's failed update ({"engine", "error", "tensor"}) as one line."""
+    """An engine's failed update ({"engine", "error", "tensor"}, and "index", "engines" in a fan-out
+    to several) as one line."""
     where = f" while loading {outcome['tensor']!r}" if outcome.get("tensor") else ""
-    return f"the weight update failed: the engine at {outcome['engine']} failed{where}: {outcome['error']}"
+    who = f"engine {outcome['index']} of {outcome['engines']}" if "index" in outcome else "the engine"
+    return f"the weight update failed: {who} at {outcome['engine']} failed{where}: {outcome['error']}"
 
 
 def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float]:
@@ -92,17 +94,21 @@ def nbytes(name: str, tensor: torch.Tensor, engine_dtype: torch.dtype) -> int:
     return tensor.numel() * torch.empty((), dtype=wire_dtype(name, engine_dtype)).element_size()
 
 
-def pack(bucket: Bucket, engine_dtype: torch.dtype, out: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
-    """Cast and concatenate a bucket's tensors into one uint8 buffer (`out` if given); the header says where."""
+def pack(bucket: Bucket, engine_dtype: torch.dtype, out: torch.Tensor | None = None,
+         consume: bool = False) -> tuple[dict, torch.Tensor]:
+    """Cast and concatenate a bucket's tensors into one uint8 buffer (`out` if given); the header says
+    where. `consume` drops each tensor from `bucket` once it is copied."""
     entries, offset = [], 0
     for name, tensor in bucket:
         entries.append({"name": name, "shape": list(tensor.shape), "dtype": str(wire_dtype(name, engine_dtype)),
                         "offset": offset})
         offset += nbytes(name, tensor, engine_dtype)
     flat = out if out is not None else torch.empty(offset, dtype=torch.uint8)
-    for entry, (_, tensor) in zip(entries, bucket):
+    for index, entry in enumerate(entries):
         view = _view(flat, entry)
-        view.copy_(tensor)
+        view.copy_(bucket[index][1])
+        if consume:  # the packed copy replaces the tensor: one bucket plus one tensor alive, not two buckets
+            bucket[index] = (entry["name"], None)  # type: ignore[assignment]
         entry["checksum"] = tensor_checksum(view)
     return {"tensors": entries, "nbytes": offset}, flat
 

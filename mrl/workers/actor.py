@@ -50,8 +50,7 @@ class MegatronActor:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.trainable = self.reference = self.coords = self.setup_args = self.saver = None
-        # One sender per engine endpoint (interim, until the fan-out: one export reaching every engine).
-        self.senders: dict[Any, Any] = {}
+        self.sender = None  # made at the first push_weights (its process groups are a collective)
         self.sender_settings: tuple | None = None
         self.trace = TraceRecorder()  # profile.steps: this rank's torch.profiler trace of a step
 
@@ -197,22 +196,23 @@ class MegatronActor:
     # --- weight sync and checkpoints ---------------------------------------------------------
 
     @stage("push_weights")
-    def push_weights(self, endpoint: Any, sync_id: str, transport: str, bucket_bytes: int,
+    def push_weights(self, endpoints: list, sync_id: str, transport: str, bucket_bytes: int,
                      timeout_s: float) -> dict | None:
-        """Stream the current weights to the rollout engine at `endpoint`; the leader's report, else
-        None. An engine's sender (and its process groups, a collective) is made at its first sync;
-        a later sync with other settings is refused rather than silently sent with the first's."""
+        """Stream the current weights to the rollout engines (one export; endpoints[0] is the hub);
+        the leader's report, else None. The sender (and its process groups, a collective) is made
+        at the first sync; a later sync with other settings is refused rather than silently sent
+        with the first's."""
         from mrl.sync.sender import WeightSender
 
-        settings = (transport, bucket_bytes, timeout_s)
-        if self.sender_settings is not None and settings != self.sender_settings:
-            raise ValueError(f"rank {self.rank}: push_weights was first called with {self.sender_settings} "
-                             f"and now with {settings}: one sender setting per run")
-        if endpoint not in self.senders:
-            self.senders[endpoint] = WeightSender(endpoint, self.trainable.built, self.coords, transport=transport,
-                                                  bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        settings = (endpoints, transport, bucket_bytes, timeout_s)
+        if self.sender is None:
+            self.sender = WeightSender(endpoints, self.trainable.built, self.coords, transport=transport,
+                                       bucket_bytes=bucket_bytes, timeout_s=timeout_s)
             self.sender_settings = settings
-        sent = self.senders[endpoint].push(sync_id)
+        elif settings != self.sender_settings:
+            raise ValueError(f"rank {self.rank}: push_weights was first called with {self.sender_settings} "
+                             f"and now with {settings}: one sender per run")
+        sent = self.sender.push(sync_id)
         return None if sent is None else {"bytes": sent.bytes, "seconds": sent.seconds,
                                           "checksums": sent.checksums}
 

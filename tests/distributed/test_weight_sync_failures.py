@@ -6,6 +6,8 @@ neither vLLM nor Ray; the trainer side is the real Megatron export (tiny Qwen3, 
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import multiprocessing as mp
 import os
 import re
@@ -30,6 +32,7 @@ class RecordingEngine:
 
     def __init__(self, holds: str = "same", die_at: int | None = None, fail_on: str | None = None):
         self.holds, self.die_at, self.fail_on, self.buckets = holds, die_at, fail_on, 0
+        self.digests: dict[str, str] = {}  # every byte received, per tensor
 
     def begin_weight_update(self):
         self.report = WeightUpdateReport()
@@ -43,29 +46,41 @@ class RecordingEngine:
                 raise WeightLoadError(name, "RuntimeError: The size of tensor a (64) must match the size of tensor b (32)")
             kept = tensor.to(torch.bfloat16).float() if self.holds == "bf16" and name.endswith("o_proj.weight") else tensor
             self.report.checksums[name] = tensor_checksum(kept)
+            self.digests[name] = hashlib.sha256(kept.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
             self.report.tensors += 1
 
     def finish_weight_update(self):
         return self.report
 
 
-def _engine_process(endpoints, results, engine_kwargs, channels, delay_s):
-    receiver = WeightReceiver(RecordingEngine(**engine_kwargs), timeout_s=60)
+def _engine_process(endpoints, results, engine_kwargs, channels, delay_s, fanout=(1, 0, None), sync_id="sync0"):
+    engine = RecordingEngine(**engine_kwargs)
+    receiver = WeightReceiver(engine, timeout_s=60)
     endpoints.put(receiver.endpoint)
     time.sleep(delay_s)
     try:
-        report = receiver.receive("sync0", channels)
-        results.put(("ok", report.tensors, report.mismatched, report.checksums))
+        report = receiver.receive(sync_id, channels, *fanout)
+        results.put(("ok", report.tensors, report.mismatched, report.checksums, engine.digests))
     except Exception as err:  # noqa: BLE001
         results.put(("error", str(err)))
 
 
-def _start_engine(channels=1, delay_s=0.0, **engine_kwargs):
+def _start_engine(channels=1, delay_s=0.0, fanout=(1, 0, None), sync_id="sync0", **engine_kwargs):
     ctx = mp.get_context("spawn")
     endpoints, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_engine_process, args=(endpoints, results, engine_kwargs, channels, delay_s))
+    proc = ctx.Process(target=_engine_process, args=(endpoints, results, engine_kwargs, channels, delay_s, fanout,
+                                                     sync_id))
     proc.start()
     return proc, endpoints.get(timeout=60), results
+
+
+def _start_engines(count, channels, sync_id, **engine_kwargs_by_index):
+    """Engine 0 (the hub) and engines 1.. joining it, each in its own process; kwargs per index ("e1": {...})."""
+    engines = [_start_engine(channels, fanout=(count, 0, None), sync_id=sync_id, **engine_kwargs_by_index.get("e0", {}))]
+    hub = engines[0][1]
+    engines += [_start_engine(channels, fanout=(count, i, hub), sync_id=sync_id, **engine_kwargs_by_index.get(f"e{i}", {}))
+                for i in range(1, count)]
+    return engines
 
 
 def _sender(hf_dir, layout, endpoint, transport, timeout_s):
@@ -81,8 +96,8 @@ def _sender(hf_dir, layout, endpoint, transport, timeout_s):
     return WeightSender(endpoint, built, coords, transport=transport, bucket_bytes=256 << 10, timeout_s=timeout_s)
 
 
-def _push(rank, world, hf_dir, layout, endpoint, transport, timeout_s):
-    sent = _sender(hf_dir, layout, endpoint, transport, timeout_s).push("sync0")
+def _push(rank, world, hf_dir, layout, endpoint, transport, timeout_s, sync_id="sync0"):
+    sent = _sender(hf_dir, layout, endpoint, transport, timeout_s).push(sync_id)
     return None if sent is None else sent.checksums
 
 
@@ -93,7 +108,7 @@ def test_engine_receives_every_tensor_intact(tiny_model_dir, transport, layout):
     hf_dir = tiny_model_dir("qwen3")
     proc, endpoint, results = _start_engine(channels=layout.pp)
     sent = run_local(_push, layout.min_world_size(), str(hf_dir), layout, endpoint, transport, 60)
-    status, tensors, mismatched, held = results.get(timeout=60)
+    status, tensors, mismatched, held, _ = results.get(timeout=60)
     proc.join(timeout=10)
     assert status == "ok" and not mismatched
     sent_all = {k: v for s in sent if s for k, v in s.items()}
@@ -103,14 +118,14 @@ def test_engine_receives_every_tensor_intact(tiny_model_dir, transport, layout):
         assert held[name] == tensor_checksum(ckpt.read(name).float()), name
 
 
-def _push_until_error(rank, world, hf_dir, layout, endpoint, transport, timeout_s):
+def _push_until_error(rank, world, hf_dir, layout, endpoint, transport, timeout_s, sync_id="sync0"):
     """Push, expecting the engine to fail: (seconds the push took, its SyncError) on each leader."""
     from mrl.sync.wire import SyncError
 
     sender = _sender(hf_dir, layout, endpoint, transport, timeout_s)
     start = time.monotonic()
     try:
-        sent = sender.push("sync0")
+        sent = sender.push(sync_id)
     except SyncError as err:
         return time.monotonic() - start, str(err)
     return None if sent is None else (0.0, "no error")
@@ -137,7 +152,7 @@ def test_engine_load_error_reaches_every_sender_at_once(tiny_model_dir, transpor
 def test_engine_holding_other_values_is_named(tiny_model_dir):
     proc, endpoint, results = _start_engine(holds="bf16")
     run_local(_push, 1, str(tiny_model_dir("qwen3")), ParallelLayout(), endpoint, "broadcast", 60)
-    status, _, mismatched, _ = results.get(timeout=60)
+    status, _, mismatched, _, _ = results.get(timeout=60)
     proc.join(timeout=10)
     assert status == "ok"
     assert mismatched and mismatched[0] == "model.layers.0.self_attn.o_proj.weight"
@@ -208,3 +223,74 @@ def test_store_of_another_engine_is_refused(tiny_model_dir):
             run_local(_push, 1, str(tiny_model_dir("qwen3")), ParallelLayout(), stale, "broadcast", 10)
     finally:
         proc.kill()
+
+
+# --- fan-out: one export, two engines ----------------------------------------------------------
+
+FANOUT_CASES = [(t, layout) for t in ("colocated", "broadcast") for layout in (ParallelLayout(tp=2), ParallelLayout(pp=2))]
+
+
+@pytest.mark.parametrize("transport,layout", FANOUT_CASES, ids=lambda c: getattr(c, "describe", lambda: c)())
+def test_two_engines_receive_identical_bytes_from_one_export(tiny_model_dir, transport, layout):
+    """One push, two engines: each holds the checkpoint bit for bit (the same SHA-256 per tensor on
+    both), and no shared-memory file is left behind."""
+    from mrl.bridge.hf_checkpoint import HFCheckpoint
+    from mrl.sync.channel import channel_count
+
+    hf_dir = tiny_model_dir("qwen3")
+    sync_id = f"fanout-{transport}-{layout.describe()}-{os.getpid()}"
+    engines = _start_engines(2, channel_count(transport, layout.pp), sync_id)
+    endpoints = [e[1] for e in engines]
+    sent = run_local(_push, layout.min_world_size(), str(hf_dir), layout, endpoints, transport, 60, sync_id)
+    outcomes = [results.get(timeout=60) for _, _, results in engines]
+    for proc, _, _ in engines:
+        proc.join(timeout=10)
+    ckpt = HFCheckpoint(hf_dir)
+    sent_all = {k: v for s in sent if s for k, v in s.items()}
+    for status, tensors, mismatched, held, _ in outcomes:
+        assert status == "ok" and not mismatched and tensors == len(sent_all)
+        assert set(held) == set(sent_all) == set(ckpt.names())
+        for name in ckpt.names():
+            assert held[name] == tensor_checksum(ckpt.read(name).float()), name
+    assert outcomes[0][4] == outcomes[1][4]  # identical bytes in both engines
+    assert not glob.glob(f"/dev/shm/mrl-sync-{sync_id}-*")  # every bucket's file unlinked
+
+
+def test_error_in_engine_1_reaches_every_sender_naming_it(tiny_model_dir):
+    """Engine 1 of 2 fails on a stage-0 tensor: both PP leaders hear engine 1's message within
+    seconds, and engine 0 (which loaded everything) reports the update failed with the same error."""
+    bad = "model.layers.1.mlp.down_proj.weight"
+    layout = ParallelLayout(pp=2)
+    engines = _start_engines(2, 2, "fanout-error", e1={"fail_on": bad})
+    endpoints = [e[1] for e in engines]
+    outcomes = [r for r in run_local(_push_until_error, 2, str(tiny_model_dir("qwen3")), layout, endpoints,
+                                     "broadcast", 60, "fanout-error") if r is not None]
+    answers = [results.get(timeout=60) for _, _, results in engines]
+    for proc, _, _ in engines:
+        proc.join(timeout=10)
+    engine1 = f"{endpoints[1].host}:{endpoints[1].port}"
+    expected = (rf"engine 1 of 2 at {re.escape(engine1)} failed while loading '{re.escape(bad)}': "
+                r"RuntimeError: The size of tensor a \(64\)")
+    assert len(outcomes) == 2
+    for seconds, error in outcomes:
+        assert re.search(rf"rank \d \(PP stage \d\): the weight update failed: {expected}", error), error
+        assert seconds < 10, (seconds, error)
+    for status, message in answers:
+        assert status == "error" and re.search(expected, message), message
+
+
+def test_dead_engine_1_fails_the_push_naming_it(tiny_model_dir):
+    """Engine 1 of 2 dies mid-sync: the sender fails within its timeout naming engine 1's address,
+    and engine 0 does not wait forever either."""
+    engines = _start_engines(2, 1, "fanout-dead", e1={"die_at": 1})
+    endpoints = [e[1] for e in engines]
+    engine1 = f"{endpoints[1].host}:{endpoints[1].port}"
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=rf"rank 0 \(PP stage 0\) .*engine 1 at {re.escape(engine1)}: gone"):
+        run_local(_push, 1, str(tiny_model_dir("qwen3")), ParallelLayout(), endpoints, "broadcast", 30, "fanout-dead")
+    assert time.monotonic() - start < 60
+    status, message = engines[0][2].get(timeout=90)
+    assert status == "error", message
+    for proc, _, _ in engines:
+        proc.join(timeout=10)
+    assert engines[1][0].exitcode == 3

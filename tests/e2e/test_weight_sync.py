@@ -181,3 +181,36 @@ def test_vllm_load_failure_names_the_tensor_and_keeps_vllms_message(tiny_model_d
                          text=True, timeout=300).stdout
     assert "TENSOR model.layers.0.mlp.down_proj.weight\n" in out, out[-2000:]
     assert re.search(r"MESSAGE RuntimeError: .*\(7\)", out), out[-2000:]
+
+
+def test_one_push_updates_two_engines(tiny_model_dir, tmp_path, ray_local):
+    """Fan-out: two vLLM engines (engine 1 joins engine 0's rendezvous), trainer PP2, one export;
+    afterwards both score the probe batch like Megatron, and neither did before."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mrl.launch.rollout_actor import start_rollout_actor
+    from mrl.models.registry import model_spec_from_hf
+    from mrl.sync.parity import logprob_gap, probe_sequences
+
+    start, target = tiny_model_dir("qwen3"), write_tiny_model("qwen3", tmp_path / "b", seed=7)
+    probe = probe_sequences(model_spec_from_hf(start).vocab_size)
+    actors: list = []
+    try:
+        with ThreadPoolExecutor(2) as pool:  # the two engines start side by side
+            actors.extend(pool.map(lambda _: start_rollout_actor(str(start), ENGINE), range(2)))
+        endpoints = ray.get([a.endpoint.remote() for a in actors])  # before receive_weights, which holds them
+        before = ray.get([a.score.remote(probe) for a in actors])
+        layout = ParallelLayout(pp=2)
+        receipts = [a.receive_weights.remote("fanout", 2, 2, i, None if i == 0 else endpoints[0])
+                    for i, a in enumerate(actors)]
+        results = run_local(_push, 2, str(target), layout, endpoints, "broadcast", "fanout", probe, timeout_s=300)
+        reports = ray.get(receipts, timeout=120)
+        trainer = next(r["logprobs"] for r in results if r["logprobs"] is not None)
+        for index, (report, old, new) in enumerate(zip(reports, before, ray.get([a.score.remote(probe) for a in actors]))):
+            assert sum(r["sent"] or 0 for r in results) == report.tensors, index
+            assert not report.mismatched and not report.not_updated, (index, report.mismatched, report.not_updated)
+            assert logprob_gap(old, trainer)["rollout/logprob_abs_diff_max"] > 1e-2, index  # the sync mattered
+            assert logprob_gap(new, trainer)["rollout/logprob_abs_diff_max"] < TOL, index
+    finally:
+        for actor in actors:
+            ray.kill(actor)

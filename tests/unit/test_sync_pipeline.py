@@ -1,0 +1,64 @@
+"""The sender's pipeline (mrl.sync.sender._pipelined): the export of bucket k + 1 overlaps sending
+bucket k, never more than two buckets are alive, and the sender thread's errors surface on the
+calling thread once the export has run to its end."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from mrl.sync.sender import _pipelined
+from mrl.sync.wire import SyncError
+
+
+def _export(count: int, started: list[int]):
+    for index in range(count):
+        started.append(index)  # the export begins assembling this bucket
+        yield [(f"t{index}", torch.zeros(1))]
+
+
+def test_export_of_the_next_bucket_overlaps_sending_and_two_buckets_at_most():
+    started: list[int] = []
+    sent: list[int] = []
+    seen_during_send: list[list[int]] = []
+
+    def send(index, bucket):
+        if index == 0:
+            deadline = time.monotonic() + 5
+            while 1 not in started and time.monotonic() < deadline:  # the export of bucket 1 runs meanwhile
+                time.sleep(0.01)
+            time.sleep(0.2)  # room for the export to (wrongly) start bucket 2
+            seen_during_send.append(list(started))
+        sent.append(index)
+
+    _pipelined(_export(4, started), send, "rank 0", timeout_s=10)
+    assert seen_during_send == [[0, 1]]  # bucket 1 exported while 0 was sent; bucket 2 waited
+    assert sent == [0, 1, 2, 3] and started == [0, 1, 2, 3]
+
+
+def test_a_sender_thread_error_surfaces_with_its_message_after_the_export_ends():
+    started: list[int] = []
+
+    def send(index, bucket):
+        if index == 1:
+            raise SyncError("rank 0: sending bucket 1 failed: the engine is gone")
+
+    with pytest.raises(SyncError, match="sending bucket 1 failed: the engine is gone"):
+        _pipelined(_export(5, started), send, "rank 0", timeout_s=10)
+    assert started == [0, 1, 2, 3, 4]  # the export ran to its end: its other ranks are not left waiting
+
+
+def test_a_stuck_sender_thread_is_an_error_naming_who_waited():
+    release = threading.Event()
+
+    def send(index, bucket):
+        release.wait(10)
+
+    try:
+        with pytest.raises(SyncError, match=r"rank 0: the sender thread did not finish sending bucket 0 within 1s"):
+            _pipelined(_export(3, []), send, "rank 0", timeout_s=1)
+    finally:
+        release.set()

@@ -1,0 +1,77 @@
+"""WeightSync (the driver's side) with fake engines and a fake actor: one push for every engine,
+each engine's receipt started first, each engine's report and parity checked, naming the engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from mrl.config.schema import SyncConfig
+from mrl.sync.channel import SyncEndpoint
+from mrl.sync.driver import WeightSync
+from mrl.sync.parity import ParityError
+from mrl.sync.wire import WeightUpdateReport
+
+
+class Receipt:
+    def __init__(self, report):
+        self.report = report
+
+    def result(self):
+        return self.report
+
+
+class FakeEngine:
+    def __init__(self, port: int, log: list, logprob: float = -1.0, report: WeightUpdateReport | None = None):
+        self.port, self.log, self.logprob = port, log, logprob
+        self.report = report or WeightUpdateReport(tensors=3)
+
+    def endpoint(self):
+        return SyncEndpoint("10.0.0.1", self.port, "torch.float32")
+
+    def receive_weights(self, sync_id, channels, engines, index, hub):
+        self.log.append(("receive", self.port, sync_id, channels, engines, index, hub and hub.port))
+        return Receipt(self.report)
+
+    def score(self, probe):
+        self.log.append(("score", self.port))
+        return [[self.logprob, self.logprob]]
+
+
+class FakeActor:
+    def __init__(self, log: list):
+        self.log = log
+
+    def push_weights(self, endpoints, sync_id, transport, bucket_bytes, timeout_s):
+        self.log.append(("push", [e.port for e in endpoints], sync_id))
+        return {"bytes": 10}
+
+    def probe_logprobs(self, probe):
+        return [[-1.0, -1.0]]
+
+
+def test_one_push_feeds_every_engine_and_parity_runs_on_each():
+    log: list = []
+    engines = [FakeEngine(5000, log), FakeEngine(5001, log)]
+    sync = WeightSync(FakeActor(log), engines, SyncConfig(transport="broadcast"), channels=2, probe=[[1, 2]])
+    metrics = sync()
+    sync_id = log[0][2]
+    assert log == [("receive", 5000, sync_id, 2, 2, 0, None), ("receive", 5001, sync_id, 2, 2, 1, 5000),
+                   ("push", [5000, 5001], sync_id), ("score", 5000), ("score", 5001)]
+    assert metrics["sync/engines"] == 2 and metrics["rollout/logprob_abs_diff_max"] == 0.0
+
+
+def test_parity_failure_names_the_engine():
+    log: list = []
+    engines = [FakeEngine(5000, log), FakeEngine(5001, log, logprob=-3.0,
+                                                 report=WeightUpdateReport(tensors=3, not_updated=["lm_head.weight"]))]
+    sync = WeightSync(FakeActor(log), engines, SyncConfig(transport="broadcast"), channels=1, probe=[[1, 2]])
+    with pytest.raises(ParityError, match=r"engine 1 of 2 at 10\.0\.0\.1:5001: step 0: .*'lm_head\.weight'"):
+        sync()
+
+
+def test_a_stale_engine_is_checked_even_when_parity_is_not_due():
+    log: list = []
+    engines = [FakeEngine(5000, log), FakeEngine(5001, log, report=WeightUpdateReport(tensors=3, mismatched=["x"]))]
+    sync = WeightSync(FakeActor(log), engines, SyncConfig(transport="broadcast"), channels=1, probe=[[1, 2]], syncs=1)
+    sync()
+    assert [entry for entry in log if entry[0] == "score"] == [("score", 5001)]
