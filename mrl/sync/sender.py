@@ -157,10 +157,10 @@ class _Link:
         self.sender, self.sync_id = sender, sync_id
         engines = len(sender.endpoints)
         hub = sender.endpoint
-        to = "engine" if engines == 1 else f"{engines} engines (hub"
-        self.who = f"rank {sender.coords.rank} (PP stage {sender.stage}) → {to} at {hub.host}:{hub.port}" + (
-            ")" if engines > 1 else "")
+        address = f"{hub.host}:{hub.port}"
+        to = f"engine at {address}" if engines == 1 else f"{engines} engines (hub at {address})"
         self.short = f"rank {sender.coords.rank} (PP stage {sender.stage})"
+        self.who = f"{self.short} → {to}"
         self.store = sender._open_store(self.who)
         self.channel = Channel(self.store, f"{sync_id}/channel{sender.stage}", 0, sender.timeout_s, self.who,
                                members=engines + 1)
