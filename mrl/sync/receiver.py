@@ -62,8 +62,8 @@ class WeightReceiver:
         # At most one bucket per channel waits here while the engine loads another: bounded memory.
         arrivals: queue.Queue = queue.Queue(maxsize=channels)
         loaded = threading.Event()  # set once the update is finished or failed: the channels answer
-        threads = [threading.Thread(target=self._serve, args=(sync_id, c, arrivals, loaded, outcome, fanout, peers), daemon=True)
-                   for c in range(channels)]
+        threads = [threading.Thread(target=self._serve, args=(sync_id, c, arrivals, loaded, outcome, fanout, peers),
+                                    daemon=True) for c in range(channels)]
         try:
             self.engine.begin_weight_update()
         except Exception as err:  # noqa: BLE001 - e.g. a model this engine cannot reload: tell the senders
