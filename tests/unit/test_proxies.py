@@ -46,10 +46,10 @@ def test_push_weights_refuses_settings_other_than_the_first_calls():
         def push(self, sync_id):
             return None
 
-    worker.senders, worker.sender_settings = {"endpoint": Sender()}, ("broadcast", 1 << 20, 60.0)
-    assert worker.push_weights("endpoint", "s1", "broadcast", 1 << 20, 60.0) is None
-    with pytest.raises(ValueError, match="one sender setting per run"):
-        worker.push_weights("endpoint", "s2", "colocated", 1 << 20, 60.0)
+    worker.sender, worker.sender_settings = Sender(), (["endpoint"], "broadcast", 1 << 20, 60.0)
+    assert worker.push_weights(["endpoint"], "s1", "broadcast", 1 << 20, 60.0) is None
+    with pytest.raises(ValueError, match="one sender per run"):
+        worker.push_weights(["endpoint"], "s2", "colocated", 1 << 20, 60.0)
 
 
 def test_a_fleet_generation_takes_each_engines_time_when_it_finishes():
