@@ -23,6 +23,7 @@ No Ray here: a source takes `launch(step)` and `push()` callables (tests pass fa
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Protocol
 
@@ -33,13 +34,13 @@ from mrl.rollout.engine import Generation
 TRAINER_PHASES = ("old_log_prob", "values", "update_critic", "update_actor", "sync_weights")
 
 
-def policy_step(weight_version: int | None, start_step: int) -> int | None:
+def policy_step(weight_version: int | None, start_step: int, sync_every: int = 1) -> int | None:
     """The trainer step whose weights the engine held at `weight_version`: the run's first sync
-    carries the start step's weights, each later sync the step just trained. Version 0 is the
-    model the engine loaded at start (no trainer step)."""
+    carries the start step's weights, each later sync the step just trained (one every
+    `sync_every` steps). Version 0 is the model the engine loaded at start (no trainer step)."""
     if not weight_version:
         return None
-    return start_step + weight_version - 1
+    return start_step + (weight_version - 1) * sync_every
 
 
 @dataclass
@@ -52,21 +53,30 @@ class GeneratedBatch:
     start_step: int  # the run's start step when it was generated: weight_version v held the weights after step start_step + v - 1
     gen_seconds: float  # how long the engine took to generate it
     engine_metrics: dict[str, float] = field(default_factory=dict)  # each engine's throughput (not checkpointed)
+    sync_every: int = 1  # trainer steps per weight push when it was generated (fully_async: async.sync_every)
 
     def policy_steps(self) -> list[int | None]:
         """Per sample, the trainer step whose weights generated it (None: the engine's initial weights)."""
-        return [policy_step(g.weight_version, self.start_step) for group in self.groups for g in group]
+        return [policy_step(g.weight_version, self.start_step, self.sync_every) for group in self.groups for g in group]
 
     def to_state(self) -> dict:
         """Plain data (lists, numbers, strings): a checkpoint's common state loads it with weights_only."""
         return {"step": self.step, "prompt_indices": list(self.prompt_indices), "start_step": self.start_step,
-                "gen_seconds": self.gen_seconds, "groups": [[asdict(g) for g in group] for group in self.groups]}
+                "gen_seconds": self.gen_seconds, "sync_every": self.sync_every,
+                "groups": [[asdict(g) for g in group] for group in self.groups]}
 
     @classmethod
     def from_state(cls, state: dict) -> GeneratedBatch:
         groups = [[Generation(**g) for g in group] for group in state["groups"]]
         return cls(int(state["step"]), [int(i) for i in state["prompt_indices"]], groups, int(state["start_step"]),
-                   float(state["gen_seconds"]))
+                   float(state["gen_seconds"]), sync_every=int(state.get("sync_every", 1)))
+
+    @staticmethod
+    def list_from_state(state: dict | list | None) -> list[GeneratedBatch]:
+        """A checkpoint's batches in flight: a list of states (one_step_off saved one dict)."""
+        if state is None:
+            return []
+        return [GeneratedBatch.from_state(s) for s in ([state] if isinstance(state, dict) else state)]
 
 
 class PendingResult(Protocol):
@@ -94,15 +104,18 @@ class PendingBatch:
 
 
 Launch = Callable[[int], PendingBatch]  # sample step's prompts, start generating them with the engine's weights
+Generate = Callable[[int, list[int]], PendingBatch]  # start generating these prompts with the step's seed
 Push = Callable[[], dict]  # push the actor's weights into the engine; its metrics
+Restored = GeneratedBatch | list[GeneratedBatch] | None  # a checkpoint's batches in flight, in step order
 
 
 class BatchSource:
     """The mode's side of the loop (module docstring). `engine_seconds`: how long the engine
     generated for the batches this step waited for (the rollouter's busy time)."""
 
-    def __init__(self, launch: Launch, push: Push, restored: GeneratedBatch | None = None):
-        self.launch, self.push, self.restored = launch, push, restored
+    def __init__(self, launch: Launch, push: Push, restored: Restored = None):
+        self.launch, self.push = launch, push
+        self.restored = [restored] if isinstance(restored, GeneratedBatch) else list(restored or [])
         self.engine_seconds = 0.0
 
     def next(self, step: int, metrics: dict) -> GeneratedBatch:
@@ -112,12 +125,13 @@ class BatchSource:
         if trained:  # nothing trained (dynamic sampling kept no group): the engine has these weights
             metrics.update(self.push())
 
-    def in_flight(self) -> GeneratedBatch | None:
-        """What a checkpoint taken now must save to resume exactly: a generated batch not yet trained."""
-        return None
+    def in_flight(self) -> list[GeneratedBatch]:
+        """What a checkpoint taken now must save to resume exactly: generated batches not yet trained."""
+        return []
 
     def _take_restored(self, step: int) -> GeneratedBatch | None:
-        batch, self.restored = self.restored, None
+        """The checkpoint's next batch in flight, which must be this step's (None: none left)."""
+        batch = self.restored.pop(0) if self.restored else None
         if batch is not None and batch.step != step:
             raise RuntimeError(f"the checkpoint's batch in flight is for step {batch.step} but the resumed run "
                                f"starts at step {step}: the checkpoint is inconsistent; resume an earlier one")
@@ -127,8 +141,7 @@ class BatchSource:
 class SyncSource(BatchSource):
     """Generate, then train, then push: every sample is on-policy (staleness 0)."""
 
-    def __init__(self, launch: Launch, push: Push, release: Callable[[], None],
-                 restored: GeneratedBatch | None = None):
+    def __init__(self, launch: Launch, push: Push, release: Callable[[], None], restored: Restored = None):
         super().__init__(launch, push, restored)
         self.release = release
 
@@ -147,7 +160,7 @@ class SyncSource(BatchSource):
 class OneStepOffSource(BatchSource):
     """Generate batch k+1 while step k trains (module docstring)."""
 
-    def __init__(self, launch: Launch, push: Push, last_step: int, restored: GeneratedBatch | None = None):
+    def __init__(self, launch: Launch, push: Push, last_step: int, restored: Restored = None):
         super().__init__(launch, push, restored)
         self.last_step = last_step
         self.pending: PendingBatch | None = None
@@ -163,7 +176,7 @@ class OneStepOffSource(BatchSource):
         batch, self.ready = self.ready, None
         if batch.step != step:
             raise RuntimeError(f"one_step_off: step {step} was handed the batch of step {batch.step}")
-        if step < self.last_step:
+        if step < self.last_step and not self.restored:  # (a fully_async checkpoint may hold step + 1 already)
             self.pending = self.launch(step + 1)  # with the weights after step - 1, while this step trains
         return batch
 
@@ -172,8 +185,8 @@ class OneStepOffSource(BatchSource):
             self.ready = self._wait(metrics)  # the engine is idle from here: the push cannot meet a generation
         super().after_update(step, trained, metrics)
 
-    def in_flight(self) -> GeneratedBatch | None:
-        return self.ready
+    def in_flight(self) -> list[GeneratedBatch]:
+        return [self.ready] if self.ready is not None else []
 
     def _wait(self, metrics: dict) -> GeneratedBatch:
         with timer("gen", metrics):  # the part of the generation the driver (and the actor) waited for
@@ -183,14 +196,167 @@ class OneStepOffSource(BatchSource):
         return batch
 
 
+@dataclass
+class AsyncPlan:
+    """What fully_async needs beyond push (the async config section, resolved)."""
+
+    sample: Callable[[], list[int]]  # the sampler's next batch of prompt indices
+    generate: Generate
+    start_step: int  # the trainer step whose weights the engines hold when the source starts
+    max_staleness: int  # η
+    sync_every: int
+    queue_size: int  # steps started and not yet handed to the trainer
+    chunk_prompts: int  # prompts per generate call
+    samples_per_prompt: int
+
+
+@dataclass
+class _Chunk:
+    """Some of a step's prompts, being generated (or done)."""
+
+    pending: PendingBatch
+    launched: float  # time.perf_counter() at launch
+    done: GeneratedBatch | None = None
+
+    def finished(self) -> bool:
+        return self.done is not None or self.pending.generation.seconds is not None
+
+    def result(self) -> GeneratedBatch:
+        if self.done is None:
+            self.done = self.pending.result()
+        return self.done
+
+
+class FullyAsyncSource(BatchSource):
+    """A rollouter on the driver that keeps the engines ahead of the trainer (module docstring).
+
+    Step j's prompts are sampled and launched (in chunks of `chunk_prompts`) only while
+      j <= weights_step + η + 1   (admission: the staleness bound) and
+      fewer than queue_size steps are started and not yet handed to the trainer,
+    where weights_step is the trainer step whose weights the engines hold. Chunks queue on the
+    engines' actors, so the engines generate back to back while the trainer trains. A push waits
+    for every chunk in flight (no partial rollout), then admission moves on."""
+
+    def __init__(self, push: Push, last_step: int, plan: AsyncPlan, restored: Restored = None):
+        super().__init__(lambda step: None, push, restored)
+        self.plan, self.last_step = plan, last_step
+        self.weights_step = plan.start_step
+        self.ready: dict[int, GeneratedBatch] = {b.step: b for b in self.restored}  # generated, not trained
+        self.restored = []
+        expected = list(range(plan.start_step + 1, plan.start_step + 1 + len(self.ready)))
+        if sorted(self.ready) != expected:
+            raise RuntimeError(f"the checkpoint's batches in flight are for steps {sorted(self.ready)} but the resumed "
+                               f"run needs steps {expected}: the checkpoint is inconsistent; resume an earlier one")
+        self.running: dict[int, list[_Chunk]] = {}  # started, not all collected
+        self.next_step = plan.start_step + 1 + len(self.ready)  # the next step whose prompts to start
+        self.busy: list[tuple[float, float]] = []  # finished chunks' (launch, finish) on the engines
+        self.window = 0.0
+
+    def next(self, step: int, metrics: dict) -> GeneratedBatch:
+        self.window = time.perf_counter()
+        self._refill()
+        if step not in self.ready and step not in self.running:
+            raise RuntimeError(f"fully_async: step {step}'s prompts were never started (the engines hold the weights "
+                               f"after step {self.weights_step}; async.max_staleness {self.plan.max_staleness} admits "
+                               f"steps up to {self.weights_step + self.plan.max_staleness + 1}; async.queue_size "
+                               f"{self.plan.queue_size}): a staleness bound below sync_every - 1 deadlocks")
+        if step in self.ready:
+            batch = self.ready.pop(step)
+        else:
+            with timer("gen", metrics):  # the part of the generation the trainer waited for
+                batch = self._collect(step)
+        self._refill()  # this step left the queue: room for one more
+        metrics["async/queue_size"] = float(sum(len(b.groups) for b in self.ready.values()) + sum(
+            len(c.pending.prompt_indices) for chunks in self.running.values() for c in chunks if c.finished()))
+        metrics["async/dropped_samples"] = float(len(batch.prompt_indices) * self.plan.samples_per_prompt
+                                                 - sum(len(group) for group in batch.groups))
+        return batch
+
+    def after_update(self, step: int, trained: bool, metrics: dict) -> None:
+        if step % self.plan.sync_every == 0 or step == self.last_step:
+            with timer("drain", metrics):  # no partial rollout: a push waits for every chunk in flight
+                for chunks in self.running.values():
+                    for chunk in chunks:
+                        self._finish(chunk)
+            metrics.update(self.push())  # even if nothing trained: the versions count pushes
+            self.weights_step = step
+        self._refill()
+        self.engine_seconds = self._busy_seconds(time.perf_counter())
+
+    def in_flight(self) -> list[GeneratedBatch]:
+        """Every started step's batch, waiting for the chunks in flight (a checkpoint drains)."""
+        for step in sorted(self.running):
+            self.ready[step] = self._collect(step)
+        return [self.ready[step] for step in sorted(self.ready)]
+
+    def _refill(self) -> None:
+        """Start every step the staleness bound and the queue admit."""
+        p = self.plan
+        while (self.next_step <= self.last_step and self.next_step <= self.weights_step + p.max_staleness + 1
+               and len(self.ready) + len(self.running) < p.queue_size):
+            step, indices = self.next_step, p.sample()
+            self.running[step] = [_Chunk(p.generate(step, indices[i:i + p.chunk_prompts]), time.perf_counter())
+                                  for i in range(0, len(indices), p.chunk_prompts)]
+            self.next_step += 1
+
+    def _collect(self, step: int) -> GeneratedBatch:
+        """Step `step`'s batch: its chunks' generations in the sampler's order."""
+        chunks = self.running.pop(step)
+        parts = [self._finish(chunk) for chunk in chunks]
+        launched = min(c.launched for c in chunks)
+        span = max(c.launched + part.gen_seconds for c, part in zip(chunks, parts)) - launched
+        return GeneratedBatch(step, [i for part in parts for i in part.prompt_indices],
+                              [g for part in parts for g in part.groups], parts[0].start_step, span,
+                              _merge_engine_metrics([part.engine_metrics for part in parts]), self.plan.sync_every)
+
+    def _finish(self, chunk: _Chunk) -> GeneratedBatch:
+        if chunk.done is None:
+            chunk.result()
+            self.busy.append((chunk.launched, chunk.launched + chunk.done.gen_seconds))
+        return chunk.done
+
+    def _busy_seconds(self, now: float) -> float:
+        """How long since the step began at least one chunk was on the engines (queued behind
+        another counts: that engine was busy)."""
+        spans = self.busy + [(c.launched, now) for chunks in self.running.values() for c in chunks if c.done is None]
+        spans = sorted((max(a, self.window), min(b, now)) for a, b in spans if b > self.window)
+        self.busy = [(a, b) for a, b in self.busy if b > self.window]
+        total, end = 0.0, self.window
+        for a, b in spans:
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
+
+
+def _merge_engine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Per engine over several chunks: generate seconds add up, tokens/s is their tokens over them."""
+    seconds, tokens = {}, {}
+    for metrics in parts:
+        for key, value in metrics.items():
+            if key.endswith("/gen_s"):
+                engine = key[:-len("/gen_s")]
+                seconds[engine] = seconds.get(engine, 0.0) + value
+                tokens[engine] = tokens.get(engine, 0.0) + value * metrics.get(f"{engine}/tokens_per_s", 0.0)
+    out = {}
+    for engine, s in seconds.items():
+        out[f"{engine}/gen_s"] = s
+        out[f"{engine}/tokens_per_s"] = tokens[engine] / max(s, 1e-9)
+    return out
+
+
 def make_source(mode: str, launch: Launch, push: Push, release: Callable[[], None], last_step: int,
-                restored: GeneratedBatch | None = None) -> BatchSource:
-    """The batch source of trainer.mode."""
+                restored: Restored = None, plan: AsyncPlan | None = None) -> BatchSource:
+    """The batch source of trainer.mode (`plan`: fully_async's settings and callables)."""
     if mode == "sync":
         return SyncSource(launch, push, release, restored)
     if mode == "one_step_off":  # never releases the engine: it generates while the actor trains
         return OneStepOffSource(launch, push, last_step, restored)
-    raise ValueError(f"trainer.mode {mode!r} is not one of sync, one_step_off")
+    if mode == "fully_async":
+        if plan is None:
+            raise ValueError("trainer.mode fully_async needs its AsyncPlan")
+        return FullyAsyncSource(push, last_step, plan, restored)
+    raise ValueError(f"trainer.mode {mode!r} is not one of sync, one_step_off, fully_async")
 
 
 def overlap_metrics(step: int, batch: GeneratedBatch, metrics: dict[str, Any], engine_seconds: float) -> dict[str, float]:

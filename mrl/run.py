@@ -49,7 +49,7 @@ class Run:
     cluster: Cluster
     start: int = 0  # the RL step resumed from (0: none)
     rl_start: str | None = None  # the policy checkpoint RL starts from (None: the HF model)
-    in_flight: dict | None = None  # a resumed one_step_off checkpoint's generated, untrained batch (GeneratedBatch state)
+    in_flight: dict | list | None = None  # a resumed checkpoint's generated, untrained batches (GeneratedBatch states)
 
     @property
     def out(self) -> Path:
@@ -60,16 +60,16 @@ class Run:
         """Nothing trained yet: no RL step, no SFT checkpoint."""
         return self.start == 0 and self.rl_start is None
 
-    def save(self, step: int, in_flight: GeneratedBatch | None = None) -> None:
-        """Checkpoint RL step `step`: the actor, and the critic beside it. `in_flight`: a batch
-        generated for step + 1 and not trained yet (one_step_off): its samples came from weights a
-        resume cannot recreate, so they are saved with the sampler that already counted their
-        prompts, in the same atomic directory."""
+    def save(self, step: int, in_flight: list[GeneratedBatch] = ()) -> None:
+        """Checkpoint RL step `step`: the actor, and the critic beside it. `in_flight`: batches
+        generated for steps step + 1, step + 2, … and not trained yet (one_step_off, fully_async):
+        their samples came from weights a resume cannot recreate, so they are saved with the
+        sampler that already counted their prompts, in the same atomic directory."""
         c = self.cfg.checkpoint
         data = {"sampler": self.sampler.state_dict(), "rl_step": step,
                 "rl_start": portable_rl_start(self.rl_start, c.dir)}
-        if in_flight is not None:
-            data["in_flight"] = in_flight.to_state()
+        if in_flight:
+            data["in_flight"] = [batch.to_state() for batch in in_flight]
         for group, root in zip(self.cluster.trainers(), (c.dir, critic_checkpoint(c.dir))):
             group.save(str(root), step, data, config_to_dict(self.cfg), c.keep_last, c.async_save)
 

@@ -24,7 +24,7 @@ from mrl.config.derived import data_parallel_size
 from mrl.experience import actor_inputs, critic_inputs, rollout_batch, select_rows
 from mrl.launch.cluster import generate_once
 from mrl.metrics import MetricsLogger, plot_metrics, timer
-from mrl.modes import BatchSource, GeneratedBatch, PendingBatch, make_source, overlap_metrics
+from mrl.modes import AsyncPlan, BatchSource, GeneratedBatch, PendingBatch, make_source, overlap_metrics
 from mrl.profiling import profiled_step
 from mrl.rewards import RewardInput, RewardResult
 from mrl.rollout.engine import SamplingSettings
@@ -136,7 +136,7 @@ def learn(step: int, run: Run, rollout: Rollout, metrics: dict) -> None:
     batch["advantages"], batch["returns"] = advantages(batch, cfg)
     metrics.update(algo.advantage_metrics(batch))
     trace_rollouts(run, step, rollout.prompts, rollout.generated.groups, rollout.rewards, batch,
-                   start_step=rollout.generated.start_step)  # every logging.trace_every steps
+                   start_step=rollout.generated.start_step, sync_every=rollout.generated.sync_every)  # every logging.trace_every steps
     if cluster.critic is not None:
         with timer("update_critic", metrics):
             critic = cluster.critic
@@ -148,18 +148,20 @@ def learn(step: int, run: Run, rollout: Rollout, metrics: dict) -> None:
 
 
 def batch_source(run: Run) -> BatchSource:
-    """trainer.mode's batch source over this run's sampler, engine and weight sync; a batch a
-    one_step_off checkpoint saved is trained first."""
+    """trainer.mode's batch source over this run's sampler, engines and weight sync; batches a
+    checkpoint saved in flight are trained first."""
     cfg, cluster = run.cfg, run.cluster
 
-    def launch(step: int) -> PendingBatch:
-        indices = run.sampler.next_batch()
+    def generate(step: int, indices: list[int]) -> PendingBatch:
         pending = cluster.generate_async([run.train_set[i]["prompt_ids"] for i in indices], sampling_for(cfg, step))
         return PendingBatch(step, indices, pending, run.start)
 
-    restored = None if run.in_flight is None else GeneratedBatch.from_state(run.in_flight)
-    return make_source(cfg.trainer.mode, launch, cluster.sync_weights, cluster.release_engines,
-                       cfg.trainer.total_steps, restored)
+    a = cfg.async_
+    plan = AsyncPlan(run.sampler.next_batch, generate, run.start, a.max_staleness, a.sync_every, a.queue_size,
+                     a.chunk_prompts or cfg.data.batch_size, cfg.rollout.n_samples_per_prompt)
+    return make_source(cfg.trainer.mode, lambda step: generate(step, run.sampler.next_batch()), cluster.sync_weights,
+                       cluster.release_engines, cfg.trainer.total_steps, GeneratedBatch.list_from_state(run.in_flight),
+                       plan)
 
 
 def sampling_for(cfg: RunConfig, step: int) -> SamplingSettings:

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
-from mrl.config.loading import ConfigError, apply_overrides, build, read_recipe
+from mrl.config.loading import ConfigError, apply_overrides, build, read_recipe, yaml_key
 from mrl.config.schema import RunConfig
 from mrl.config.validation import validate
 
@@ -30,8 +30,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), check_files: bo
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
-    """Plain nested dict of a config (for logs and the checkpointed copy of the run's config)."""
-    return dataclasses.asdict(cfg)
+    """Plain nested dict of a config (for logs and the checkpointed copy of the run's config), with
+    the YAML's keys (`async`, not the field's `async_`)."""
+    return {yaml_key(name): value for name, value in dataclasses.asdict(cfg).items()}
 
 
 def save_config(cfg: RunConfig) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import types
 import typing
 from pathlib import Path
@@ -82,17 +83,26 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str], errors: list[str
     return tree
 
 
+def yaml_key(field_name: str) -> str:
+    """A field's key in YAML: a field named after a Python keyword carries a trailing underscore
+    (`async_`), its YAML key does not (`async`)."""
+    stripped = field_name[:-1] if field_name.endswith("_") else field_name
+    return stripped if keyword.iskeyword(stripped) else field_name
+
+
 def build(cls: type, tree: Any, errors: list[str], prefix: str = "") -> Any:
     """An instance of dataclass `cls` from `tree`, coercing values to the field types."""
     if not isinstance(tree, dict):
         errors.append(f"{prefix.rstrip('.') or 'the config'} must be a mapping of keys, got {_shown(tree)}.")
         return cls()
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    field_of = {yaml_key(f.name): f.name for f in dataclasses.fields(cls)}
+    names = list(field_of)
     values: dict[str, Any] = {}
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if key not in names:
+    for yaml_name, value in tree.items():
+        dotted = f"{prefix}{yaml_name}"
+        key = field_of.get(yaml_name, yaml_name)
+        if yaml_name not in field_of:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
             hint = f" - did you mean '{prefix}{close[0]}'?" if close else f" Valid keys here: {', '.join(names)}."
             errors.append(f"unknown key '{dotted}'{hint}")

@@ -28,8 +28,20 @@ class TrainerConfig:
     ppo_epochs: int = 1  # optimizer passes over each rollout batch
     eval_every: int = 0  # held-out evaluation every N steps (0: only before and after)
     # sync: each step generates its batch, trains, pushes the weights. one_step_off: batch k+1 is
-    # generated (with the weights after step k-1) while step k trains (mrl/modes.py).
-    mode: Literal["sync", "one_step_off"] = "sync"
+    # generated (with the weights after step k-1) while step k trains. fully_async: the engines
+    # generate ahead within the `async` section's staleness bound (mrl/modes.py).
+    mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
+
+
+@dataclass
+class AsyncConfig:
+    """trainer.mode fully_async (mrl/modes.py). The YAML key is `async` (the field is `async_`:
+    `async` is a Python keyword)."""
+
+    max_staleness: int = 1  # η: no trained sample was generated more than η weight versions before the policy training it
+    sync_every: int = 1  # push the weights every N trainer steps (needs max_staleness >= N - 1)
+    queue_size: int = 4  # at most this many steps' worth of prompts started and not yet trained
+    chunk_prompts: int | None = None  # prompts per generate call (None: a step's prompts, spread over the engines)
 
 
 @dataclass
@@ -281,6 +293,7 @@ class RunConfig:
     """The whole configuration of a training run."""
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)  # YAML: async
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

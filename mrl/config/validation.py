@@ -140,14 +140,42 @@ def _check_ranges(cfg: RunConfig) -> list[str]:
 
 
 def _check_mode(cfg: RunConfig) -> list[str]:
-    """one_step_off generates while the actor trains: on GPUs the engine needs GPUs of its own
-    (colocated, vLLM would sleep and the two would share each GPU's memory). On CPU both run."""
-    launch = cfg.launch
-    if cfg.trainer.mode == "one_step_off" and launch.placement == "colocated" and launch.gpus_per_node:
-        return ["trainer.mode one_step_off generates while the actor trains, which colocated placement cannot do "
-                "on GPUs (the engine shares the actor's GPUs and sleeps while it trains): set "
-                "launch.placement: separate (with launch.rollout_gpus), or trainer.mode: sync."]
-    return []
+    """one_step_off and fully_async generate while the actor trains: on GPUs the engine needs GPUs
+    of its own (colocated, vLLM would sleep and the two would share each GPU's memory). On CPU both run."""
+    launch, mode = cfg.launch, cfg.trainer.mode
+    errors = []
+    if mode != "sync" and launch.placement == "colocated" and launch.gpus_per_node:
+        errors.append(f"trainer.mode {mode} generates while the actor trains, which colocated placement cannot do "
+                      "on GPUs (the engine shares the actor's GPUs and sleeps while it trains): set "
+                      "launch.placement: separate (with launch.rollout_gpus), or trainer.mode: sync.")
+    if mode == "fully_async":
+        errors += _check_async(cfg)
+    return errors
+
+
+def _check_async(cfg: RunConfig) -> list[str]:
+    """The fully_async settings: bounds the rollouter can keep without waiting on itself."""
+    a, errors = cfg.async_, []
+    if a.max_staleness < 0:
+        errors.append(f"async.max_staleness {a.max_staleness} must be >= 0 (0: every sample on-policy, as sync mode).")
+    if a.sync_every < 1:
+        errors.append(f"async.sync_every {a.sync_every} must be >= 1 (push the weights every N trainer steps).")
+    elif a.max_staleness >= 0 and a.max_staleness < a.sync_every - 1:
+        errors.append(f"async.max_staleness {a.max_staleness} < async.sync_every {a.sync_every} - 1: between two "
+                      f"pushes the trainer takes {a.sync_every} steps' batches from the same weights, so the last "
+                      f"is {a.sync_every - 1} versions stale and the staleness bound would never admit it (the run "
+                      f"would wait forever): raise max_staleness to >= {a.sync_every - 1} or lower sync_every.")
+    if a.queue_size < 1:
+        errors.append(f"async.queue_size {a.queue_size} must be >= 1 (steps' worth of prompts started and not yet "
+                      "trained; the step being trained counts).")
+    if a.chunk_prompts is not None and a.chunk_prompts < 1:
+        errors.append(f"async.chunk_prompts {a.chunk_prompts} must be >= 1, or null (a step's prompts per call).")
+    save_every = cfg.checkpoint.save_every
+    if save_every and a.sync_every >= 1 and save_every % a.sync_every:
+        errors.append(f"checkpoint.save_every {save_every} is not a multiple of async.sync_every {a.sync_every}: a "
+                      "resume starts its engines from the checkpoint's weights, which the uninterrupted run pushes "
+                      "only every sync_every steps, so its samples would differ; make save_every a multiple.")
+    return errors
 
 
 def _check_profile(steps: list[int] | None, total_steps: int) -> list[str]:

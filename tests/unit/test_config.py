@@ -406,3 +406,20 @@ def test_one_step_off_needs_the_engine_off_the_actors_gpus():
                 "launch.num_nodes=20", "launch.rollout_gpus=32", "rollout.num_engines=2"]
     assert load_config(DSV3, separate, check_files=False).trainer.mode == "one_step_off"
     assert load_config(TINY, ["trainer.mode=one_step_off"]).trainer.mode == "one_step_off"  # CPU: both run colocated
+
+
+def test_fully_async_settings_are_validated_and_async_is_the_yaml_key():
+    cfg = load_config(TINY, ["trainer.mode=fully_async", "async.max_staleness=2", "async.sync_every=3",
+                             "checkpoint.save_every=6"])
+    assert (cfg.async_.max_staleness, cfg.async_.sync_every) == (2, 3)
+    from mrl.config import config_to_dict
+    assert config_to_dict(cfg)["async"]["max_staleness"] == 2 and "async_" not in config_to_dict(cfg)
+    errors = errors_of(TINY, "trainer.mode=fully_async", "async.max_staleness=0", "async.sync_every=2",
+                       "async.queue_size=0", "checkpoint.save_every=5")
+    assert any(e.startswith("async.max_staleness 0 < async.sync_every 2 - 1") and "wait forever" in e for e in errors)
+    assert any(e.startswith("async.queue_size 0 must be >= 1") for e in errors), errors
+    assert any(e.startswith("checkpoint.save_every 5 is not a multiple of async.sync_every 2") for e in errors)
+    assert any(e.startswith("async.max_staleness -1 must be >= 0")
+               for e in errors_of(TINY, "trainer.mode=fully_async", "async.max_staleness=-1"))
+    gpu = errors_of(DSV3, "trainer.mode=fully_async", check_files=False)
+    assert any(e.startswith("trainer.mode fully_async generates while the actor trains") for e in gpu), gpu

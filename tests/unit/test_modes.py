@@ -1,10 +1,11 @@
 """trainer.mode's batch sources (mrl/modes.py) against a fake engine: which weights each batch is
 generated with, when the weights go out, that a push never meets a generation in flight, and that
-a one_step_off checkpoint's batch in flight makes a resumed run train exactly the same samples."""
+a checkpoint's batches in flight make a resumed run train exactly the same samples; fully_async's
+admission control (the staleness bound) and its η = 0 timeline, which is sync's."""
 
 import pytest
 
-from mrl.modes import GeneratedBatch, PendingBatch, make_source, overlap_metrics
+from mrl.modes import AsyncPlan, GeneratedBatch, PendingBatch, make_source, overlap_metrics
 from mrl.rollout.engine import Generation
 
 BATCH = 2  # prompts a step
@@ -18,8 +19,14 @@ class FakeEngine:
         self.start_step, self.sampled = start_step, 0
 
     def launch(self, step: int) -> PendingBatch:
+        return self.generate(step, self.sample())
+
+    def sample(self) -> list[int]:
         indices = list(range(self.sampled, self.sampled + BATCH))  # the sampler's next batch
         self.sampled += BATCH
+        return indices
+
+    def generate(self, step: int, indices: list[int]) -> PendingBatch:
         self.in_flight += 1
         self.events.append(f"gen b{step} v{self.version}")
         version, engine = self.version, self
@@ -104,7 +111,8 @@ def test_a_resume_from_a_one_step_off_checkpoint_trains_the_saved_batch_first(mo
     engine.push()
     source = make_source("one_step_off", engine.launch, engine.push, engine.release, 4)
     _train(source, engine, range(1, 3), trained)
-    saved, sampled = source.in_flight().to_state(), engine.sampled
+    (saved_batch,), sampled = source.in_flight(), engine.sampled
+    saved = saved_batch.to_state()
     assert saved["step"] == 3 and saved["prompt_indices"] == [4, 5]
 
     resumed = FakeEngine(start_step=2)  # a new engine: its version 1 holds the step-2 weights
@@ -141,3 +149,94 @@ def test_a_generated_batch_round_trips_through_plain_data():
     torch.save(state, buffer)  # what a checkpoint's common state does; it loads with weights_only
     buffer.seek(0)
     assert GeneratedBatch.from_state(torch.load(buffer, weights_only=True)) == batch
+
+
+def _async_run(eta: int, steps: int, sync_every: int = 1, chunk: int = BATCH, queue: int = 8,
+               engine: FakeEngine | None = None, restored=None, first: int = 1, trained=None):
+    engine = engine or FakeEngine()
+    if engine.version == 0:
+        engine.push()
+    plan = AsyncPlan(engine.sample, engine.generate, first - 1, eta, sync_every, queue, chunk, 1)
+    source = make_source("fully_async", engine.launch, engine.push, engine.release, steps, restored, plan)
+    trained, metrics = [] if trained is None else trained, {}
+    for step in range(first, steps + 1):
+        step_metrics = {}
+        batch = source.next(step, step_metrics)
+        engine.events.append(f"train {step} on b{batch.step}")
+        trained.append((step, batch.prompt_indices, batch.policy_steps()))
+        source.after_update(step, True, step_metrics)
+        metrics[step] = step_metrics | overlap_metrics(step, batch, step_metrics | {"timing_s/step": 10.0},
+                                                       source.engine_seconds)
+    return engine, trained, metrics, source
+
+
+def test_fully_async_with_staleness_0_is_sync():
+    """η = 0 admits a step's prompts only once the previous step's weights are on the engine:
+    the same generations, with the same weights, in the same order as sync mode."""
+    sync_engine, sync_trained, _ = _run("sync", 4)
+    engine, trained, metrics, _ = _async_run(0, 4)
+    assert trained == sync_trained
+    assert engine.events == [e for e in sync_engine.events if e != "release"]
+    assert {m["async/staleness_max"] for m in metrics.values()} == {0.0}
+    assert {m["async/dropped_samples"] for m in metrics.values()} == {0.0}
+
+
+@pytest.mark.parametrize("chunk", [1, BATCH])
+def test_fully_async_never_starts_more_than_the_staleness_bound_admits(chunk):
+    """η = 1: with the engine at version v (the weights after step v - 1), prompts of steps up to
+    v + 1 may start; every trained sample is at most one version behind, most exactly one, each
+    prompt is trained once in the sampler's order, and no push met a generation (FakeEngine)."""
+    engine, trained, metrics, _ = _async_run(1, 5, chunk=chunk)
+    version = 0
+    for event in engine.events:
+        if event.startswith("push"):
+            version = int(event.split("v")[1])
+        if event.startswith("gen"):
+            assert int(event.split()[1][1:]) <= (version - 1) + 1 + 1, engine.events  # step <= weights' step + η + 1
+    assert [indices for _, indices, _ in trained] == [[2 * k, 2 * k + 1] for k in range(5)]
+    staleness = [step - 1 - p for step, _, policies in trained for p in policies]
+    assert max(staleness) == 1 and staleness.count(1) == 8  # steps 2-5: a version behind; step 1 on-policy
+    assert [metrics[s]["async/staleness_max"] for s in range(1, 6)] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert all(0.0 <= m["rollouter/idle_ratio"] <= 1.0 and "async/queue_size" in m for m in metrics.values())
+    if chunk == 1:  # a step's prompts go out in chunks of one prompt
+        assert engine.events[:3] == ["push v1", "gen b1 v1", "gen b1 v1"]
+
+
+def test_fully_async_pushes_every_sync_every_steps_within_the_bound():
+    """sync_every 2 with η = 1: pushes after steps 2 and 4 (and the last); a step's samples are at
+    most one version behind, and the policy steps read from the tags count pushes of two steps."""
+    engine, trained, metrics, _ = _async_run(1, 5, sync_every=2)
+    assert [e for e in engine.events if e.startswith("push")] == ["push v1", "push v2", "push v3", "push v4"]
+    assert [sorted(set(policies)) for _, _, policies in trained] == [[0], [0], [2], [2], [4]]
+    assert max(m["async/staleness_max"] for m in metrics.values()) == 1.0
+
+
+def test_the_queue_bounds_how_far_the_rollouter_runs_ahead():
+    engine, trained, _, _ = _async_run(5, 4, queue=1)
+    # η = 5 would admit every step at once; a queue of one step starts the next only once the
+    # trainer took the previous one.
+    assert engine.events[:4] == ["push v1", "gen b1 v1", "gen b2 v1", "train 1 on b1"]
+    assert [sorted(set(p)) for _, _, p in trained] == [[0], [0], [1], [2]]
+
+
+def test_a_fully_async_checkpoint_resumes_the_sample_stream_exactly():
+    """A checkpoint after step 2 (η = 2) drains and saves every started, untrained step; the
+    resumed run trains the same prompts with the same policy tags, each once."""
+    _, uninterrupted, _, _ = _async_run(2, 6)
+    engine, trained = FakeEngine(), []
+    engine.push()
+    plan = AsyncPlan(engine.sample, engine.generate, 0, 2, 1, 8, BATCH, 1)
+    source = make_source("fully_async", engine.launch, engine.push, engine.release, 6, None, plan)
+    for step in (1, 2):
+        batch = source.next(step, {})
+        trained.append((step, batch.prompt_indices, batch.policy_steps()))
+        source.after_update(step, True, {})
+    saved = [b.to_state() for b in source.in_flight()]
+    assert [s["step"] for s in saved] == [3, 4, 5] and engine.in_flight == 0  # drained
+    resumed = FakeEngine(start_step=2)
+    resumed.sampled = engine.sampled
+    _async_run(2, 6, engine=resumed, restored=GeneratedBatch.list_from_state(saved), first=3, trained=trained)
+    assert trained == uninterrupted
+    assert [e for e in resumed.events if e.startswith("gen")] == ["gen b6 v2"]  # steps 3-5 came from the checkpoint
+    with pytest.raises(RuntimeError, match=r"batches in flight are for steps \[4, 5\] but the resumed run needs"):
+        _async_run(2, 6, restored=GeneratedBatch.list_from_state(saved[1:]), first=3)
