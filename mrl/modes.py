@@ -13,8 +13,16 @@ one_step_off  batch k+1 is generated with the weights after step k-1 while step 
               after_update(k): wait for b_{k+1}, then push w_k. The engine runs one call at a time,
               so the push is never asked of it before its generation is done.
 
+fully_async   a rollouter (driven by this loop: it starts work at step boundaries, and chunks queue
+              on the engines' actors) starts b_j's prompts, in the sampler's order and with step
+              j's seed, while the engines hold w_v with j <= v + η + 1 (async.max_staleness η: no
+              trained sample more than η versions behind) and the queue has room; the trainer
+              takes b_k whole; after every async.sync_every steps the chunks in flight are waited
+              for, then w_k is pushed (no partial rollout). η = 0 is sync's timeline exactly.
+
 A checkpoint after step k in one_step_off must hold b_{k+1} (`in_flight()`): it was generated
 with w_{k-1}, which a resume cannot recreate; a source built with it (`restored`) trains it first.
+In fully_async it holds every started step's batch (the chunks in flight waited for).
 
 Staleness of a sample trained at step k: (k - 1) - the step whose weights generated it, i.e. how
 many weight versions the trainer's policy is ahead of the sampling policy (sync 0, one_step_off 1).

@@ -7,7 +7,8 @@ writes at each checkpoint, so that a resume reproduces the run.
 
 Checkpoints: the actor under checkpoint.dir, a PPO critic under checkpoint.dir/critic at the same
 steps, the SFT result (RL step 0) under checkpoint.dir/sft. Each RL checkpoint records the sampler,
-the RL step, in one_step_off the batch generated for the next step (`in_flight`), and `rl_start`, the policy checkpoint RL started from (None: the HF model): the KL
+the RL step, in one_step_off and fully_async the batches generated for the next steps
+(`in_flight`), and `rl_start`, the policy checkpoint RL started from (None: the HF model): the KL
 reference and a fresh critic are loaded from it, also after a resume.
 
 `checkpoint.resume` may also name a checkpoint of Megatron-LM's training loop (a pretraining or SFT

@@ -135,8 +135,9 @@ def learn(step: int, run: Run, rollout: Rollout, metrics: dict) -> None:
             batch["values"] = cluster.critic.values(critic_inputs(batch))
     batch["advantages"], batch["returns"] = advantages(batch, cfg)
     metrics.update(algo.advantage_metrics(batch))
+    # every logging.trace_every steps
     trace_rollouts(run, step, rollout.prompts, rollout.generated.groups, rollout.rewards, batch,
-                   start_step=rollout.generated.start_step, sync_every=rollout.generated.sync_every)  # every logging.trace_every steps
+                   start_step=rollout.generated.start_step, sync_every=rollout.generated.sync_every)
     if cluster.critic is not None:
         with timer("update_critic", metrics):
             critic = cluster.critic

