@@ -246,7 +246,7 @@ class FullyAsyncSource(BatchSource):
     for every chunk in flight (no partial rollout), then admission moves on."""
 
     def __init__(self, push: Push, last_step: int, plan: AsyncPlan, restored: Restored = None):
-        super().__init__(lambda step: None, push, restored)
+        super().__init__(self._no_launch, push, restored)  # steps start in chunks (plan.generate)
         self.plan, self.last_step = plan, last_step
         self.weights_step = plan.start_step
         self.ready: dict[int, GeneratedBatch] = {b.step: b for b in self.restored}  # generated, not trained
@@ -296,6 +296,10 @@ class FullyAsyncSource(BatchSource):
         for step in sorted(self.running):
             self.ready[step] = self._collect(step)
         return [self.ready[step] for step in sorted(self.ready)]
+
+    @staticmethod
+    def _no_launch(step: int) -> PendingBatch:
+        raise RuntimeError(f"fully_async starts step {step}'s prompts in chunks, never as one launch")
 
     def _refill(self) -> None:
         """Start every step the staleness bound and the queue admit."""

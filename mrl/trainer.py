@@ -2,7 +2,8 @@
 
 A step is `collect` (rewards on the driver) then `learn` (log-probs, advantages, updates);
 trainer.mode's batch source (mrl/modes.py) decides where its generations come from and when the
-weights go out: in sync mode right before and right after, in one_step_off overlapped with learning.
+weights go out: in sync mode right before and right after, in one_step_off and fully_async
+overlapped with learning.
 
 The driver process holds the data, the reward functions and the algorithm's batch-level math; the
 Megatron ranks (mrl/workers/actor.py) and the vLLM engine run in Ray actors (mrl/launch), reached

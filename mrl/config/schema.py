@@ -36,7 +36,8 @@ class TrainerConfig:
 @dataclass
 class AsyncConfig:
     """trainer.mode fully_async (mrl/modes.py). The YAML key is `async` (the field is `async_`:
-    `async` is a Python keyword)."""
+    `async` is a Python keyword). A held-out eval between two pushes (sync_every > 1) sees the
+    engines' weights, the last pushed."""
 
     # η: no trained sample was generated more than η weight versions before the policy training it
     max_staleness: int = 1
