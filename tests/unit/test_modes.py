@@ -240,3 +240,22 @@ def test_a_fully_async_checkpoint_resumes_the_sample_stream_exactly():
     assert [e for e in resumed.events if e.startswith("gen")] == ["gen b6 v2"]  # steps 3-5 came from the checkpoint
     with pytest.raises(RuntimeError, match=r"batches in flight are for steps \[4, 5\] but the resumed run needs"):
         _async_run(2, 6, restored=GeneratedBatch.list_from_state(saved[1:]), first=3)
+
+
+def test_chunks_engine_metrics_add_up_per_engine():
+    from mrl.modes import _merge_engine_metrics
+
+    merged = _merge_engine_metrics([
+        {"rollout/engine0/gen_s": 1.0, "rollout/engine0/tokens_per_s": 10.0},
+        {"rollout/engine0/gen_s": 3.0, "rollout/engine0/tokens_per_s": 30.0,
+         "rollout/engine1/gen_s": 2.0, "rollout/engine1/tokens_per_s": 5.0}])
+    assert merged == {"rollout/engine0/gen_s": 4.0, "rollout/engine0/tokens_per_s": 25.0,  # 100 tokens in 4 s
+                      "rollout/engine1/gen_s": 2.0, "rollout/engine1/tokens_per_s": 5.0}
+
+
+def test_the_rollouter_is_busy_while_any_chunk_is_on_the_engines_within_the_step():
+    """Overlapping chunks (one queued behind another) count once; time before the step does not."""
+    _, _, _, source = _async_run(1, 1)
+    source.window, source.running = 10.0, {}
+    source.busy = [(8.0, 11.0), (10.5, 12.0), (11.5, 12.5), (14.0, 15.0), (2.0, 3.0)]
+    assert source._busy_seconds(16.0) == pytest.approx((12.5 - 10.0) + (15.0 - 14.0))
