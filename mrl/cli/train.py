@@ -1,7 +1,9 @@
 """`mrl train RECIPE [k=v ...]` and `mrl sft RECIPE [k=v ...]`: validate, run, print a JSON summary.
 
 Exit 0 when the run finished; 2 when the configuration is wrong (every problem listed, nothing
-started); 1 when the run failed (the error names the rank, stage or tensor involved).
+started); 1 when the run failed (the error names the rank, engine, stage or tensor involved);
+130 when interrupted (Ctrl-C): the run's actors, engines and, if it started it, Ray are stopped
+first (the loop's finally), then one line says so.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def _run(prog: str, argv: list[str] | None, job: Callable[[RunConfig], dict]) ->
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    from mrl.launch.fleet import EngineError
     from mrl.launch.worker_group import WorkerGroupError
 
     start = time.perf_counter()
@@ -35,9 +38,14 @@ def _run(prog: str, argv: list[str] | None, job: Callable[[RunConfig], dict]) ->
     except ConfigError as exc:  # found at start-up, before any work (e.g. a checkpoint that does not fit)
         print(exc, file=sys.stderr)
         return 2
-    except WorkerGroupError as exc:  # a rank died or failed: its one line, the tracebacks in a file
+    except (WorkerGroupError, EngineError) as exc:  # a rank or engine died or failed: one line, tracebacks in a file
         print(f"{prog}: {exc} (traceback: {write_traceback(exc, cfg.trainer.output_dir)})", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:  # Ctrl-C: the run closed everything it started on the way out
+        print(f"{prog}: interrupted (Ctrl-C) after {time.perf_counter() - start:.0f} s; its actors and engines "
+              f"were stopped (the last step logged is in {cfg.trainer.output_dir}/metrics.jsonl; where it was "
+              f"interrupted: {write_traceback(exc, cfg.trainer.output_dir)})", file=sys.stderr)
+        return 130
     summary["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(summary, indent=2))
     print(headline(summary))

