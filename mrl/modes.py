@@ -95,6 +95,9 @@ class PendingResult(Protocol):
 
     def result(self) -> list[list[Generation]]: ...
 
+    def cancel(self) -> None:
+        """Abandon it: the engines drop it if not started; its result is never asked for."""
+
 
 @dataclass
 class PendingBatch:
@@ -136,6 +139,24 @@ class BatchSource:
     def in_flight(self) -> list[GeneratedBatch]:
         """What a checkpoint taken now must save to resume exactly: generated batches not yet trained."""
         return []
+
+    def close(self) -> None:
+        """The run stops (finished, failed or interrupted): abandon every generation in flight, so
+        nothing is waited for on the way out and the engines are not kept busy with work nobody
+        will train (close() again: a no-op)."""
+        for pending in self._pending():
+            try:
+                pending.generation.cancel()
+            except Exception:  # noqa: BLE001 - an engine that died already: its work is gone anyway
+                pass
+        self._forget()
+
+    def _pending(self) -> list[PendingBatch]:
+        """The generations started and not yet collected."""
+        return []
+
+    def _forget(self) -> None:
+        """Drop the references to the generations in flight (after close)."""
 
     def _take_restored(self, step: int) -> GeneratedBatch | None:
         """The checkpoint's next batch in flight, which must be this step's (None: none left)."""
@@ -195,6 +216,12 @@ class OneStepOffSource(BatchSource):
 
     def in_flight(self) -> list[GeneratedBatch]:
         return [self.ready] if self.ready is not None else []
+
+    def _pending(self) -> list[PendingBatch]:
+        return [self.pending] if self.pending is not None else []
+
+    def _forget(self) -> None:
+        self.pending = None
 
     def _wait(self, metrics: dict) -> GeneratedBatch:
         with timer("gen", metrics):  # the part of the generation the driver (and the actor) waited for
@@ -296,6 +323,13 @@ class FullyAsyncSource(BatchSource):
         for step in sorted(self.running):
             self.ready[step] = self._collect(step)
         return [self.ready[step] for step in sorted(self.ready)]
+
+    def _pending(self) -> list[PendingBatch]:
+        return [c.pending for chunks in self.running.values() for c in chunks if c.done is None]
+
+    def _forget(self) -> None:
+        self.running = {}
+        self.next_step = self.last_step + 1  # a closed rollouter starts nothing more
 
     @staticmethod
     def _no_launch(step: int) -> PendingBatch:

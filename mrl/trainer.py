@@ -37,7 +37,7 @@ from mrl.sft import run_sft
 def train(cfg: RunConfig) -> dict:
     """Run SFT warm start (if asked), then RL; returns held-out accuracies and where things went."""
     run = open_run(cfg)
-    logger = None
+    logger = source = None
     try:
         summary = {"resumed_from": run.start, "output_dir": str(run.out)}
         if run.fresh and cfg.trainer.sft_steps:
@@ -71,7 +71,9 @@ def train(cfg: RunConfig) -> dict:
             group.finish_save()
         if cfg.checkpoint.export_hf and cfg.checkpoint.save_every:
             summary.update(export_and_evaluate(run, run.out / "hf"))
-    finally:
+    finally:  # also on a failure or Ctrl-C: abandon the generations in flight, then stop every process
+        if source is not None:
+            source.close()
         if logger is not None:
             logger.close()
         run.close()

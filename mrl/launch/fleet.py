@@ -138,10 +138,18 @@ class EngineFleet:
             seconds[i] = time.perf_counter() - start
             try:
                 answers[i] = ray.get(ready[0])
-            except ray.exceptions.RayError as err:
-                died = isinstance(err, ray.exceptions.RayActorError)
-                raise EngineError(f"{what}: {self.name(i)} {'died' if died else 'failed'}: {err}") from err
+            except ray.exceptions.RayError as err:  # one line; Ray's whole report stays in __cause__
+                if isinstance(err, ray.exceptions.RayActorError):
+                    raise EngineError(f"{what}: {self.name(i)} died (its process exited: killed, out of memory or "
+                                      "crashed; Ray's worker log of that actor may say which)") from err
+                raise EngineError(f"{what}: {self.name(i)} failed: {_first_line(err)}") from err
         return answers, seconds
+
+
+def _first_line(err: Exception) -> str:
+    """`Type: first line` of what an engine raised (Ray wraps it: the remote traceback follows)."""
+    cause = getattr(err, "cause", None) or err
+    return f"{type(cause).__name__}: {next(iter(str(cause).strip().splitlines()), '')}"
 
 
 class FleetGeneration:
@@ -163,6 +171,17 @@ class FleetGeneration:
         if len(self.finished) < len(self.refs):
             return None
         return max(self.finished.values()) - self.started
+
+    def cancel(self) -> None:
+        """Abandon the engines' parts not finished: queued ones never start (a running one ends
+        with the engine, which the run closes next). Nothing is waited for; errors are ignored
+        (an engine that died has dropped its part already)."""
+        for i, ref in self.refs.items():
+            if i not in self.finished:
+                try:
+                    ray.cancel(ref)
+                except Exception:  # noqa: BLE001 - cancelling is best effort on the way out
+                    pass
 
     def result(self) -> list[list[Generation]]:
         """Per prompt (in batch order) its generations; waits at most the generate timeout from now.

@@ -117,9 +117,11 @@ def _running(process) -> bool:
         return False
 
 
-def _train_and_kill(tmp: Path, model: Path, class_name: str, *extra: str) -> tuple[BaseException, float, int]:
+def _train_and_kill(tmp: Path, model: Path, capfd, caplog, class_name: str,
+                    *extra: str) -> tuple[BaseException, float, int]:
     """Train in this process; kill `class_name`'s process once step 1 is logged. Returns the
-    error raised, the seconds from the kill to it, and the killed pid."""
+    error raised (one line), the seconds from the kill to it, and the killed pid. Nothing in
+    flight complains after the run closed (no Ray "Unhandled error", no failing callback)."""
     from mrl.trainer import train
 
     assert not _mrl_actors_alive(0), "an earlier test left mrl actors running"
@@ -138,11 +140,15 @@ def _train_and_kill(tmp: Path, model: Path, class_name: str, *extra: str) -> tup
     print(f"{class_name} killed {watcher.at - started:.0f}s into the run; the run raised "
           f"{raised - watcher.at:.1f}s later: {failure.value}")
     assert 4 not in _steps_logged(tmp / "run"), "the run went on after the kill"
+    assert "\n" not in str(failure.value), failure.value
+    time.sleep(2)  # for a late callback or Ray's report of an unread error to show
+    printed = capfd.readouterr().err + caplog.text
+    assert "Unhandled error" not in printed and "exception calling callback" not in printed.lower(), printed[-3000:]
     return failure.value, raised - watcher.at, watcher.result
 
 
-def test_a_killed_engine_stops_a_fully_async_run_naming_it(tmp_path, tiny_model_dir, ray_local):
-    error, took, _ = _train_and_kill(tmp_path, tiny_model_dir("qwen3"), "RolloutServer", "trainer.mode=fully_async",
+def test_a_killed_engine_stops_a_fully_async_run_naming_it(tmp_path, tiny_model_dir, ray_local, capfd, caplog):
+    error, took, _ = _train_and_kill(tmp_path, tiny_model_dir("qwen3"), capfd, caplog, "RolloutServer", "trainer.mode=fully_async",
                                      "async.max_staleness=1", "async.chunk_prompts=2")
     node = re.escape(ray.util.get_node_ip_address())
     assert isinstance(error, EngineError)
@@ -151,8 +157,10 @@ def test_a_killed_engine_stops_a_fully_async_run_naming_it(tmp_path, tiny_model_
     assert not _mrl_actors_alive(), _mrl_actors_alive(0)
 
 
-def test_a_killed_trainer_rank_stops_a_one_step_off_run_naming_it(tmp_path, tiny_model_dir, ray_local):
-    error, took, pid = _train_and_kill(tmp_path, tiny_model_dir("qwen3"), "MegatronActor", "trainer.mode=one_step_off")
+def test_a_killed_trainer_rank_stops_a_one_step_off_run_naming_it(tmp_path, tiny_model_dir, ray_local, capfd,
+                                                                   caplog):
+    error, took, pid = _train_and_kill(tmp_path, tiny_model_dir("qwen3"), capfd, caplog, "MegatronActor",
+                                       "trainer.mode=one_step_off")
     assert isinstance(error, WorkerGroupError)
     assert re.match(rf"rank 0 \(pid {pid} on .+\) died during \w+", str(error)), error
     assert took < BOUND_S, f"the run failed only {took:.0f}s after the kill"

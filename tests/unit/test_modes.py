@@ -17,6 +17,7 @@ class FakeEngine:
     def __init__(self, start_step: int = 0):
         self.version, self.in_flight, self.events = 0, 0, []
         self.start_step, self.sampled = start_step, 0
+        self.cancel_fails = False  # cancel() raises, as for an engine that died
 
     def launch(self, step: int) -> PendingBatch:
         return self.generate(step, self.sample())
@@ -38,6 +39,12 @@ class FakeEngine:
             def result(self):
                 engine.in_flight -= 1
                 return [[Generation([i], [i, 1], "x", [-0.5, -0.25], "stop", version)] for i in indices]
+
+            def cancel(self):
+                engine.in_flight -= 1
+                engine.events.append(f"cancel b{step} {indices}")
+                if engine.cancel_fails:
+                    raise RuntimeError("the engine died already")
 
         return PendingBatch(step, indices, Pending(), self.start_step)
 
@@ -259,3 +266,40 @@ def test_the_rollouter_is_busy_while_any_chunk_is_on_the_engines_within_the_step
     source.window, source.running = 10.0, {}
     source.busy = [(8.0, 11.0), (10.5, 12.0), (11.5, 12.5), (14.0, 15.0), (2.0, 3.0)]
     assert source._busy_seconds(16.0) == pytest.approx((12.5 - 10.0) + (15.0 - 14.0))
+
+
+@pytest.mark.parametrize("cancel_fails", [False, True])
+def test_closing_a_one_step_off_source_abandons_the_batch_in_flight(cancel_fails):
+    """A run that fails (or is interrupted) while step 1 trains has b2 in flight: close() cancels
+    it, waits for nothing, and leaves nothing to collect; a second close() does nothing."""
+    engine = FakeEngine()
+    engine.push()
+    engine.cancel_fails = cancel_fails
+    source = make_source("one_step_off", engine.launch, engine.push, engine.release, 4)
+    source.next(1, {})
+    source.close()
+    source.close()
+    assert engine.events == ["push v1", "gen b1 v1", "gen b2 v1", "cancel b2 [2, 3]"] and engine.in_flight == 0
+    assert source.in_flight() == []
+
+
+@pytest.mark.parametrize("cancel_fails", [False, True])
+def test_closing_the_rollouter_cancels_every_chunk_in_flight_and_starts_nothing(cancel_fails):
+    """fully_async, η = 2, chunks of one prompt: while step 1 trains, the chunks of steps 2 and 3
+    (η = 2 admits up to step 3 on the step-0 weights) are queued on the engine; close() cancels each (one whose engine died already does not stop the others)
+    and the rollouter starts nothing more."""
+    engine = FakeEngine()
+    engine.push()
+    engine.cancel_fails = cancel_fails
+    plan = AsyncPlan(engine.sample, engine.generate, 0, 2, 1, 8, 1, 1)
+    source = make_source("fully_async", engine.launch, engine.push, engine.release, 6, None, plan)
+    source.next(1, {})
+    source.close()
+    source.close()
+    cancelled = [e for e in engine.events if e.startswith("cancel")]
+    assert cancelled == ["cancel b2 [2]", "cancel b2 [3]", "cancel b3 [4]", "cancel b3 [5]"]
+    assert engine.in_flight == 0
+    source.after_update(1, True, {})  # the weights after step 1 would admit step 4: closed, nothing starts
+    assert [e for e in engine.events if e.startswith("gen")] == ["gen b1 v1", "gen b1 v1", "gen b2 v1", "gen b2 v1",
+                                                                "gen b3 v1", "gen b3 v1"]
+    assert source.in_flight() == []
