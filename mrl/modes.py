@@ -4,6 +4,7 @@ How a step is computed (rewards, log-probs, advantages, update: mrl/trainer.py) 
 every mode. A mode is a batch source the loop asks two things:
   next(step)                   the generations step `step` trains on
   after_update(step, trained)  step `step` has trained (or trained nothing): weights go out when due
+  close()                      the run stops (done, failed, Ctrl-C): cancel the generations in flight
 
 sync          next(k): sample b_k's prompts, generate with the weights after step k-1, wait, and let
               a colocated engine free its memory; after_update(k): push w_k.
