@@ -77,6 +77,33 @@ def test_a_failed_rank_is_one_line_and_exit_1_with_the_traceback_in_a_file(capsy
     assert "ValueError: the remote traceback" in (tmp_path / "error.log").read_text()
 
 
+def test_a_dead_engine_is_one_line_and_exit_1(capsys, tmp_path):
+    from mrl.cli.train import _run
+    from mrl.launch.fleet import EngineError
+
+    def job(cfg):
+        raise EngineError("generate: rollout engine 0 of 1 (node 10.0.0.2) died (its process exited: …)")
+
+    code = _run("mrl train", [RECIPE, f"trainer.output_dir={tmp_path}"], job)
+    assert code == 1
+    assert capsys.readouterr().err == ("mrl train: generate: rollout engine 0 of 1 (node 10.0.0.2) died (its process "
+                                       f"exited: …) (traceback: {tmp_path / 'error.log'})\n")
+
+
+def test_ctrl_c_is_one_line_and_exit_130_with_where_it_stopped_in_a_file(capsys, tmp_path):
+    from mrl.cli.train import _run
+
+    def job(cfg):
+        raise KeyboardInterrupt
+
+    code = _run("mrl train", [RECIPE, f"trainer.output_dir={tmp_path}"], job)
+    err = capsys.readouterr().err
+    assert code == 130
+    assert err.startswith("mrl train: interrupted (Ctrl-C) after 0 s; its actors and engines were stopped") and \
+        err.count("\n") == 1, err
+    assert "KeyboardInterrupt" in (tmp_path / "error.log").read_text()
+
+
 def test_a_legacy_megatron_lm_start_is_refused_before_workers_start(tmp_path, tiny_model_dir, capsys):
     from mrl import megatron_lm_dir as mlm
 
