@@ -19,13 +19,9 @@ from typing import Any, Sequence
 
 import ray
 
-from mrl.launch.proxies import EngineHandle
+from mrl.launch.proxies import EngineError, EngineHandle
 from mrl.launch.rollout_actor import RolloutServer, launch_rollout_actor
 from mrl.rollout.engine import Generation, SamplingSettings
-
-
-class EngineError(RuntimeError):
-    """A rollout engine failed, died or did not answer in time; the message names it and its node."""
 
 
 def assign_by_load(costs: Sequence[float], engines: int) -> list[list[int]]:
@@ -55,6 +51,12 @@ class EngineFleet:
             raise ValueError(f"an engine fleet needs one node per engine, got {len(handles)} engines, {len(nodes)} nodes")
         self.handles, self.nodes = handles, nodes
         self.timeout_s = handles[0].timeout_s
+        self._name_handles()
+
+    def _name_handles(self) -> None:
+        """Each engine's own calls (a weight receipt, a parity score) name it as the fleet does."""
+        for i, handle in enumerate(self.handles):
+            handle.name = self.name(i)
 
     @classmethod
     def start(cls, model: str, engine_options: dict[str, Any], count: int, *, num_cpus: float = 1,
@@ -73,6 +75,7 @@ class EngineFleet:
             fleet.close()
             raise
         fleet.nodes = [nodes[i] for i in range(count)]
+        fleet._name_handles()
         return fleet
 
     def __len__(self) -> int:

@@ -114,14 +114,45 @@ class ActorGroup:
             self.group.shutdown()
 
 
+class EngineError(RuntimeError):
+    """A rollout engine failed, died or did not answer in time; the message names it and its node."""
+
+
+def engine_wait(ref: Any, timeout_s: float, what: str, name: str) -> Any:
+    """The answer of one engine call, or EngineError in one line naming the engine (Ray's report
+    stays in __cause__): a dead engine fails the wait at once, a silent one at `timeout_s`."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as err:
+        raise EngineError(f"{what}: {name} did not answer within {timeout_s:.0f}s (hung or overloaded; "
+                          "raise sync.timeout_s if it is only slow)") from err
+    except ray.exceptions.RayActorError as err:
+        raise EngineError(f"{what}: {name} died (its process exited: killed, out of memory or crashed; Ray's "
+                          "worker log of that actor may say which)") from err
+
+
 class PendingReport:
     """An engine's weight receipt in progress (the engine blocks in it until the update is whole)."""
 
-    def __init__(self, ref: Any, timeout_s: float):
-        self.ref, self.timeout_s = ref, timeout_s
+    def __init__(self, ref: Any, timeout_s: float, name: str = "the rollout engine"):
+        self.ref, self.timeout_s, self.name = ref, timeout_s, name
 
     def result(self) -> WeightUpdateReport:
-        return ray.get(self.ref, timeout=self.timeout_s)
+        return engine_wait(self.ref, self.timeout_s, "weight update", self.name)
+
+    def failure(self, within_s: float) -> EngineError | None:
+        """EngineError if the engine turns out dead within `within_s`; None if its receipt is still
+        waiting, succeeded, or raised (an engine that refused an update: the senders' error says why)."""
+        ready, _ = ray.wait([self.ref], timeout=within_s)
+        if not ready:
+            return None
+        try:
+            self.result()
+        except EngineError as err:
+            return err
+        except ray.exceptions.RayError:
+            return None
+        return None
 
 
 class EngineHandle:
@@ -129,8 +160,9 @@ class EngineHandle:
 
     GENERATE_TIMEOUT_FACTOR = 4  # a rollout may take longer than other calls: generate waits this × timeout_s
 
-    def __init__(self, actor: Any, timeout_s: float):
+    def __init__(self, actor: Any, timeout_s: float, name: str = "the rollout engine"):
         self.actor, self.timeout_s = actor, timeout_s
+        self.name = name  # in errors; a fleet names its engines with their index and node
 
     def submit(self, method: Callable, *args: Any) -> Any:
         """Start RolloutServer.`method` without waiting: its Ray reference (a fleet waits for all
@@ -138,7 +170,7 @@ class EngineHandle:
         return getattr(self.actor, _checked(method, *args)).remote(*args)
 
     def _call(self, method: Callable, *args: Any, timeout_s: float | None = None) -> Any:
-        return ray.get(self.submit(method, *args), timeout=timeout_s or self.timeout_s)
+        return engine_wait(self.submit(method, *args), timeout_s or self.timeout_s, method.__name__, self.name)
 
     def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
         """Samples per prompt; a sleeping engine wakes first (the engine does it, see VLLMEngine)."""
@@ -163,7 +195,7 @@ class EngineHandle:
         the senders push while this waits (see mrl.sync.driver)."""
         args = (sync_id, channels, engines, index, hub)
         name = _checked(RolloutServer.receive_weights, *args)
-        return PendingReport(getattr(self.actor, name).remote(*args), self.timeout_s)
+        return PendingReport(getattr(self.actor, name).remote(*args), self.timeout_s, self.name)
 
     def close(self) -> None:
         ray.kill(self.actor)

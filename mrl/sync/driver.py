@@ -14,6 +14,10 @@ from mrl.profiling import stage
 from mrl.sync.parity import ParityError, check_parity, logprob_gap
 
 
+# After a failed push: how long a dead engine's receipt may take to report the death.
+DEATH_REPORT_S = 5.0
+
+
 @dataclass
 class WeightSync:
     """Pushes the actor's weights into every engine at once; every sync is checksummed, the first
@@ -32,6 +36,17 @@ class WeightSync:
             raise ValueError("WeightSync needs at least one engine")
         self.endpoints = [engine.endpoint() for engine in self.engines]
 
+    @staticmethod
+    def _raise_if_an_engine_died(receipts: list[Any], push_error: Exception) -> None:
+        """A push that failed because an engine died is that engine's failure: its receipt's error
+        (naming it and its node) is raised, from the trainer's. An engine that is alive is still
+        waiting in its receipt (it times out by itself): only a receipt that ends in
+        `DEATH_REPORT_S` is asked."""
+        for receipt in receipts:
+            died = receipt.failure(DEATH_REPORT_S)
+            if died is not None:
+                raise died from push_error
+
     @stage("sync_weights")  # a profiler/NVTX range, as the trainer's timed phases are
     def __call__(self) -> dict[str, float]:
         s = self.settings
@@ -40,7 +55,11 @@ class WeightSync:
         count, hub = len(self.engines), self.endpoints[0]
         receipts = [engine.receive_weights(sync_id, self.channels, count, i, None if i == 0 else hub)
                     for i, engine in enumerate(self.engines)]
-        sent = self.actor.push_weights(self.endpoints, sync_id, s.transport, s.bucket_mb << 20, s.timeout_s)
+        try:
+            sent = self.actor.push_weights(self.endpoints, sync_id, s.transport, s.bucket_mb << 20, s.timeout_s)
+        except Exception as push_error:
+            self._raise_if_an_engine_died(receipts, push_error)
+            raise
         reports = [receipt.result() for receipt in receipts]
         metrics = {"sync/bytes": float(sent["bytes"]), "sync/engines": float(count),
                    "sync/engine_load_s": max(r.load_seconds for r in reports),

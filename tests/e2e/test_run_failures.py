@@ -6,7 +6,8 @@
   2. one_step_off (a generation in flight while the step trains): the trainer rank's process is
      killed → WorkerGroupError naming rank 0; no mrl actor is left alive.
   3. `mrl train` (its own Ray) sent SIGINT mid-run → exits 130 within a bound with a one-line
-     message; the Ray processes it started (gcs, raylet, workers) are gone.
+     message; the Ray processes it started (gcs, raylet, workers) are gone. Its driver (in
+     fully_async also the rollouter) SIGKILLed → the engine, the rank and Ray's processes go too.
 
 One mode per failure kind (each run costs an engine start): the engine kill in fully_async (the
 rollouter's chunks queue on the killed engine), the trainer kill in one_step_off.

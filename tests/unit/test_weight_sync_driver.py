@@ -13,11 +13,16 @@ from mrl.sync.wire import WeightUpdateReport
 
 
 class Receipt:
-    def __init__(self, report):
-        self.report = report
+    def __init__(self, report, died: Exception | None = None):
+        self.report, self.died = report, died
 
     def result(self):
+        if self.died is not None:
+            raise self.died
         return self.report
+
+    def failure(self, within_s):
+        return self.died
 
 
 class FakeEngine:
@@ -75,3 +80,25 @@ def test_a_stale_engine_is_checked_even_when_parity_is_not_due():
     sync = WeightSync(FakeActor(log), engines, SyncConfig(transport="broadcast"), channels=1, probe=[[1, 2]], syncs=1)
     sync()
     assert [entry for entry in log if entry[0] == "score"] == [("score", 5001)]
+
+
+class FailingActor(FakeActor):
+    def push_weights(self, endpoints, sync_id, transport, bucket_bytes, timeout_s):
+        raise RuntimeError("rank 0 failed in push_weights: connection reset by peer")
+
+
+@pytest.mark.parametrize("dead", [None, 1])
+def test_a_push_that_fails_because_an_engine_died_names_that_engine(dead):
+    """The trainer's push fails when an engine dies under it; the dead engine's receipt says which
+    (raised from the trainer's error). With every engine alive the trainer's own error stands."""
+    log: list = []
+    engines = [FakeEngine(5000, log), FakeEngine(5001, log)]
+    if dead is not None:
+        died = RuntimeError("weight update: rollout engine 1 of 2 (node 10.0.0.2) died")
+        engines[dead].receive_weights = lambda *args: Receipt(None, died)
+    sync = WeightSync(FailingActor(log), engines, SyncConfig(transport="broadcast"), channels=1, probe=[[1, 2]])
+    expected = "rollout engine 1 of 2 .* died" if dead is not None else "rank 0 failed in push_weights"
+    with pytest.raises(RuntimeError, match=expected) as failure:
+        sync()
+    if dead is not None:
+        assert "connection reset" in str(failure.value.__cause__)
