@@ -148,10 +148,10 @@ class PendingReport:
             return None
         try:
             self.result()
-        except EngineError as err:
+        except EngineError as err:  # died (the ref is ready: never a timeout here)
             return err
-        except ray.exceptions.RayError:
-            return None
+        except ray.exceptions.RayError:  # it raised: the senders' error already says why
+            pass
         return None
 
 
