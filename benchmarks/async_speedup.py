@@ -15,8 +15,9 @@ are not pinned.
 
 Wall-clock is the sum of timing_s/step over the RL steps (start-up, the first weight sync and the
 held-out evaluations are outside it); `steady` leaves out step 1, where no mode can overlap yet.
-Per mode: speedup vs sync, mean trainer/idle_ratio and rollouter/idle_ratio, max staleness, the
-sync run's mean timing_s/gen and timing_s/update_actor (the balance of the workload), and the
+Per mode: speedup vs sync, mean trainer/idle_ratio and rollouter/idle_ratio (over all steps), max
+staleness, the mean timing_s/gen (the part of generation the step waited for) and
+timing_s/update_actor over steps 2..N (the sync run's show the balance of the workload), and the
 held-out accuracy after the last step (greedy, --heldout prompts: cheap, but the random model
 answers nothing right in so few steps; it only shows every mode ran its evaluation).
 
@@ -167,13 +168,27 @@ def summarize(result: dict, sync: dict | None) -> dict:
     row = {"mode": result["name"], "steps": len(steps), "wall_s": total, "steady_s": steady,
            "trainer_idle": mean(steps, "trainer/idle_ratio"), "rollouter_idle": mean(steps, "rollouter/idle_ratio"),
            "staleness_max": max((r.get("async/staleness_max", 0.0) for r in steps), default=0.0),
-           "gen_wait_s": mean(steps, "timing_s/gen"), "update_actor_s": mean(steps, "timing_s/update_actor"),
-           "old_log_prob_s": mean(steps, "timing_s/old_log_prob"), "reward_s": mean(steps, "timing_s/reward"),
-           "sync_s": mean(steps, "timing_s/sync_weights"), "accuracy": result["accuracy"]}
+           "accuracy": result["accuracy"]}
+    later = steps[1:] or steps  # the phases' means over steps 2..N, as steady_s
+    for key, metric in (("gen_wait_s", "gen"), ("old_log_prob_s", "old_log_prob"), ("update_actor_s", "update_actor"),
+                        ("reward_s", "reward"), ("sync_s", "sync_weights")):
+        row[key] = mean(later, f"timing_s/{metric}")
     if sync is not None:
         row["speedup"] = sync["wall_s"] / total
         row["steady_speedup"] = sync["steady_s"] / steady if steady else float("nan")
     return row
+
+
+def balance(sync: dict) -> str:
+    """The sync run's balance: what the engine and the trainer each take per step, and the speedup
+    a perfect overlap would give (the shorter of the two hidden behind the longer, nothing else)."""
+    step = sync["steady_s"] / max(sync["steps"] - 1, 1)
+    trainer = sync["old_log_prob_s"] + sync["update_actor_s"]
+    bound = step / (step - min(sync["gen_wait_s"], trainer))
+    return (f"sync round {sync['round']}: step {step:.2f} s = gen {sync['gen_wait_s']:.2f} + old_log_prob "
+            f"{sync['old_log_prob_s']:.2f} + update_actor {sync['update_actor_s']:.2f} + sync_weights "
+            f"{sync['sync_s']:.2f} + rest {step - sync['gen_wait_s'] - trainer - sync['sync_s']:.2f}; "
+            f"a perfect overlap of gen with the trainer's work: {bound:.2f}x")
 
 
 def parse_modes(text: str) -> list[tuple[str, int | None]]:
@@ -237,6 +252,9 @@ def main() -> None:
     finally:
         ray.shutdown()
     print(f"\nload after: {os.getloadavg()}")
+    for row in table:
+        if row["mode"] == "sync":
+            print(balance(row))
     head = ("mode", "wall_s", "speedup", "steady_s", "steady_speedup", "trainer_idle", "rollouter_idle",
             "staleness_max", "gen_wait_s", "update_actor_s", "accuracy")
     print(" | ".join(head))
