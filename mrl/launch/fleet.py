@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import ray
 
-from mrl.launch.proxies import EngineError, EngineHandle
+from mrl.launch.proxies import EngineError, EngineHandle, engine_died, engine_silent
 from mrl.launch.rollout_actor import RolloutServer, launch_rollout_actor
 from mrl.rollout.engine import Generation, SamplingSettings
 
@@ -68,9 +68,9 @@ class EngineFleet:
                                        sync_timeout_s=sync_timeout_s) for _ in range(count)]
         fleet = cls([EngineHandle(actor, timeout_s) for actor in actors], ["not known: starting"] * count)
         try:
-            nodes, _ = fleet._gather({i: h.submit(RolloutServer.node_ip) for i, h in enumerate(fleet.handles)},
-                                     f"start (model {model}; its log is in the Ray session's worker logs)",
-                                     start_timeout_s)
+            nodes = fleet._gather({i: h.submit(RolloutServer.node_ip) for i, h in enumerate(fleet.handles)},
+                                  f"start (model {model}; its log is in the Ray session's worker logs)",
+                                  start_timeout_s)
         except BaseException:
             fleet.close()
             raise
@@ -104,7 +104,7 @@ class EngineFleet:
 
     def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
         """Teacher-forced log-probs on the first engine (every engine holds the same weights)."""
-        return self._gather({0: self.handles[0].submit(RolloutServer.score, sequences)}, "score", self.timeout_s)[0][0]
+        return self._gather({0: self.handles[0].submit(RolloutServer.score, sequences)}, "score", self.timeout_s)[0]
 
     def sleep(self) -> None:
         """Every engine frees its accelerator memory (colocated placement, while the actor trains)."""
@@ -123,30 +123,24 @@ class EngineFleet:
 
     # --- waiting ------------------------------------------------------------------------------
 
-    def _gather(self, refs: dict[int, Any], what: str, timeout_s: float) -> tuple[dict[int, Any], dict[int, float]]:
-        """Each engine's answer (by engine index) and the seconds until it came, all within one
-        deadline. The first engine to fail, or the ones still silent at the deadline, raise
-        EngineError naming them and their nodes."""
-        start = time.perf_counter()
+    def _gather(self, refs: dict[int, Any], what: str, timeout_s: float) -> dict[int, Any]:
+        """Each engine's answer (by engine index), all within one deadline. The first engine to
+        fail, or the ones still silent at the deadline, raise EngineError naming them and their nodes."""
+        deadline = time.perf_counter() + timeout_s
         engine_of = {ref: i for i, ref in refs.items()}
-        pending, answers, seconds = list(engine_of), {}, {}
+        pending, answers = list(engine_of), {}
         while pending:
-            left = timeout_s - (time.perf_counter() - start)
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0.0))
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.perf_counter(), 0.0))
             if not ready:
-                silent = ", ".join(self.name(engine_of[ref]) for ref in pending)
-                raise EngineError(f"{what}: {silent} did not answer within {timeout_s:.0f}s (hung or overloaded; "
-                                  "raise sync.timeout_s if it is only slow)")
+                raise engine_silent(what, ", ".join(self.name(engine_of[ref]) for ref in pending), timeout_s)
             i = engine_of[ready[0]]
-            seconds[i] = time.perf_counter() - start
             try:
                 answers[i] = ray.get(ready[0])
-            except ray.exceptions.RayError as err:  # one line; Ray's whole report stays in __cause__
-                if isinstance(err, ray.exceptions.RayActorError):
-                    raise EngineError(f"{what}: {self.name(i)} died (its process exited: killed, out of memory or "
-                                      "crashed; Ray's worker log of that actor may say which)") from err
+            except ray.exceptions.RayActorError as err:  # one line; Ray's whole report stays in __cause__
+                raise engine_died(what, self.name(i)) from err
+            except ray.exceptions.RayError as err:
                 raise EngineError(f"{what}: {self.name(i)} failed: {_first_line(err)}") from err
-        return answers, seconds
+        return answers
 
 
 def _first_line(err: Exception) -> str:
@@ -190,7 +184,7 @@ class FleetGeneration:
         """Per prompt (in batch order) its generations; waits at most the generate timeout from now.
         Sets `metrics`: `rollout/engine{i}/tokens_per_s` and `rollout/engine{i}/gen_s` for each
         engine that had prompts."""
-        answers, _ = self.fleet._gather(self.refs, "generate",
+        answers = self.fleet._gather(self.refs, "generate",
                                         self.fleet.timeout_s * EngineHandle.GENERATE_TIMEOUT_FACTOR)
         now = time.perf_counter()
         groups: list[list[Generation]] = [[] for _ in range(self.prompts)]

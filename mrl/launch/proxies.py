@@ -118,17 +118,27 @@ class EngineError(RuntimeError):
     """A rollout engine failed, died or did not answer in time; the message names it and its node."""
 
 
+def engine_silent(what: str, names: str, timeout_s: float) -> EngineError:
+    """The error for engines that did not answer `what` within `timeout_s`."""
+    return EngineError(f"{what}: {names} did not answer within {timeout_s:.0f}s (hung or overloaded; "
+                       "raise sync.timeout_s if it is only slow)")
+
+
+def engine_died(what: str, name: str) -> EngineError:
+    """The error for an engine whose process exited during `what`."""
+    return EngineError(f"{what}: {name} died (its process exited: killed, out of memory or crashed; Ray's "
+                       "worker log of that actor may say which)")
+
+
 def engine_wait(ref: Any, timeout_s: float, what: str, name: str) -> Any:
     """The answer of one engine call, or EngineError in one line naming the engine (Ray's report
     stays in __cause__): a dead engine fails the wait at once, a silent one at `timeout_s`."""
     try:
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as err:
-        raise EngineError(f"{what}: {name} did not answer within {timeout_s:.0f}s (hung or overloaded; "
-                          "raise sync.timeout_s if it is only slow)") from err
+        raise engine_silent(what, name, timeout_s) from err
     except ray.exceptions.RayActorError as err:
-        raise EngineError(f"{what}: {name} died (its process exited: killed, out of memory or crashed; Ray's "
-                          "worker log of that actor may say which)") from err
+        raise engine_died(what, name) from err
 
 
 class PendingReport:

@@ -72,7 +72,7 @@ def test_a_fleet_generation_takes_each_engines_time_when_it_finishes():
             self.answers = answers
 
         def _gather(self, refs, what, timeout_s):
-            return self.answers, {}
+            return self.answers
 
         def name(self, i):
             return f"engine {i}"
