@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import os
 import queue
-import socket
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -31,20 +30,22 @@ class WorkerError(RuntimeError):
         self.summary = summary
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store() -> dist.TCPStore:
+    """The parent's rendezvous store on a free port, held for the launch: probing a free port and
+    letting a child bind it later can lose the port to another process in between (EADDRINUSE)."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def init_process_group(rank: int, world_size: int, port: int, timeout_s: float = 300.0) -> None:
-    """Join the default group; the timeout turns a stuck collective into an error."""
+    """Join the default group through the parent's store; the timeout turns a stuck collective into an error."""
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     backend = "nccl" if os.environ.get("MRL_DIST_BACKEND") == "nccl" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
@@ -69,7 +70,8 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 900.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store = rendezvous_store()
+    port = store.port
     procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
     for p in procs:
         p.start()

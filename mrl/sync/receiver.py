@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import queue
-import socket
 import threading
 import time
 import uuid
@@ -26,12 +25,11 @@ class WeightReceiver:
 
     def __init__(self, engine: Any, host: str = "127.0.0.1", timeout_s: float = 300.0):
         self.engine, self.timeout_s = engine, timeout_s
-        with socket.socket() as s:  # the port must be reachable by the trainers: bind on host
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        self.store = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout_s),
+        # Port 0: the store binds a free port itself (on host, where the trainers reach it). Probing
+        # a port first and binding it later lost a race to another process once (EADDRINUSE in CI).
+        self.store = dist.TCPStore(host, 0, is_master=True, timeout=timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
-        self.endpoint = SyncEndpoint(host, port, str(engine.dtype), token=uuid.uuid4().hex)
+        self.endpoint = SyncEndpoint(host, self.store.port, str(engine.dtype), token=uuid.uuid4().hex)
         self.store.set(IDENTITY_KEY, self.endpoint.token)
         self._used_ids: set[str] = set()
 

@@ -53,6 +53,7 @@ class MegatronActor:
         self.sender = None  # made at the first push_weights (its process groups are a collective)
         self.sender_settings: tuple | None = None
         self.trace = TraceRecorder()  # profile.steps: this rank's torch.profiler trace of a step
+        self._master_store: dist.TCPStore | None = None  # rank 0 hosts the default group's rendezvous
 
     def hostname(self) -> str:
         return socket.gethostname()
@@ -62,11 +63,13 @@ class MegatronActor:
         return os.getpid()
 
     def address(self) -> tuple[str, int]:
-        """Host and a free port for the default group's rendezvous (asked of rank 0)."""
+        """Host and port of the default group's rendezvous store (asked of rank 0, which hosts it).
+
+        The store binds port 0 and is held from here on: probing a free port and binding it later
+        can lose the port to another process in between (EADDRINUSE)."""
         host = socket.gethostbyname(socket.gethostname())
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return host, sock.getsockname()[1]
+        self._master_store = dist.TCPStore("", 0, is_master=True, wait_for_workers=False)
+        return host, self._master_store.port
 
     def init_process_group(self, master: tuple[str, int], local_rank: int = 0, timeout_s: float = 300.0) -> None:
         """torchrun's job done by hand: the env variables, then the default group (gloo on CPU)."""
@@ -77,8 +80,11 @@ class MegatronActor:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         else:
             torch.set_num_threads(1)  # several ranks share a few cores: oversubscription costs more
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        store = self._master_store or dist.TCPStore(
+            master[0], master[1], is_master=False, timeout=timedelta(seconds=timeout_s))
+        store.set_timeout(timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
 
     def setup(self, args: ActorSetup) -> dict:
         """Build this rank's model in the layout, load the HF weights, make optimizer and scheduler."""
