@@ -68,7 +68,7 @@ class MegatronActor:
         The store binds port 0 and is held from here on: probing a free port and binding it later
         can lose the port to another process in between (EADDRINUSE)."""
         host = socket.gethostbyname(socket.gethostname())
-        self._master_store = dist.TCPStore("", 0, is_master=True, wait_for_workers=False)
+        self._master_store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)  # not "": it hangs
         return host, self._master_store.port
 
     def init_process_group(self, master: tuple[str, int], local_rank: int = 0, timeout_s: float = 300.0) -> None:
