@@ -22,7 +22,7 @@ held-out accuracy after the last step (greedy, --heldout prompts: cheap, but the
 answers nothing right in so few steps; it only shows every mode ran its evaluation).
 
     .venv/bin/python benchmarks/async_speedup.py [--steps 8] [--batch 8] [--n 4] [--tokens 48]
-        [--modes sync,one_step_off,fully_async:1,fully_async:2] [--repeats 1] [--no-pin] [--workdir DIR]
+        [--modes sync,one_step_off,fully_async:1,fully_async:2,fully_async:2:partial] [--repeats 1] [--no-pin] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -134,12 +134,12 @@ class Pinner:
         return "; ".join(parts)
 
 
-def run_mode(mode: str, eta: int | None, args, model: Path, workdir: Path) -> dict:
+def run_mode(mode: str, eta: int | None, partial: bool, args, model: Path, workdir: Path) -> dict:
     """Train one mode; its per-step metrics and held-out accuracy."""
     from mrl.config import load_config
     from mrl.trainer import train
 
-    name = mode if eta is None else f"{mode}_eta{eta}"
+    name = (mode if eta is None else f"{mode}_eta{eta}") + ("_partial" if partial else "")
     out = workdir / f"{name}_{time.monotonic_ns()}"
     overrides = [
         f"trainer.total_steps={args.steps}", "trainer.sft_steps=0", "trainer.eval_every=0",
@@ -149,7 +149,7 @@ def run_mode(mode: str, eta: int | None, args, model: Path, workdir: Path) -> di
         "checkpoint.save_every=0", "checkpoint.export_hf=false", "logging.tensorboard=false",
         f"trainer.output_dir={out}", f"checkpoint.dir={out}_ckpt", f"model.path={model}", "model.tiny=null",
         "parallel.tp=1", "parallel.pp=1", "parallel.ep=1", f"optim.micro_batch_size={args.batch * args.n}",
-    ] + ([f"async.max_staleness={eta}"] if eta is not None else [])
+    ] + ([f"async.max_staleness={eta}"] if eta is not None else []) + (["async.partial_rollout=true"] if partial else [])
     summary = train(load_config(RECIPE, overrides))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1 and "timing_s/step" in r]
@@ -191,13 +191,15 @@ def balance(sync: dict) -> str:
             f"a perfect overlap of gen with the trainer's work: {bound:.2f}x")
 
 
-def parse_modes(text: str) -> list[tuple[str, int | None]]:
+def parse_modes(text: str) -> list[tuple[str, int | None, bool]]:
+    """`sync`, `one_step_off`, `fully_async[:η[:partial]]` → (mode, η, partial rollout)."""
     modes = []
     for item in text.split(","):
-        mode, _, eta = item.partition(":")
-        if mode not in ("sync", "one_step_off", "fully_async"):
-            raise SystemExit(f"--modes: {mode!r} is not sync, one_step_off or fully_async[:η]")
-        modes.append((mode, int(eta) if eta else (1 if mode == "fully_async" else None)))
+        mode, _, rest = item.partition(":")
+        eta, _, partial = rest.partition(":")
+        if mode not in ("sync", "one_step_off", "fully_async") or partial not in ("", "partial"):
+            raise SystemExit(f"--modes: {item!r} is not sync, one_step_off or fully_async[:η[:partial]]")
+        modes.append((mode, int(eta) if eta else (1 if mode == "fully_async" else None), partial == "partial"))
     if modes[0][0] != "sync":
         raise SystemExit("--modes must start with sync: the speedups are against it")
     return modes
@@ -235,13 +237,13 @@ def main() -> None:
     try:
         for round_ in range(args.repeats):
             sync = None
-            for mode, eta in modes:
+            for mode, eta, partial in modes:
                 started = time.perf_counter()
                 if args.no_pin:
-                    result, pins = run_mode(mode, eta, args, model, workdir), "not pinned"
+                    result, pins = run_mode(mode, eta, partial, args, model, workdir), "not pinned"
                 else:
                     with Pinner(args.trainer_core, args.engine_core) as pinner:
-                        result = run_mode(mode, eta, args, model, workdir)
+                        result = run_mode(mode, eta, partial, args, model, workdir)
                     pins = pinner.report()
                 row = summarize(result, sync)
                 sync = sync or row

