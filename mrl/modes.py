@@ -19,14 +19,23 @@ fully_async   a rollouter (driven by this loop: it starts work at step boundarie
               j's seed, while the engines hold w_v with j <= v + η + 1 (async.max_staleness η: no
               trained sample more than η versions behind) and the queue has room; the trainer
               takes b_k whole; after every async.sync_every steps the chunks in flight are waited
-              for, then w_k is pushed (no partial rollout). η = 0 is sync's timeline exactly.
+              for, then w_k is pushed. η = 0 is sync's timeline exactly.
+              async.partial_rollout: instead of waiting for them, the push interrupts the engines
+              (the chunks in flight come back at once with the tokens they have, and so do the
+              chunks queued behind them), pushes, and continues each unfinished sample from its
+              prefix on the new weights (its place in its group and batch kept; a seed per sample
+              and continuation). Every token keeps the weight version that sampled it and its
+              engine log-prob (Generation.token_versions, .logprobs); a sample's weight_version,
+              which the staleness counts, is its oldest token's, so admission still bounds it by η.
+              async/partial_ratio: the share of a step's samples with tokens of two or more versions.
 
 A checkpoint after step k in one_step_off must hold b_{k+1} (`in_flight()`): it was generated
 with w_{k-1}, which a resume cannot recreate; a source built with it (`restored`) trains it first.
 In fully_async it holds every started step's batch (the chunks in flight waited for).
 
-Staleness of a sample trained at step k: (k - 1) - the step whose weights generated it, i.e. how
-many weight versions the trainer's policy is ahead of the sampling policy (sync 0, one_step_off 1).
+Staleness of a sample trained at step k: (k - 1) - the step whose weights generated it (its oldest
+token's, under partial rollout), i.e. how many weight versions the trainer's policy is ahead of the
+sampling policy (sync 0, one_step_off 1).
 No Ray here: a source takes `launch(step)` and `push()` callables (tests pass fakes).
 """
 
@@ -76,6 +85,7 @@ class GeneratedBatch:
 
     @classmethod
     def from_state(cls, state: dict) -> GeneratedBatch:
+        # a checkpoint from before token_versions: Generation.versions() derives them from weight_version
         groups = [[Generation(**g) for g in group] for group in state["groups"]]
         return cls(int(state["step"]), [int(i) for i in state["prompt_indices"]], groups, int(state["start_step"]),
                    float(state["gen_seconds"]), sync_every=int(state.get("sync_every", 1)))
@@ -118,6 +128,33 @@ class PendingBatch:
 Launch = Callable[[int], PendingBatch]  # sample step's prompts, start generating them with the engine's weights
 Generate = Callable[[int, list[int]], PendingBatch]  # start generating these prompts with the step's seed
 Push = Callable[[], dict]  # push the actor's weights into the engine; its metrics
+# async.partial_rollout: continue these unfinished samples of step `step` (one prompt each:
+# prompt + tokens so far), each with its (sample key, continuation count) for its seed
+Resume = Callable[[int, list[Generation], list[tuple[int, int]]], PendingBatch]
+
+
+def continue_generation(prefix: Generation, rest: Generation) -> Generation:
+    """A sample interrupted at a weight update (`prefix`, finish_reason None) followed by its
+    continuation (`rest`, generated from prompt + prefix's tokens, possibly on newer weights): the
+    whole sample, each token with its own version and engine log-prob; its weight_version is the
+    oldest token's (the staleness of the sample is that of its stalest token)."""
+    if rest.prompt_ids != prefix.prompt_ids + prefix.token_ids:
+        raise RuntimeError(f"a continuation's prompt ({len(rest.prompt_ids)} tokens) is not the interrupted sample's "
+                           f"prompt and tokens ({len(prefix.prompt_ids)} + {len(prefix.token_ids)}): it continues "
+                           "another sample")
+    versions = prefix.versions() + rest.versions()
+    # The prefix's text is its tokens' own (VLLMEngine._generation); vLLM detokenizes the rest after them.
+    return Generation(prefix.prompt_ids, prefix.token_ids + rest.token_ids, prefix.text + rest.text,
+                      prefix.logprobs + rest.logprobs, rest.finish_reason,
+                      min(versions) if versions else rest.weight_version, versions)
+
+
+def continuation_seed(seed: int | None, sample: int, count: int) -> int | None:
+    """The seed of a sample's `count`-th continuation (`sample`: its index in the step's batch,
+    prompt-major): deterministic, and distinct per sample and continuation."""
+    if seed is None:
+        return None
+    return ((seed * 1_000_003 + sample) * 1_009 + count) % (1 << 62)
 Restored = GeneratedBatch | list[GeneratedBatch] | None  # a checkpoint's batches in flight, in step order
 
 
@@ -244,6 +281,17 @@ class AsyncPlan:
     queue_size: int  # steps started and not yet handed to the trainer
     chunk_prompts: int  # prompts per generate call
     samples_per_prompt: int
+    interrupt: Callable[[], None] | None = None  # async.partial_rollout: stop the engines' generations now
+    resume: Resume | None = None  # async.partial_rollout: continue unfinished samples
+
+
+@dataclass
+class _Resumed:
+    """A chunk's unfinished samples, being continued on newer weights."""
+
+    slots: list[tuple[int, int]]  # (prompt in the chunk, sample in its group)
+    pending: PendingBatch
+    launched: float
 
 
 @dataclass
@@ -252,10 +300,14 @@ class _Chunk:
 
     pending: PendingBatch
     launched: float  # time.perf_counter() at launch
-    done: GeneratedBatch | None = None
+    offset: int = 0  # its first prompt's index in the step's batch
+    done: GeneratedBatch | None = None  # its generations so far (merged with continuations once collected)
+    resumed: _Resumed | None = None  # partial rollout: its unfinished samples' continuations in flight
+    continued: dict[tuple[int, int], int] = field(default_factory=dict)  # (prompt, sample) → continuations
 
     def finished(self) -> bool:
-        return self.done is not None or self.pending.generation.seconds is not None
+        first = self.done is not None or self.pending.generation.seconds is not None
+        return first and (self.resumed is None or self.resumed.pending.generation.seconds is not None)
 
     def result(self) -> GeneratedBatch:
         if self.done is None:
@@ -271,7 +323,8 @@ class FullyAsyncSource(BatchSource):
       fewer than queue_size steps are started and not yet handed to the trainer,
     where weights_step is the trainer step whose weights the engines hold. Chunks queue on the
     engines' actors, so the engines generate back to back while the trainer trains. A push waits
-    for every chunk in flight (no partial rollout), then admission moves on."""
+    for every chunk in flight, then admission moves on; with partial rollout (plan.interrupt) it
+    interrupts them first and continues their unfinished samples after the push."""
 
     def __init__(self, push: Push, last_step: int, plan: AsyncPlan, restored: Restored = None):
         super().__init__(self._no_launch, push, restored)  # steps start in chunks (plan.generate)
@@ -306,16 +359,22 @@ class FullyAsyncSource(BatchSource):
             len(c.pending.prompt_indices) for chunks in self.running.values() for c in chunks if c.finished()))
         metrics["async/dropped_samples"] = float(len(batch.prompt_indices) * self.plan.samples_per_prompt
                                                  - sum(len(group) for group in batch.groups))
+        metrics["async/partial_ratio"] = partial_ratio(batch)
         return batch
 
     def after_update(self, step: int, trained: bool, metrics: dict) -> None:
         if step % self.plan.sync_every == 0 or step == self.last_step:
-            with timer("drain", metrics):  # no partial rollout: a push waits for every chunk in flight
+            partial = self.plan.interrupt is not None
+            if partial and any(not c.finished() for chunks in self.running.values() for c in chunks):
+                self.plan.interrupt()  # the chunks in flight (and queued) come back at once, unfinished
+            with timer("drain", metrics):  # the push never meets a generation: every chunk is back
                 for chunks in self.running.values():
                     for chunk in chunks:
                         self._finish(chunk)
             metrics.update(self.push())  # even if nothing trained: the versions count pushes
             self.weights_step = step
+            if partial:
+                self._continue_unfinished()
         self._refill()
         self.engine_seconds = self._busy_seconds(time.perf_counter())
 
@@ -326,7 +385,9 @@ class FullyAsyncSource(BatchSource):
         return [self.ready[step] for step in sorted(self.ready)]
 
     def _pending(self) -> list[PendingBatch]:
-        return [c.pending for chunks in self.running.values() for c in chunks if c.done is None]
+        chunks = [c for chunks in self.running.values() for c in chunks]
+        return ([c.pending for c in chunks if c.done is None]
+                + [c.resumed.pending for c in chunks if c.resumed is not None])
 
     def _forget(self) -> None:
         self.running = {}
@@ -342,7 +403,7 @@ class FullyAsyncSource(BatchSource):
         while (self.next_step <= self.last_step and self.next_step <= self.weights_step + p.max_staleness + 1
                and len(self.ready) + len(self.running) < p.queue_size):
             step, indices = self.next_step, p.sample()
-            self.running[step] = [_Chunk(p.generate(step, indices[i:i + p.chunk_prompts]), time.perf_counter())
+            self.running[step] = [_Chunk(p.generate(step, indices[i:i + p.chunk_prompts]), time.perf_counter(), i)
                                   for i in range(0, len(indices), p.chunk_prompts)]
             self.next_step += 1
 
@@ -357,15 +418,45 @@ class FullyAsyncSource(BatchSource):
                               _merge_engine_metrics([part.engine_metrics for part in parts]), self.plan.sync_every)
 
     def _finish(self, chunk: _Chunk) -> GeneratedBatch:
+        """The chunk's generations, waiting for it and for its samples' continuations in flight."""
         if chunk.done is None:
             chunk.result()
             self.busy.append((chunk.launched, chunk.launched + chunk.done.gen_seconds))
+        if chunk.resumed is not None:
+            resumed, chunk.resumed = chunk.resumed, None
+            rest = resumed.pending.result()
+            groups = [list(group) for group in chunk.done.groups]
+            for (p, s), (generation,) in zip(resumed.slots, rest.groups, strict=True):
+                groups[p][s] = continue_generation(groups[p][s], generation)
+            end = resumed.launched + rest.gen_seconds
+            self.busy.append((resumed.launched, end))
+            chunk.done = replace(chunk.done, groups=groups, gen_seconds=end - chunk.launched,
+                                 engine_metrics=_merge_engine_metrics([chunk.done.engine_metrics, rest.engine_metrics]))
         return chunk.done
+
+    def _continue_unfinished(self) -> None:
+        """After a push: start every interrupted sample's continuation on the new weights (one
+        prompt per sample: its prompt and tokens so far), seeded per sample and continuation."""
+        n = self.plan.samples_per_prompt
+        for step, chunks in self.running.items():
+            for chunk in chunks:
+                slots = [(p, s) for p, group in enumerate(chunk.done.groups)
+                         for s, g in enumerate(group) if g.finish_reason is None]
+                if not slots:
+                    continue
+                keys = []
+                for slot in slots:
+                    chunk.continued[slot] = chunk.continued.get(slot, 0) + 1
+                    keys.append(((chunk.offset + slot[0]) * n + slot[1], chunk.continued[slot]))
+                partials = [chunk.done.groups[p][s] for p, s in slots]
+                chunk.resumed = _Resumed(slots, self.plan.resume(step, partials, keys), time.perf_counter())
 
     def _busy_seconds(self, now: float) -> float:
         """How long since the step began at least one chunk was on the engines (queued behind
         another counts: that engine was busy)."""
-        spans = self.busy + [(c.launched, now) for chunks in self.running.values() for c in chunks if c.done is None]
+        chunks = [c for step_chunks in self.running.values() for c in step_chunks]
+        spans = (self.busy + [(c.launched, now) for c in chunks if c.done is None]
+                 + [(c.resumed.launched, now) for c in chunks if c.resumed is not None])
         spans = sorted((max(a, self.window), min(b, now)) for a, b in spans if b > self.window)
         self.busy = [(a, b) for a, b in self.busy if b > self.window]
         total, end = 0.0, self.window
@@ -404,6 +495,12 @@ def make_source(mode: str, launch: Launch, push: Push, release: Callable[[], Non
             raise ValueError("trainer.mode fully_async needs its AsyncPlan")
         return FullyAsyncSource(push, last_step, plan, restored)
     raise ValueError(f"trainer.mode {mode!r} is not one of sync, one_step_off, fully_async")
+
+
+def partial_ratio(batch: GeneratedBatch) -> float:
+    """The share of the batch's samples whose tokens come from more than one weight version."""
+    samples = [g for group in batch.groups for g in group]
+    return sum(len(set(g.versions())) > 1 for g in samples) / max(len(samples), 1)
 
 
 def overlap_metrics(step: int, batch: GeneratedBatch, metrics: dict[str, Any], engine_seconds: float) -> dict[str, float]:

@@ -13,7 +13,7 @@ through typed proxies. Set-up, resume and checkpoints are the run's state (mrl/r
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,10 +25,11 @@ from mrl.config.derived import data_parallel_size
 from mrl.experience import actor_inputs, critic_inputs, rollout_batch, select_rows
 from mrl.launch.cluster import generate_once
 from mrl.metrics import MetricsLogger, plot_metrics, timer
-from mrl.modes import AsyncPlan, BatchSource, GeneratedBatch, PendingBatch, make_source, overlap_metrics
+from mrl.modes import (AsyncPlan, BatchSource, GeneratedBatch, PendingBatch, continuation_seed, make_source,
+                       overlap_metrics)
 from mrl.profiling import profiled_step
 from mrl.rewards import RewardInput, RewardResult
-from mrl.rollout.engine import SamplingSettings
+from mrl.rollout.engine import Generation, SamplingSettings
 from mrl.rollout_trace import trace_rollouts
 from mrl.run import Run, open_run
 from mrl.sft import run_sft
@@ -160,9 +161,20 @@ def batch_source(run: Run) -> BatchSource:
         pending = cluster.generate_async([run.train_set[i]["prompt_ids"] for i in indices], sampling_for(cfg, step))
         return PendingBatch(step, indices, pending, run.start)
 
+    def resume(step: int, partials: list[Generation], keys: list[tuple[int, int]]) -> PendingBatch:
+        """async.partial_rollout: each interrupted sample goes on from its prompt and tokens so far,
+        for the rest of its token budget, with a seed of its own per continuation."""
+        base = sampling_for(cfg, step)
+        settings = [replace(base, n=1, max_tokens=base.max_tokens - len(g.token_ids),
+                            seed=continuation_seed(base.seed, sample, count))
+                    for g, (sample, count) in zip(partials, keys)]
+        pending = cluster.generate_async([g.prompt_ids + g.token_ids for g in partials], settings)
+        return PendingBatch(step, [], pending, run.start)
+
     a = cfg.async_
     plan = AsyncPlan(run.sampler.next_batch, generate, run.start, a.max_staleness, a.sync_every, a.queue_size,
-                     a.chunk_prompts or cfg.data.batch_size, cfg.rollout.n_samples_per_prompt)
+                     a.chunk_prompts or cfg.data.batch_size, cfg.rollout.n_samples_per_prompt,
+                     cluster.interrupt_engines if a.partial_rollout else None, resume)
     return make_source(cfg.trainer.mode, lambda step: generate(step, run.sampler.next_batch()), cluster.sync_weights,
                        cluster.release_engines, cfg.trainer.total_steps, GeneratedBatch.list_from_state(run.in_flight),
                        plan)

@@ -44,6 +44,9 @@ class AsyncConfig:
     sync_every: int = 1  # push the weights every N trainer steps (needs max_staleness >= N - 1)
     queue_size: int = 4  # at most this many steps' worth of prompts started and not yet trained
     chunk_prompts: int | None = None  # prompts per generate call (None: a step's prompts, spread over the engines)
+    # A push interrupts the generations in flight and continues them from their prefix on the new
+    # weights (each token keeps its version and engine log-prob) instead of waiting for them to end
+    partial_rollout: bool = False
 
 
 @dataclass

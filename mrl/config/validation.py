@@ -150,6 +150,10 @@ def _check_mode(cfg: RunConfig) -> list[str]:
                       "launch.placement: separate (with launch.rollout_gpus), or trainer.mode: sync.")
     if mode == "fully_async":
         errors += _check_async(cfg)
+    elif cfg.async_.partial_rollout:
+        errors.append(f"async.partial_rollout continues generations across a weight push, which only trainer.mode "
+                      f"fully_async has in flight (trainer.mode is {mode}): set trainer.mode: fully_async, or "
+                      "async.partial_rollout: false.")
     return errors
 
 

@@ -40,9 +40,14 @@ class Cluster:
         """Samples per prompt, spread over the engines; and each engine's throughput metrics."""
         return self.engines.generate(prompt_ids, sampling)
 
-    def generate_async(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> FleetGeneration:
+    def generate_async(self, prompt_ids: list[list[int]],
+                       sampling: SamplingSettings | list[SamplingSettings]) -> FleetGeneration:
         """Start generating; the driver goes on until the result is asked for (trainer.mode one_step_off)."""
         return self.engines.generate_async(prompt_ids, sampling)
+
+    def interrupt_engines(self) -> None:
+        """async.partial_rollout: the engines stop generating until the next weight push (EngineFleet.interrupt)."""
+        self.engines.interrupt()
 
     def release_engines(self) -> None:
         """Colocated placement: the engines free their accelerator memory while the actor trains

@@ -38,9 +38,20 @@ def assign_by_load(costs: Sequence[float], engines: int) -> list[list[int]]:
     return [sorted(part) for part in parts]
 
 
-def prompt_costs(prompt_ids: Sequence[list[int]], sampling: SamplingSettings) -> list[float]:
+def prompt_costs(prompt_ids: Sequence[list[int]],
+                 sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[float]:
     """Estimated work per prompt: its tokens and the most it may generate, for each of its n samples."""
-    return [float((len(p) + sampling.max_tokens) * sampling.n) for p in prompt_ids]
+    settings = _per_prompt(sampling, len(prompt_ids))
+    return [float((len(p) + s.max_tokens) * s.n) for p, s in zip(prompt_ids, settings)]
+
+
+def _per_prompt(sampling: SamplingSettings | Sequence[SamplingSettings], prompts: int) -> list[SamplingSettings]:
+    """One SamplingSettings per prompt (continued samples each have their own seed and token budget)."""
+    if isinstance(sampling, SamplingSettings):
+        return [sampling] * prompts
+    if len(sampling) != prompts:
+        raise ValueError(f"{len(sampling)} sampling settings for {prompts} prompts: give one, or one per prompt")
+    return list(sampling)
 
 
 class EngineFleet:
@@ -93,18 +104,32 @@ class EngineFleet:
         pending = self.generate_async(prompt_ids, sampling)
         return pending.result(), pending.metrics
 
-    def generate_async(self, prompt_ids: Sequence[list[int]], sampling: SamplingSettings) -> "FleetGeneration":
+    def generate_async(self, prompt_ids: Sequence[list[int]],
+                       sampling: SamplingSettings | Sequence[SamplingSettings]) -> "FleetGeneration":
         """Start generating on every engine and return at once (trainer.mode one_step_off trains
         meanwhile). Each engine runs one call at a time: what it is asked next (a weight update,
-        sleep) starts only when its part of this generation has finished."""
+        sleep) starts only when its part of this generation has finished (or was interrupted).
+        `sampling`: one for every prompt, or one per prompt."""
         parts = assign_by_load(prompt_costs(prompt_ids, sampling), len(self))
-        refs = {i: self.handles[i].submit(RolloutServer.generate, [prompt_ids[j] for j in part], sampling)
+        settings = _per_prompt(sampling, len(prompt_ids))
+
+        def engine_sampling(part: list[int]) -> SamplingSettings | list[SamplingSettings]:
+            return sampling if isinstance(sampling, SamplingSettings) else [settings[j] for j in part]
+
+        refs = {i: self.handles[i].submit(RolloutServer.generate, [prompt_ids[j] for j in part], engine_sampling(part))
                 for i, part in enumerate(parts) if part}
         return FleetGeneration(self, parts, refs, len(prompt_ids))
 
     def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
         """Teacher-forced log-probs on the first engine (every engine holds the same weights)."""
         return self._gather({0: self.handles[0].submit(RolloutServer.score, sequences)}, "score", self.timeout_s)[0]
+
+    def interrupt(self) -> None:
+        """async.partial_rollout, before a weight push: every engine stops the generation it runs
+        and returns its samples as they are (so do the calls queued behind it) until its next
+        weight update. Waits for every engine's acknowledgement, not for the generations."""
+        self._gather({i: h.submit(RolloutServer.interrupt) for i, h in enumerate(self.handles)}, "interrupt",
+                     self.timeout_s)
 
     def sleep(self) -> None:
         """Every engine frees its accelerator memory (colocated placement, while the actor trains)."""

@@ -190,6 +190,10 @@ class EngineHandle:
     def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
         return self._call(RolloutServer.score, sequences)
 
+    def interrupt(self) -> None:
+        """Stop the engine's generation now (its own concurrency group: answered while generate runs)."""
+        self._call(RolloutServer.interrupt)
+
     def sleep(self) -> None:
         self._call(RolloutServer.sleep)
 

@@ -1,4 +1,8 @@
-"""The rollout engine in its own Ray actor, with the engine side of the weight sync."""
+"""The rollout engine in its own Ray actor, with the engine side of the weight sync.
+
+The actor runs one call at a time (generate, score, a weight receipt), in order, except
+`interrupt`, which has a concurrency group of its own ("control") so that it reaches the engine
+while a generate runs: it only sets the engine's interrupt flag, never touches vLLM."""
 
 from __future__ import annotations
 
@@ -35,8 +39,15 @@ class RolloutServer:
         endpoint() first."""
         return self.receiver.receive(sync_id, channels, engines, index, hub)
 
-    def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
+    def generate(self, prompts: Sequence[str | list[int]],
+                 sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[list[Generation]]:
         return self.engine.generate(prompts, sampling)
+
+    @ray.method(concurrency_group="control")
+    def interrupt(self) -> None:
+        """async.partial_rollout: the generate running now returns its samples as they are, and so
+        do the generates queued behind it, until the next weight update (VLLMEngine.interrupt)."""
+        self.engine.interrupt()
 
     def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
         return self.engine.score(sequences)
@@ -50,7 +61,8 @@ def launch_rollout_actor(model: str, engine_options: dict[str, Any], *, num_cpus
                          num_gpus: float = 0, sync_timeout_s: float = 300.0) -> Any:
     """Start the actor without waiting for its engine (a fleet starts several, then waits once)."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-    return ray.remote(RolloutServer).options(
+    # interrupt() runs in a group of its own; every other call in the default group, one at a time
+    return ray.remote(concurrency_groups={"control": 1})(RolloutServer).options(
         num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env}
     ).remote(model, engine_options, sync_timeout_s)
 

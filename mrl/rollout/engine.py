@@ -33,7 +33,11 @@ class Generation:
     """One sampled response: token ids, text, and the log-probability of each sampled token.
 
     `weight_version` is the number of weight updates the engine had finished when it generated
-    this (0: the weights it started with), so a trace can tell which policy produced a sample."""
+    this (0: the weights it started with), so a trace can tell which policy produced a sample.
+    `token_versions` is that number per token: a sample continued across a weight update
+    (async.partial_rollout) has tokens of two or more versions, and `weight_version` is then its
+    oldest token's. `logprobs` are always the engine's, each under the weights that sampled it.
+    finish_reason None: not finished (interrupted by a weight update, to be continued)."""
 
     prompt_ids: list[int]
     token_ids: list[int]
@@ -41,11 +45,23 @@ class Generation:
     logprobs: list[float]
     finish_reason: str | None = None
     weight_version: int | None = None
+    token_versions: list[int] | None = None  # None: data from before this field (one version: weight_version)
+
+    def versions(self) -> list[int]:
+        """Per token, the weight version that generated it."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [] if self.weight_version is None else [self.weight_version] * len(self.token_ids)
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
-        """Per prompt, `sampling.n` generations."""
+    def generate(self, prompts: Sequence[str | list[int]],
+                 sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[list[Generation]]:
+        """Per prompt, `sampling.n` generations (`sampling`: one for all prompts or one per prompt)."""
+
+    def interrupt(self) -> None:
+        """From another thread: stop generating now; generate returns what it has (finish_reason
+        None) until the next weight update finishes."""
 
     def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
         """Log-probability of tokens 1..n-1 of each sequence given its prefix (teacher forcing)."""

@@ -14,9 +14,12 @@ parameters, and the architecture's post-apply hooks (POST_APPLY_HOOKS) rebuild t
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -325,6 +328,8 @@ class VLLMEngine:
         self._report = WeightUpdateReport()
         self._sleeping = False
         self.weight_version = 0  # weight updates finished: the version each Generation carries
+        self.interrupted = threading.Event()  # interrupt(): generate stops; cleared by a weight update
+        self._request_ids = itertools.count()
 
     # --- generation -------------------------------------------------------------------------
 
@@ -341,23 +346,83 @@ class VLLMEngine:
     def _prompt(prompt: str | list[int]) -> Any:
         return {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else prompt
 
-    def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
+    def generate(self, prompts: Sequence[str | list[int]],
+                 sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[list[Generation]]:
+        """Per prompt, its samples (`sampling`: one for all prompts, or one per prompt).
+
+        Each of a prompt's n samples is its own request with n=1 and seed `seed + i`: the seeds
+        vLLM's parallel sampling gives its children, so the tokens are those of one n-request
+        (tests/e2e/test_vllm_engine.py checks it). vLLM's LLM.generate runs its requests to the end;
+        this loop steps the engine itself so that `interrupt()` can stop it between two steps.
+        An interrupted sample comes back with the tokens it has, finish_reason None (not finished:
+        async.partial_rollout continues it on the next weights)."""
         self.wake_up()  # whoever slept the engine (colocated training), generating wakes it
-        outputs = self.llm.generate([self._prompt(p) for p in prompts], self._params(sampling), use_tqdm=False)
-        return [
-            [
-                Generation(
-                    prompt_ids=list(out.prompt_token_ids),
-                    token_ids=list(c.token_ids),
-                    text=c.text,
-                    logprobs=[step[t].logprob for t, step in zip(c.token_ids, c.logprobs)],
-                    finish_reason=c.finish_reason,
-                    weight_version=self.weight_version,
-                )
-                for c in out.outputs
-            ]
-            for out in outputs
-        ]
+        settings = [sampling] * len(prompts) if isinstance(sampling, SamplingSettings) else list(sampling)
+        if len(settings) != len(prompts):
+            raise ValueError(f"generate: {len(settings)} sampling settings for {len(prompts)} prompts")
+        requests = {}  # request id → (prompt index, sample index)
+        for p, (prompt, s) in enumerate(zip(prompts, settings)):
+            for i in range(s.n):
+                requests[f"mrl-{next(self._request_ids)}"] = (p, i)
+        outputs: dict[str, Any] = {}
+        if not self.interrupted.is_set():  # set: every request comes back untouched, at once
+            self._step_until_done(prompts, settings, requests, outputs)
+        groups: list[list[Generation]] = [[None] * s.n for s in settings]  # type: ignore[list-item]
+        for request_id, (p, i) in requests.items():
+            groups[p][i] = self._generation(prompts[p], outputs.get(request_id))
+        return groups
+
+    def interrupt(self) -> None:
+        """Stop the generation running now (between two engine steps) and make every generate
+        called until the next weight update return at once: async.partial_rollout continues the
+        samples on the new weights. Safe from another thread; the next finish_weight_update clears it."""
+        self.interrupted.set()
+
+    def _step_until_done(self, prompts: Sequence[str | list[int]], settings: list[SamplingSettings],
+                         requests: dict[str, tuple[int, int]], outputs: dict[str, Any]) -> None:
+        """Add the requests, step the engine until all finished or interrupt() was called; keep
+        each request's latest (cumulative) output. Interrupted requests are aborted in vLLM."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        added = []
+        try:
+            for request_id, (p, i) in requests.items():
+                s = settings[p]
+                params = self._params(replace(s, n=1, seed=None if s.seed is None else s.seed + i))
+                params.output_kind = RequestOutputKind.CUMULATIVE
+                engine.add_request(request_id, self._prompt(prompts[p]), params)
+                added.append(request_id)
+            finished = set()
+            while len(finished) < len(added) and not self.interrupted.is_set():
+                for out in engine.step():
+                    outputs[out.request_id] = out
+                    if out.finished:
+                        finished.add(out.request_id)
+        finally:  # interrupted (or failed): nothing of this call stays in the engine
+            unfinished = [r for r in added if not (r in outputs and outputs[r].finished)]
+            if unfinished:
+                engine.abort_request(unfinished)
+
+    def _generation(self, prompt: str | list[int], out: Any) -> Generation:
+        """One sample from its request's latest output (None: interrupted before its first token)."""
+        if out is None:
+            ids = list(prompt) if isinstance(prompt, list) else self.llm.get_tokenizer().encode(prompt)
+            return Generation(ids, [], "", [], None, self.weight_version, [])
+        c = out.outputs[0]
+        tokens = list(c.token_ids)
+        # Unfinished: vLLM may hold back the text of the last tokens (a stop string could start
+        # there); the tokens' own text goes on instead, and the continuation's text follows it.
+        text = c.text if out.finished else self.llm.get_tokenizer().decode(tokens, skip_special_tokens=True)
+        return Generation(
+            prompt_ids=list(out.prompt_token_ids),
+            token_ids=tokens,
+            text=text,
+            logprobs=[step[t].logprob for t, step in zip(tokens, c.logprobs)],
+            finish_reason=c.finish_reason if out.finished else None,
+            weight_version=self.weight_version,
+            token_versions=[self.weight_version] * len(tokens),
+        )
 
     def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
         self.wake_up()
@@ -426,6 +491,7 @@ class VLLMEngine:
         self._report.finish_seconds = time.perf_counter() - start
         self._report.not_updated = not_updated
         self.weight_version += 1
+        self.interrupted.clear()  # the interrupted samples continue on these weights
         return self._report
 
     def parameter_metadata(self) -> list[dict]:

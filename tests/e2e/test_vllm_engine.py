@@ -11,12 +11,17 @@ PROMPTS = ["12+7=", "3*4="]
 
 
 @pytest.fixture(scope="module")
-def actor(ray_local, tiny_model_dir):
+def actor_handle(ray_local, tiny_model_dir):
     from mrl.launch.rollout_actor import start_rollout_actor
 
     handle = start_rollout_actor(str(tiny_model_dir("qwen3")), ENGINE)
-    yield lambda method, *args: ray_local.get(getattr(handle, method).remote(*args), timeout=120)
+    yield handle
     ray_local.kill(handle)
+
+
+@pytest.fixture(scope="module")
+def actor(actor_handle, ray_local):
+    return lambda method, *args: ray_local.get(getattr(actor_handle, method).remote(*args), timeout=120)
 
 
 def test_greedy_is_deterministic_and_sized(actor):
@@ -51,3 +56,81 @@ def test_scores_equal_sampling_logprobs(actor):
     scores = actor("score", sequences)
     for g, s in zip(out, scores):
         assert s[-6:] == pytest.approx(g[0].logprobs, abs=1e-5)
+
+
+def _on_engine(handle, fn, *args):
+    """Run fn(engine, *args) inside the actor (the default group: after the calls before it)."""
+    import ray
+
+    return ray.get(handle.__ray_call__.remote(lambda server, *a: fn(server.engine, *a), *args), timeout=120)
+
+
+def test_one_request_per_sample_gives_the_tokens_of_one_n_request(actor, actor_handle):
+    """generate sends a prompt's n samples as n requests seeded seed + i; vLLM's own n-request
+    (LLM.generate, parallel sampling) must give exactly the same tokens and log-probs."""
+    sampled = SamplingSettings(max_tokens=8, ignore_eos=True, temperature=1.0, n=3, seed=11)
+
+    def reference(engine, prompts, sampling):
+        outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], engine._params(sampling), use_tqdm=False)
+        return [[(list(c.token_ids), [s[t].logprob for t, s in zip(c.token_ids, c.logprobs)]) for c in o.outputs]
+                for o in outs]
+
+    prompts = [[3, 5, 7, 9], [11, 2]]
+    ours = actor("generate", prompts, sampled)
+    assert [[(g.token_ids, g.logprobs) for g in p] for p in ours] == _on_engine(actor_handle, reference, prompts, sampled)
+    assert all(g.finish_reason == "length" and g.token_versions == [0] * 8 for p in ours for g in p)
+
+
+def test_a_partial_rollout_continues_on_new_weights_with_the_engines_logprobs(actor, actor_handle, tiny_model_dir,
+                                                                             tmp_path):
+    """interrupt() (its own concurrency group) stops a long generation mid-way and makes the call
+    queued behind it return untouched; after a weight update (perturbed weights) the sample goes
+    on from its prefix. The merged sample has tokens of two versions, and each token's log-prob is
+    the engine's under the weights that sampled it (score under the old, then the new weights)."""
+    import time
+
+    from pathlib import Path
+
+    import ray
+    from safetensors.torch import load_file
+
+    from mrl.models.tiny import write_tiny_model
+    from mrl.modes import continue_generation
+
+    prompt, budget = [3, 5, 7, 9], 200
+    long = SamplingSettings(max_tokens=budget, ignore_eos=True, temperature=1.0, n=8, seed=5)
+    started = time.perf_counter()
+    running = actor_handle.generate.remote([prompt], long)
+    queued = actor_handle.generate.remote([prompt], SamplingSettings(max_tokens=4, ignore_eos=True))
+    time.sleep(0.3)
+    ray.get(actor_handle.interrupt.remote(), timeout=30)  # answered while generate runs
+    partial = ray.get(running, timeout=60)[0]
+    untouched = ray.get(queued, timeout=60)[0][0]
+    print(f"interrupted after {time.perf_counter() - started:.2f}s: {[len(g.token_ids) for g in partial]} tokens")
+    assert all(g.finish_reason is None for g in partial) and untouched.token_ids == [] and untouched.finish_reason is None
+    old = max(partial, key=lambda g: len(g.token_ids))
+    assert 0 < len(old.token_ids) < budget and len(old.logprobs) == len(old.token_ids)
+    assert actor("score", [prompt + old.token_ids])[0][-len(old.token_ids):] == pytest.approx(old.logprobs, abs=1e-5)
+
+    def push(engine, model_dir):  # the engine's side of a sync, with a perturbed copy of the model
+        engine.begin_weight_update()
+        engine.load_weights(sorted(load_file(str(Path(model_dir) / "model.safetensors")).items()))
+        engine.finish_weight_update()
+        return engine.weight_version
+
+    original = tiny_model_dir("qwen3")
+    try:
+        version = _on_engine(actor_handle, push, str(write_tiny_model("qwen3", tmp_path / "b", seed=7)))
+        assert version == old.weight_version + 1
+        rest = SamplingSettings(max_tokens=budget - len(old.token_ids), ignore_eos=True, temperature=1.0, seed=99)
+        cont = actor("generate", [prompt + old.token_ids], [rest])[0][0]
+        assert cont.finish_reason == "length" and cont.token_versions == [version] * len(cont.token_ids)
+        merged = continue_generation(old, cont)
+        assert merged.prompt_ids == prompt and len(merged.token_ids) == budget == len(merged.logprobs)
+        assert set(merged.token_versions) == {version - 1, version} and merged.weight_version == version - 1
+        scores = actor("score", [prompt + merged.token_ids])[0][len(prompt) - 1:]
+        split = len(old.token_ids)
+        assert scores[split:] == pytest.approx(merged.logprobs[split:], abs=1e-5)  # new tokens: new weights
+        assert scores[:split] != pytest.approx(merged.logprobs[:split], abs=1e-3)  # old tokens: not these weights
+    finally:
+        _on_engine(actor_handle, push, str(original))  # the other tests' model again

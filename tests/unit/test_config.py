@@ -423,3 +423,11 @@ def test_fully_async_settings_are_validated_and_async_is_the_yaml_key():
                for e in errors_of(TINY, "trainer.mode=fully_async", "async.max_staleness=-1"))
     gpu = errors_of(DSV3, "trainer.mode=fully_async", check_files=False)
     assert any(e.startswith("trainer.mode fully_async generates while the actor trains") for e in gpu), gpu
+
+
+def test_partial_rollout_is_only_for_fully_async():
+    assert load_config(TINY, ["trainer.mode=fully_async", "async.partial_rollout=true"]).async_.partial_rollout
+    errors = errors_of(TINY, "trainer.mode=one_step_off", "async.partial_rollout=true")
+    assert any(e.startswith("async.partial_rollout continues generations across a weight push") and
+               "trainer.mode is one_step_off" in e and "set trainer.mode: fully_async" in e for e in errors), errors
+    assert load_config(CONFIGS / "tiny_cpu_async.yaml").async_.partial_rollout

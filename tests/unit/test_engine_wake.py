@@ -1,6 +1,8 @@
 """A slept (colocated) engine wakes on whatever it is asked next: a step that skips the weight sync
 (dynamic sampling with no informative group) must not generate on a sleeping engine."""
 
+import itertools
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -23,12 +25,29 @@ class FakeLLM:
         self.calls.append("wake_up")
         self.asleep = False
 
-    def generate(self, prompts, params, use_tqdm):
-        assert not self.asleep, "generate on a sleeping engine"
+    def generate(self, prompts, params, use_tqdm):  # score's path
+        assert not self.asleep, "score on a sleeping engine"
         self.calls.append("generate")
         out = SimpleNamespace(prompt_token_ids=[1, 2], prompt_logprobs=[None, {2: SimpleNamespace(logprob=-1.0)}],
                               outputs=[])
         return [out for _ in prompts]
+
+    @property
+    def llm_engine(self):  # generate's path: requests added and stepped one by one
+        llm = self
+
+        class Engine:
+            def add_request(self, request_id, prompt, params):
+                assert not llm.asleep, "generate on a sleeping engine"
+                llm.calls.append("generate")
+                self.out = SimpleNamespace(request_id=request_id, finished=True, prompt_token_ids=[1, 2],
+                                           outputs=[SimpleNamespace(token_ids=[], text="", logprobs=[],
+                                                                    finish_reason="stop")])
+
+            def step(self):
+                return [self.out]
+
+        return Engine()
 
     def collective_rpc(self, fn, args=()):
         assert not self.asleep, "weights loaded into a sleeping engine"
@@ -38,14 +57,15 @@ class FakeLLM:
 
 def slept_engine() -> VLLMEngine:
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM: the sleep/wake bookkeeping is what is tested
-    engine.llm, engine._sleeping = FakeLLM(), False
+    engine.llm, engine._sleeping, engine.weight_version = FakeLLM(), False, 0
+    engine.interrupted, engine._request_ids = threading.Event(), itertools.count()
     engine.sleep()
     return engine
 
 
 @pytest.mark.parametrize("call", ["generate", "score", "begin_weight_update"])
 def test_a_slept_engine_wakes_on_its_next_call(call, monkeypatch):
-    monkeypatch.setattr(VLLMEngine, "_params", lambda self, sampling, **extra: None)
+    monkeypatch.setattr(VLLMEngine, "_params", lambda self, sampling, **extra: SimpleNamespace())
     monkeypatch.setattr(VLLMEngine, "supports_sleep", property(lambda self: True))  # as on CUDA
     engine = slept_engine()
     {"generate": lambda: engine.generate([[1, 2]], SamplingSettings()),
