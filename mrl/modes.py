@@ -365,7 +365,7 @@ class FullyAsyncSource(BatchSource):
     def after_update(self, step: int, trained: bool, metrics: dict) -> None:
         if step % self.plan.sync_every == 0 or step == self.last_step:
             partial = self.plan.interrupt is not None
-            if partial and any(not c.finished() for chunks in self.running.values() for c in chunks):
+            if partial and any(c.done is None or c.resumed is not None for cs in self.running.values() for c in cs):
                 self.plan.interrupt()  # the chunks in flight (and queued) come back at once, unfinished
             with timer("drain", metrics):  # the push never meets a generation: every chunk is back
                 for chunks in self.running.values():
