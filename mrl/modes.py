@@ -27,7 +27,8 @@ fully_async   a rollouter (driven by this loop: it starts work at step boundarie
               and continuation). Every token keeps the weight version that sampled it and its
               engine log-prob (Generation.token_versions, .logprobs); a sample's weight_version,
               which the staleness counts, is its oldest token's, so admission still bounds it by η.
-              async/partial_ratio: the share of a step's samples with tokens of two or more versions.
+              async/partial_ratio: the share of a step's samples with tokens of two or more versions;
+              async/continued_samples: how many samples a push interrupted and continued.
 
 A checkpoint after step k in one_step_off must hold b_{k+1} (`in_flight()`): it was generated
 with w_{k-1}, which a resume cannot recreate; a source built with it (`restored`) trains it first.
@@ -374,7 +375,7 @@ class FullyAsyncSource(BatchSource):
             metrics.update(self.push())  # even if nothing trained: the versions count pushes
             self.weights_step = step
             if partial:
-                self._continue_unfinished()
+                metrics["async/continued_samples"] = float(self._continue_unfinished())
         self._refill()
         self.engine_seconds = self._busy_seconds(time.perf_counter())
 
@@ -434,10 +435,11 @@ class FullyAsyncSource(BatchSource):
                                  engine_metrics=_merge_engine_metrics([chunk.done.engine_metrics, rest.engine_metrics]))
         return chunk.done
 
-    def _continue_unfinished(self) -> None:
+    def _continue_unfinished(self) -> int:
         """After a push: start every interrupted sample's continuation on the new weights (one
-        prompt per sample: its prompt and tokens so far), seeded per sample and continuation."""
-        n = self.plan.samples_per_prompt
+        prompt per sample: its prompt and tokens so far), seeded per sample and continuation.
+        Returns how many samples were continued."""
+        n, continued = self.plan.samples_per_prompt, 0
         for step, chunks in self.running.items():
             for chunk in chunks:
                 slots = [(p, s) for p, group in enumerate(chunk.done.groups)
@@ -450,6 +452,8 @@ class FullyAsyncSource(BatchSource):
                     keys.append(((chunk.offset + slot[0]) * n + slot[1], chunk.continued[slot]))
                 partials = [chunk.done.groups[p][s] for p, s in slots]
                 chunk.resumed = _Resumed(slots, self.plan.resume(step, partials, keys), time.perf_counter())
+                continued += len(slots)
+        return continued
 
     def _busy_seconds(self, now: float) -> float:
         """How long since the step began at least one chunk was on the engines (queued behind

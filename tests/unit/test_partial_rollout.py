@@ -117,6 +117,7 @@ def test_a_push_interrupts_the_chunks_in_flight_and_continues_them_on_the_new_we
     assert [g.token_versions for g in queued] == [[2, 2, 2, 2]] * N  # nothing made on v1: all new
     assert [g.weight_version for g in generating + queued] == [1, 1, 2, 2]  # the oldest token's
     assert [metrics[s]["async/partial_ratio"] for s in (1, 2, 3)] == [0.0, 0.5, 0.5]
+    assert [metrics[s]["async/continued_samples"] for s in (1, 2)] == [4.0, 4.0]  # b2's, then b3's
     for step, batch in enumerate(batches, 1):  # the oldest token is within the bound
         assert max(step - 1 - p for p in batch.policy_steps()) <= 1
     assert [metrics[s]["async/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
