@@ -129,6 +129,7 @@ class PendingBatch:
 Launch = Callable[[int], PendingBatch]  # sample step's prompts, start generating them with the engine's weights
 Generate = Callable[[int, list[int]], PendingBatch]  # start generating these prompts with the step's seed
 Push = Callable[[], dict]  # push the actor's weights into the engine; its metrics
+Restored = GeneratedBatch | list[GeneratedBatch] | None  # a checkpoint's batches in flight, in step order
 # async.partial_rollout: continue these unfinished samples of step `step` (one prompt each:
 # prompt + tokens so far), each with its (sample key, continuation count) for its seed
 Resume = Callable[[int, list[Generation], list[tuple[int, int]]], PendingBatch]
@@ -156,7 +157,6 @@ def continuation_seed(seed: int | None, sample: int, count: int) -> int | None:
     if seed is None:
         return None
     return ((seed * 1_000_003 + sample) * 1_009 + count) % (1 << 62)
-Restored = GeneratedBatch | list[GeneratedBatch] | None  # a checkpoint's batches in flight, in step order
 
 
 class BatchSource:

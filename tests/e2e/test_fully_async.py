@@ -6,6 +6,7 @@
      than one version stale and steps 2-4 are exactly one; each prompt trained once.
   3. Resumed from that run's step-2 checkpoint (which drained and saved steps 3 and 4, generated
      with weights a resume cannot recreate), it reproduces steps 3 and 4 exactly.
+  4. async.partial_rollout (η = 2): pushes interrupt and continue samples; the bound still holds.
 """
 
 from __future__ import annotations
@@ -121,3 +122,29 @@ def test_fully_async_resume_continues_the_sample_stream_exactly(async_run, tmp_p
     before = [tuple(r[f] for f in fields) for r in read_traces(tmp / "run") if r["step"] >= 3]
     assert [tuple(r[f] for f in fields) for r in read_traces(tmp_path / "run")] == before
 
+
+
+def test_partial_rollout_continues_samples_across_pushes_within_the_staleness_bound(tmp_path, tiny_model_dir,
+                                                                                     ray_local):
+    """η = 2, one prompt per chunk, longer responses: each push interrupts the engine and continues
+    the samples it cut (or never started) on the new weights. The run trains every prompt once,
+    no sample's oldest token more than η versions behind (tests/e2e/test_vllm_engine.py checks
+    a continued sample's versions and log-probs token by token)."""
+    from mrl.rollout_trace import read_traces
+
+    model = tiny_model_dir("qwen3")
+    run = _train(tmp_path, "partial", model, "trainer.total_steps=3", "checkpoint.save_every=0",
+                 "trainer.mode=fully_async", "async.max_staleness=2", "async.chunk_prompts=1",
+                 "async.partial_rollout=true", "rollout.max_new_tokens=48", "rollout.max_model_len=96",
+                 "logging.trace_every=1")
+    metrics = _metrics(run)
+    assert sorted(metrics) == [1, 2, 3]
+    continued = [metrics[s]["async/continued_samples"] for s in (1, 2, 3)]
+    ratios = [metrics[s]["async/partial_ratio"] for s in (1, 2, 3)]
+    print(f"continued {continued}, partial_ratio {ratios}")
+    assert sum(continued) > 0 and all(0.0 <= r <= 1.0 for r in ratios) and ratios[0] == 0.0
+    assert all(metrics[s]["async/staleness_max"] <= 2 and metrics[s]["async/dropped_samples"] == 0 for s in metrics)
+    records = read_traces(run)
+    assert all(r["step"] - 1 - r["policy_step"] <= 2 for r in records)
+    prompts = [r["prompt"] for r in records if r["sample"] % 4 == 0]
+    assert len(prompts) == len(set(prompts)) == 12
