@@ -15,6 +15,8 @@ one JSON object per sample, in the step's sample order (prompt by prompt, n samp
   response_tokens, finish_reason   the engine's reason: "stop" (EOS or a stop string) or "length"
   weight_version                the weight updates the engine had received when it sampled this
   policy_step                   the trainer step whose weights those were (None: the weights it loaded)
+  weight_versions               the versions its tokens came from, each once: two or more when
+                                async.partial_rollout continued it across a push (weight_version: the oldest)
   kept                          false: dynamic sampling dropped the sample's group, so reward,
                                 advantage and drift are None
   truncated                     {field: its full length in characters} for each text field cut short
@@ -89,6 +91,7 @@ def trace_records(step: int, prompts: Sequence[dict], groups: Sequence[Sequence[
             "response_tokens": len(generation.token_ids), "finish_reason": generation.finish_reason,
             "weight_version": generation.weight_version,
             "policy_step": policy_step(generation.weight_version, start_step, sync_every),
+            "weight_versions": sorted(set(generation.versions())),
             "kept": index in trained,
         }
         record.update(trained.get(index, {}))

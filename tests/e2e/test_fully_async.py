@@ -145,6 +145,10 @@ def test_partial_rollout_continues_samples_across_pushes_within_the_staleness_bo
     assert sum(continued) > 0 and all(0.0 <= r <= 1.0 for r in ratios) and ratios[0] == 0.0
     assert all(metrics[s]["async/staleness_max"] <= 2 and metrics[s]["async/dropped_samples"] == 0 for s in metrics)
     records = read_traces(run)
-    assert all(r["step"] - 1 - r["policy_step"] <= 2 for r in records)
+    assert all(r["step"] - 1 - r["policy_step"] <= 2 and r["weight_version"] == min(r["weight_versions"])
+               for r in records)  # the staleness of a continued sample is its oldest token's
+    for step in (1, 2, 3):  # every sample traced (16 a step): the metric counts the two-version ones
+        traced = [r for r in records if r["step"] == step]
+        assert len(traced) == 16 and ratios[step - 1] == sum(len(r["weight_versions"]) > 1 for r in traced) / 16
     prompts = [r["prompt"] for r in records if r["sample"] % 4 == 0]
     assert len(prompts) == len(set(prompts)) == 12

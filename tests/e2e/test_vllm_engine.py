@@ -6,7 +6,7 @@ import pytest
 
 from mrl.rollout.engine import SamplingSettings
 
-ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20)
+ENGINE = dict(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20)  # 1024: a long generation to interrupt
 PROMPTS = ["12+7=", "3*4="]
 
 
@@ -97,7 +97,7 @@ def test_a_partial_rollout_continues_on_new_weights_with_the_engines_logprobs(ac
     from mrl.models.tiny import write_tiny_model
     from mrl.modes import continue_generation
 
-    prompt, budget = [3, 5, 7, 9], 200
+    prompt, budget = [3, 5, 7, 9], 1000  # far more than 0.3 s of tokens on any CPU
     long = SamplingSettings(max_tokens=budget, ignore_eos=True, temperature=1.0, n=8, seed=5)
     started = time.perf_counter()
     running = actor_handle.generate.remote([prompt], long)
@@ -122,11 +122,11 @@ def test_a_partial_rollout_continues_on_new_weights_with_the_engines_logprobs(ac
     try:
         version = _on_engine(actor_handle, push, str(write_tiny_model("qwen3", tmp_path / "b", seed=7)))
         assert version == old.weight_version + 1
-        rest = SamplingSettings(max_tokens=budget - len(old.token_ids), ignore_eos=True, temperature=1.0, seed=99)
+        rest = SamplingSettings(max_tokens=16, ignore_eos=True, temperature=1.0, seed=99)  # (not all the rest: time)
         cont = actor("generate", [prompt + old.token_ids], [rest])[0][0]
         assert cont.finish_reason == "length" and cont.token_versions == [version] * len(cont.token_ids)
         merged = continue_generation(old, cont)
-        assert merged.prompt_ids == prompt and len(merged.token_ids) == budget == len(merged.logprobs)
+        assert merged.prompt_ids == prompt and len(merged.token_ids) == len(old.token_ids) + 16 == len(merged.logprobs)
         assert set(merged.token_versions) == {version - 1, version} and merged.weight_version == version - 1
         scores = actor("score", [prompt + merged.token_ids])[0][len(prompt) - 1:]
         split = len(old.token_ids)

@@ -57,3 +57,11 @@ def test_no_engine_is_refused():
 def test_cost_is_prompt_and_response_tokens_times_samples():
     sampling = SamplingSettings(max_tokens=10, n=4)
     assert prompt_costs([[1, 2, 3], [7]], sampling) == [52.0, 44.0]
+
+
+def test_continued_samples_cost_their_own_budget():
+    """Partial rollout sends one prompt per unfinished sample, each with the tokens it has left."""
+    settings = [SamplingSettings(max_tokens=10), SamplingSettings(max_tokens=3)]
+    assert prompt_costs([[1, 2, 3], [7, 8, 9, 10]], settings) == [13.0, 7.0]
+    with pytest.raises(ValueError, match="2 sampling settings for 1 prompts"):
+        prompt_costs([[1]], settings)
