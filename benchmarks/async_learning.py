@@ -113,7 +113,7 @@ def plot(runs: list[dict], path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("Demo task from one SFT start: sync vs fully async (η 2, TIS)")
+    fig.suptitle("Demo task from one SFT start: sync vs the async recipe (fully async, η 2, TIS, partial rollout)")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
