@@ -15,7 +15,7 @@ Writes WORKDIR/async_learning.json (every run's curve and wall-clock) and the pl
 docs/images/async_learning.png): held-out accuracy and the training reward against trained samples,
 one thin line per run and the mean over seeds per mode (--plot-only redraws it from WORKDIR).
 
-    .venv/bin/python benchmarks/async_learning.py [--steps 40] [--seeds 0,1,2] [--eval-every 5]
+    .venv/bin/python benchmarks/async_learning.py [--steps 40] [--seeds 0,1,2] [--eval-every 5] [--sft-steps N]
         [--workdir DIR] [--plot docs/images/async_learning.png]
 """
 
@@ -35,14 +35,15 @@ SAMPLES_PER_STEP = 64  # the demo recipe's 8 prompts × 8 samples (--plot-only r
 RECIPES = {"sync": ROOT / "configs" / "tiny_cpu_grpo.yaml", "fully_async": ROOT / "configs" / "tiny_cpu_async.yaml"}
 
 
-def train_sft(workdir: Path) -> Path:
-    """The demo's SFT warm start, once: its checkpoint root (RL step 0)."""
+def train_sft(workdir: Path, steps: int | None) -> Path:
+    """The demo's SFT warm start (`steps`: the recipe's unless given), once: its checkpoint root (RL step 0)."""
     from mrl.config import load_config
     from mrl.sft import sft_only
 
     out = workdir / "sft"
     cfg = load_config(RECIPES["sync"], [f"trainer.output_dir={out}", f"model.path={workdir / 'model'}",
-                                        f"checkpoint.dir={out / 'checkpoints'}", "checkpoint.export_hf=false"])
+                                        f"checkpoint.dir={out / 'checkpoints'}", "checkpoint.export_hf=false"]
+                      + ([f"trainer.sft_steps={steps}"] if steps else []))
     summary = sft_only(cfg)
     print(f"SFT: {json.dumps(summary.get('sft', summary))}", flush=True)
     return out / "checkpoints" / "sft"
@@ -140,6 +141,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--sft-steps", type=int, default=None, help="the warm start's SFT steps (default: the recipe's)")
     parser.add_argument("--modes", default="sync,fully_async")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "images" / "async_learning.png")
@@ -155,7 +157,7 @@ def main() -> None:
         return
     sft = workdir / "sft" / "checkpoints" / "sft"
     if not sft.exists():
-        sft = train_sft(workdir)
+        sft = train_sft(workdir, args.sft_steps)
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for mode in args.modes.split(","):
