@@ -64,6 +64,9 @@ class ModelConfig:
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_modules: list[str] | None = None
     recompute_num_layers: int = 1
+    # FP8 training GEMMs through Transformer Engine (megatron-core's fp8_recipe; mrl.megatron.model.fp8_options
+    # picks the format): null trains in model.dtype. Needs TE and GPUs; refused otherwise.
+    fp8: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] | None = None
 
 
 # Megatron's selective-recompute submodules that mrl's local layer spec runs ("moe_act" needs

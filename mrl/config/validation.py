@@ -100,6 +100,7 @@ def validate(cfg: RunConfig, check_files: bool = True) -> list[str]:
     errors += model_errors
     errors += _check_layout(cfg, dims)
     errors += _check_recompute(cfg, dims)
+    errors += _check_fp8(cfg, check_files)
     errors += _check_sync_apply(cfg, check_files)
     if check_files:
         errors += _check_files(cfg) + _check_port(cfg)
@@ -393,6 +394,25 @@ def _check_recompute(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
         return [f"model.recompute_num_layers {m.recompute_num_layers} does not divide model chunks of {bad} layers: "
                 "pick a divisor of every pipeline stage's layer count."]
     return []
+
+
+def _check_fp8(cfg: RunConfig, check_files: bool) -> list[str]:
+    """model.fp8 runs Transformer Engine's FP8 GEMMs: it needs GPUs, TE's layers and TE installed
+    (the last is this machine's property: checked with the files)."""
+    fp8 = cfg.model.fp8
+    if fp8 is None:
+        return []
+    errors = []
+    if cfg.launch.gpus_per_node == 0:
+        errors.append(f"model.fp8 {fp8!r} needs GPUs (Transformer Engine's FP8 GEMMs run on CUDA) but "
+                      "launch.gpus_per_node is 0: set model.fp8: null for a CPU run.")
+    if cfg.model.transformer_impl == "local":
+        errors.append(f"model.fp8 {fp8!r} needs Transformer Engine's layers, but model.transformer_impl is 'local': "
+                      "set model.transformer_impl: auto (or transformer_engine), or model.fp8: null.")
+    elif check_files and importlib.util.find_spec("transformer_engine") is None:
+        errors.append(f"model.fp8 {fp8!r} needs Transformer Engine, which is not installed here: install the GPU "
+                      "extra (pip install -e '.[gpu]'), or set model.fp8: null.")
+    return errors
 
 
 def _even_part(cfg: RunConfig, dims: ModelDims) -> tuple[ModelDims, list[str]]:

@@ -101,7 +101,8 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
             fleet = EngineFleet.start(hf_dir, engine_options(cfg), engines, num_cpus=1, num_gpus=engine_gpus,
                                       sync_timeout_s=cfg.sync.timeout_s, timeout_s=cfg.sync.timeout_s)
         setup = ActorSetup(hf_dir=hf_dir, layout=layout_of(cfg), params_dtype=cfg.model.dtype,
-                           transformer_impl=cfg.model.transformer_impl, recompute=recompute_of(cfg), seed=cfg.trainer.seed,
+                           transformer_impl=cfg.model.transformer_impl, recompute=recompute_of(cfg), fp8=cfg.model.fp8,
+                           seed=cfg.trainer.seed,
                            optim=optim_for(cfg), reference=cfg.algo.kl_coef > 0)
         setups = [setup] + ([replace(setup, hf_dir=cfg.model.critic_path or hf_dir, optim=optim_for(cfg, "critic"),
                                      reference=False, value_head=True)] if critic else [])

@@ -80,8 +80,42 @@ def recompute_options(recompute: Recompute) -> dict[str, Any]:
     raise ValueError(f"model.recompute {recompute.granularity!r} is not one of none, selective, full")
 
 
+# model.fp8 → megatron-core TransformerConfig (fp8 is the format, fp8_recipe the scaling). Delayed and
+# tensorwise scaling use E4M3 forward, E5M2 for gradients ("hybrid"); Transformer Engine's block
+# scaling (DeepSeek-V3's 1×128/128×128 recipe) and MXFP8 take E4M3 throughout.
+FP8_RECIPES: dict[str, dict[str, Any]] = {
+    "delayed": dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024, fp8_amax_compute_algo="max"),
+    "tensorwise": dict(fp8="hybrid", fp8_recipe="tensorwise"),
+    "blockwise": dict(fp8="e4m3", fp8_recipe="blockwise"),
+    "mxfp8": dict(fp8="e4m3", fp8_recipe="mxfp8"),
+}
+
+
+def fp8_options(fp8: str | None) -> dict[str, Any]:
+    """TransformerConfig fields for model.fp8 (None: none, the model trains in its dtype)."""
+    if fp8 is None:
+        return {}
+    if fp8 not in FP8_RECIPES:
+        raise ValueError(f"model.fp8 {fp8!r} is not one of {', '.join(FP8_RECIPES)} (or null)")
+    return dict(FP8_RECIPES[fp8])
+
+
+def check_fp8(fp8: str | None, use_te: bool, cuda: bool) -> None:
+    """FP8 GEMMs are Transformer Engine's, on CUDA: refuse them on the local spec or without a GPU
+    (the config check says so first; this guards a rank built another way)."""
+    if fp8 is None:
+        return
+    if not use_te:
+        raise RuntimeError(f"model.fp8 {fp8!r} needs Transformer Engine's layers, but this rank builds Megatron's "
+                           "local spec (transformer_impl local, or Transformer Engine not installed): install it "
+                           "(pip install -e '.[gpu]') and use transformer_impl auto, or set model.fp8: null.")
+    if not cuda:
+        raise RuntimeError(f"model.fp8 {fp8!r} needs a CUDA GPU (Transformer Engine's FP8 GEMMs); this rank has "
+                           "none: set model.fp8: null.")
+
+
 def transformer_config(spec: ModelSpec, layout: ParallelLayout, params_dtype: torch.dtype,
-                       recompute: Recompute = Recompute()) -> Any:
+                       recompute: Recompute = Recompute(), fp8: str | None = None) -> Any:
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     kwargs = dict(spec.config)
@@ -96,6 +130,7 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, params_dtype: to
         bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=True,
         **recompute_options(recompute),
+        **fp8_options(fp8),
     )
     return (MLATransformerConfig if spec.mla else TransformerConfig)(**kwargs)
 
@@ -121,6 +156,7 @@ def build_model(
     transformer_impl: str = "auto",
     value_head: bool = False,
     recompute: Recompute = Recompute(),
+    fp8: str | None = None,
 ) -> BuiltModel:
     """Build this rank's chunks; Megatron's process groups must already exist (initialize_layout).
 
@@ -131,7 +167,8 @@ def build_model(
     from megatron.core.models.gpt import GPTModel
 
     use_te = resolve_transformer_impl(transformer_impl)
-    config = transformer_config(spec, layout, params_dtype, recompute)
+    check_fp8(fp8, use_te, torch.cuda.is_available())
+    config = transformer_config(spec, layout, params_dtype, recompute, fp8)
     vocab = padded_vocab_size(spec.vocab_size, layout.tp, vocab_divisor)
     vpp = layout.virtual_stages
     chunks = []

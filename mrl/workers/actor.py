@@ -38,6 +38,7 @@ class ActorSetup:
     params_dtype: str = "float32"
     transformer_impl: str = "auto"
     recompute: Recompute = field(default_factory=Recompute)
+    fp8: str | None = None  # model.fp8: Transformer Engine's FP8 recipe for the training GEMMs
     seed: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)  # also the update's micro-batching
     reference: bool = False  # keep a frozen copy of the initial weights for the KL term
@@ -101,7 +102,7 @@ class MegatronActor:
 
         def load() -> Any:
             built = build_model(spec, args.layout, params_dtype=dtype, transformer_impl=args.transformer_impl,
-                                value_head=args.value_head, recompute=args.recompute)
+                                value_head=args.value_head, recompute=args.recompute, fp8=args.fp8)
             load_hf_weights(built, self.coords, args.hf_dir)
             return built
 

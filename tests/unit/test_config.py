@@ -431,3 +431,20 @@ def test_partial_rollout_is_only_for_fully_async():
     assert any(e.startswith("async.partial_rollout continues generations across a weight push") and
                "trainer.mode is one_step_off" in e and "set trainer.mode: fully_async" in e for e in errors), errors
     assert load_config(CONFIGS / "tiny_cpu_async.yaml").async_.partial_rollout
+
+
+def test_fp8_refused_on_cpu_and_without_te(monkeypatch):
+    assert errors_of(TINY, "model.fp8=blockwise", "model.transformer_impl=local") == [
+        "model.fp8 'blockwise' needs GPUs (Transformer Engine's FP8 GEMMs run on CUDA) but launch.gpus_per_node is 0: "
+        "set model.fp8: null for a CPU run.",
+        "model.fp8 'blockwise' needs Transformer Engine's layers, but model.transformer_impl is 'local': set "
+        "model.transformer_impl: auto (or transformer_engine), or model.fp8: null."]
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformer_engine" else real(name, *a))
+    assert errors_of(TINY, "model.fp8=delayed", "model.transformer_impl=auto")[1:] == [
+        "model.fp8 'delayed' needs Transformer Engine, which is not installed here: install the GPU extra "
+        "(pip install -e '.[gpu]'), or set model.fp8: null."]
+    assert errors_of(TINY, "model.fp8=delayed", "model.transformer_impl=auto", check_files=False)[1:] == []  # TE is this machine's: a file check
+    assert errors_of(TINY, "model.fp8=fp4")[0].startswith("model.fp8: must be one of 'delayed', 'tensorwise'")

@@ -31,3 +31,31 @@ def test_unknown_impl():
 @pytest.mark.parametrize("vocab, tp, padded", [(1000, 1, 1024), (1000, 2, 1024), (1000, 4, 1024), (1025, 2, 1280), (256, 2, 256)])
 def test_vocab_padding(vocab, tp, padded):
     assert model.padded_vocab_size(vocab, tp) == padded
+
+
+@pytest.mark.parametrize("fp8, fmt, recipe", [("delayed", "hybrid", "delayed"), ("tensorwise", "hybrid", "tensorwise"),
+                                              ("blockwise", "e4m3", "blockwise"), ("mxfp8", "e4m3", "mxfp8")])
+def test_fp8_maps_to_megatron_fields(fp8, fmt, recipe):
+    from megatron.core.transformer import TransformerConfig
+
+    options = model.fp8_options(fp8)
+    assert (options["fp8"], options["fp8_recipe"]) == (fmt, recipe)
+    fields = TransformerConfig.__dataclass_fields__
+    assert set(options) <= set(fields)  # every key is a TransformerConfig field of this megatron-core
+    # the values are among the fields' Literal choices (Optional[Literal[...]], compared as text)
+    assert f"'{fmt}'" in str(fields["fp8"].type) and f"'{recipe}'" in str(fields["fp8_recipe"].type)
+
+
+def test_fp8_off_adds_nothing():
+    assert model.fp8_options(None) == {}
+    with pytest.raises(ValueError, match="model.fp8 'fp4' is not one of delayed, tensorwise, blockwise, mxfp8"):
+        model.fp8_options("fp4")
+
+
+def test_fp8_refused_without_te_or_cuda():
+    model.check_fp8(None, use_te=False, cuda=False)
+    with pytest.raises(RuntimeError, match="model.fp8 'blockwise' needs Transformer Engine's layers.*model.fp8: null"):
+        model.check_fp8("blockwise", use_te=False, cuda=True)
+    with pytest.raises(RuntimeError, match="model.fp8 'delayed' needs a CUDA GPU"):
+        model.check_fp8("delayed", use_te=True, cuda=False)
+    model.check_fp8("delayed", use_te=True, cuda=True)
