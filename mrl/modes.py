@@ -209,7 +209,7 @@ class BatchSource:
 class SyncSource(BatchSource):
     """Generate, then train, then push: every sample is on-policy (staleness 0)."""
 
-    def __init__(self, launch: Launch, push: Push, release: Callable[[], None], restored: Restored = None):
+    def __init__(self, launch: Launch, push: Push, release: Callable[[], dict | None], restored: Restored = None):
         super().__init__(launch, push, restored)
         self.release = release
 
@@ -220,7 +220,7 @@ class SyncSource(BatchSource):
             return batch
         with timer("gen", metrics) as gen:
             batch = self.launch(step).result()
-        self.release()  # colocated: free the engine's memory for the actor's turn
+        metrics.update(self.release() or {})  # colocated: free the engine's memory for the actor's turn
         self.engine_seconds = gen.elapsed
         return replace(batch, gen_seconds=gen.elapsed)  # the driver waited for all of it
 
@@ -487,7 +487,7 @@ def _merge_engine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def make_source(mode: str, launch: Launch, push: Push, release: Callable[[], None], last_step: int,
+def make_source(mode: str, launch: Launch, push: Push, release: Callable[[], dict | None], last_step: int,
                 restored: Restored = None, plan: AsyncPlan | None = None) -> BatchSource:
     """The batch source of trainer.mode (`plan`: fully_async's settings and callables)."""
     if mode == "sync":

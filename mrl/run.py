@@ -71,8 +71,9 @@ class Run:
                 "rl_start": portable_rl_start(self.rl_start, c.dir)}
         if in_flight:
             data["in_flight"] = [batch.to_state() for batch in in_flight]
-        for group, root in zip(self.cluster.trainers(), (c.dir, critic_checkpoint(c.dir))):
-            group.save(str(root), step, data, config_to_dict(self.cfg), c.keep_last, c.async_save)
+        with self.cluster.trainers_on_device():  # trainer.offload_actor_during_rollout: the state is in host memory
+            for group, root in zip(self.cluster.trainers(), (c.dir, critic_checkpoint(c.dir))):
+                group.save(str(root), step, data, config_to_dict(self.cfg), c.keep_last, c.async_save)
 
     def save_sft(self) -> None:
         """The SFT result as a checkpoint (RL step 0) under checkpoint.dir/sft: RL starts from it."""

@@ -31,6 +31,10 @@ class TrainerConfig:
     # generated (with the weights after step k-1) while step k trains. fully_async: the engines
     # generate ahead within the `async` section's staleness bound (mrl/modes.py).
     mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    # Colocated placement, sync mode: the actor's weights, gradients and optimizer state (and a
+    # critic's, and the KL reference) go to host memory while the engines generate and come back
+    # before the actor's next forward (mrl/megatron/offload.py; on CPU a no-op that reports the bytes).
+    offload_actor_during_rollout: bool = False
 
 
 @dataclass

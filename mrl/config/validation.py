@@ -155,6 +155,26 @@ def _check_mode(cfg: RunConfig) -> list[str]:
         errors.append(f"async.partial_rollout continues generations across a weight push, which only trainer.mode "
                       f"fully_async has in flight (trainer.mode is {mode}): set trainer.mode: fully_async, or "
                       "async.partial_rollout: false.")
+    return errors + _check_actor_offload(cfg)
+
+
+def _check_actor_offload(cfg: RunConfig) -> list[str]:
+    """trainer.offload_actor_during_rollout frees the actor's GPU memory for a colocated engine
+    between the weight push and the next update: sync mode on colocated placement only."""
+    if not cfg.trainer.offload_actor_during_rollout:
+        return []
+    errors = []
+    if cfg.launch.placement != "colocated":
+        errors.append("trainer.offload_actor_during_rollout frees the actor's GPU memory for a colocated engine, but "
+                      "launch.placement is 'separate' (the engines have GPUs of their own): set it to false, or "
+                      "launch.placement: colocated.")
+    if cfg.trainer.mode != "sync":
+        errors.append(f"trainer.offload_actor_during_rollout needs trainer.mode sync (the actor must be idle while the "
+                      f"engines generate), got {cfg.trainer.mode!r}: set trainer.mode: sync or turn the offload off.")
+    if cfg.checkpoint.async_save:
+        errors.append("trainer.offload_actor_during_rollout with checkpoint.async_save: the background writer would "
+                      "read the actor's tensors after the save returns, when they are offloaded again: set "
+                      "checkpoint.async_save: false.")
     return errors
 
 

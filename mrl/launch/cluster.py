@@ -4,8 +4,9 @@ typed proxy (mrl.launch.proxies); and the one operation that joins them, the wei
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import ray
@@ -34,6 +35,9 @@ class Cluster:
     owns_ray: bool
     critic: ActorGroup | None = None
     sync: WeightSync | None = None
+    offloaded: bool = field(default=False, init=False)  # the trainers' state is in host memory now
+    # trainer.offload_actor_during_rollout: move the ranks' host tensors too (tests on CPU only)
+    offload_host_tensors: bool = field(default=False, init=False)
 
     def generate(self, prompt_ids: list[list[int]],
                  sampling: SamplingSettings) -> tuple[list[list[Generation]], dict[str, float]]:
@@ -49,16 +53,66 @@ class Cluster:
         """async.partial_rollout: the engines stop generating until the next weight push (EngineFleet.interrupt)."""
         self.engines.interrupt()
 
-    def release_engines(self) -> None:
+    def release_engines(self) -> dict[str, float]:
         """Colocated placement: the engines free their accelerator memory while the actor trains
         (vLLM sleep; a no-op on CPU). Whatever they are asked next (generate, a sync) wakes them.
-        Never while they generate (one_step_off does not call this: validation keeps it off colocated GPUs)."""
+        Never while they generate (one_step_off does not call this: validation keeps it off colocated GPUs).
+        With trainer.offload_actor_during_rollout the trainers' state then comes back: its metrics."""
         if self.cfg.launch.placement == "colocated":
             self.engines.sleep()
+        return self._onload()
 
     def sync_weights(self) -> dict[str, float]:
-        """Push the actor's weights into every engine; check parity when due. Returns metrics."""
-        return self.sync()
+        """Push the actor's weights into every engine; check parity when due. Returns metrics.
+        With trainer.offload_actor_during_rollout the trainers' state leaves the GPU around the push
+        (the engines generate next): gradients, optimizer state and the KL reference (and a critic's
+        everything) before it, the actor's weights, which the push reads, after it."""
+        if not self.cfg.trainer.offload_actor_during_rollout:
+            return self.sync()
+        metrics = self._offload(["grads", "optimizer", "reference"], list(OFFLOAD_PARTS))
+        metrics.update(self.sync())
+        return _added(metrics, self._offload(["weights"], []))
+
+    @contextmanager
+    def trainers_on_device(self) -> Iterator[None]:
+        """For a checkpoint save between steps while the trainers are offloaded: the engines sleep,
+        the state comes back for the block and leaves again after it (not in the step's metrics)."""
+        if not self.offloaded:
+            yield
+            return
+        self.engines.sleep()
+        self._onload()
+        try:
+            yield
+        finally:
+            self._offload(list(OFFLOAD_PARTS), list(OFFLOAD_PARTS))
+
+    def _offload(self, actor_parts: list[str], critic_parts: list[str]) -> dict[str, float]:
+        """Move these parts of the actor's (and a critic's) state to host memory; per role the bytes
+        moved (summed over ranks) and the driver's wait."""
+        metrics: dict[str, float] = {}
+        for role, group, parts in zip(("actor", "critic"), self.trainers(), (actor_parts, critic_parts)):
+            if not parts:
+                continue
+            start = time.perf_counter()
+            reports = group.offload_state(parts, self.offload_host_tensors)
+            metrics[f"perf/{role}_offload_bytes"] = float(sum(r["bytes"] for r in reports))
+            metrics[f"timing_s/{role}_offload"] = time.perf_counter() - start
+        self.offloaded = True
+        return metrics
+
+    def _onload(self) -> dict[str, float]:
+        """Bring the trainers' offloaded state back (nothing to do: no metrics)."""
+        if not self.offloaded:
+            return {}
+        metrics: dict[str, float] = {}
+        for role, group in zip(("actor", "critic"), self.trainers()):
+            start = time.perf_counter()
+            reports = group.onload_state()
+            metrics[f"perf/{role}_onload_bytes"] = float(sum(r["bytes"] for r in reports))
+            metrics[f"timing_s/{role}_onload"] = time.perf_counter() - start
+        self.offloaded = False
+        return metrics
 
     def trainers(self) -> list[ActorGroup]:
         """The worker groups that train and checkpoint: the actor, then the critic if any."""
@@ -82,6 +136,14 @@ class Cluster:
             ray.shutdown()
         if errors:
             raise errors[0]
+
+
+OFFLOAD_PARTS = ("weights", "grads", "optimizer", "reference")  # mrl.megatron.offload.PARTS
+
+
+def _added(metrics: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    """`metrics` with `more` added key by key (two offloads in one step: their bytes and seconds sum)."""
+    return {**metrics, **{k: metrics.get(k, 0.0) + v for k, v in more.items()}}
 
 
 def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: bool = True) -> Cluster:

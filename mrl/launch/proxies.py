@@ -76,6 +76,16 @@ class ActorGroup:
     def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         return self._first(MegatronActor.probe_logprobs, sequences)
 
+    # --- colocated offload (trainer.offload_actor_during_rollout) -----------------------------
+
+    def offload_state(self, parts: list[str], move_host_tensors: bool = False) -> list[dict]:
+        """Move `parts` of every rank's state off its GPU; each rank's report (bytes, by part), by rank."""
+        return self._all(MegatronActor.offload_state, parts, move_host_tensors)
+
+    def onload_state(self) -> list[dict]:
+        """Bring every rank's offloaded state back; each rank's report, by rank."""
+        return self._all(MegatronActor.onload_state)
+
     # --- profiling (profile.steps) --------------------------------------------------------------
 
     def start_profile(self) -> None:

@@ -55,6 +55,7 @@ class MegatronActor:
         self.sender_settings: tuple | None = None
         self.trace = TraceRecorder()  # profile.steps: this rank's torch.profiler trace of a step
         self._master_store: dist.TCPStore | None = None  # rank 0 hosts the default group's rendezvous
+        self.offloader = None  # trainer.offload_actor_during_rollout: mrl.megatron.offload.StateOffloader
 
     def hostname(self) -> str:
         return socket.gethostname()
@@ -137,6 +138,7 @@ class MegatronActor:
     @stage("logprobs")
     def logprobs(self, batch: dict, reference: bool = False, with_entropy: bool = False) -> dict | None:
         """Per-token log-probs [B/DP, L] of this rank's slice under the actor (or the reference)."""
+        self._on_device("logprobs")
         from mrl.megatron.policy import compute_logprobs
 
         model = self.reference if reference else self.trainable
@@ -148,6 +150,7 @@ class MegatronActor:
     @stage("update")
     def update(self, batch: dict, algo: Any) -> dict | None:
         """One optimizer step of the policy loss on this rank's slice; metrics from the reporters."""
+        self._on_device("update")
         from mrl.megatron.policy import update_actor
 
         optim = self.setup_args.optim
@@ -157,6 +160,7 @@ class MegatronActor:
     @stage("values")
     def values(self, batch: dict) -> dict | None:
         """A critic's values [B/DP, L] of this rank's slice (the update's micro-batching)."""
+        self._on_device("values")
         from mrl.megatron.policy import compute_values
 
         optim = self.setup_args.optim
@@ -166,6 +170,7 @@ class MegatronActor:
     @stage("update_critic")
     def update_critic(self, batch: dict, cliprange: float, aggregation: str) -> dict | None:
         """One optimizer step of a critic's clipped value loss on this rank's slice."""
+        self._on_device("update_critic")
         from mrl.megatron.policy import update_critic
 
         optim = self.setup_args.optim
@@ -175,6 +180,7 @@ class MegatronActor:
     @stage("sft_step")
     def sft_step(self, batch: dict) -> dict | None:
         """One optimizer step of masked next-token loss (response tokens only)."""
+        self._on_device("sft_step")
         from mrl.megatron.policy import update_sft
 
         optim = self.setup_args.optim
@@ -183,12 +189,46 @@ class MegatronActor:
 
     def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]] | None:
         """The trainer's side of the parity gate (full sequences, whole vocabulary; tiny batches)."""
+        self._on_device("probe_logprobs", "weights")
         from mrl.megatron.forward import sequence_logprobs
 
         from mrl.megatron.parallel import is_reporter
 
         out = sequence_logprobs(self.trainable.built, sequences)
         return out if out is not None and is_reporter() and self.coords.dp == 0 else None
+
+    # --- colocated offload (trainer.offload_actor_during_rollout) ---------------------------------
+
+    def offload_state(self, parts: list[str], move_host_tensors: bool = False) -> dict:
+        """Move `parts` of this rank's state ("weights", "grads", "optimizer", "reference") off the
+        GPU while the colocated engine generates; {"rank", "bytes", "by_part", "moved", "seconds"}.
+        Without CUDA a no-op that reports the bytes (mrl.megatron.offload); `move_host_tensors`
+        runs the release/restore path on host tensors too (tests)."""
+        from mrl.megatron.offload import StateOffloader, trainable_tensors
+
+        if self.offloader is None:
+            self.offloader = StateOffloader(lambda part: trainable_tensors(self.trainable, self.reference, part),
+                                            move_host_tensors)
+        return {"rank": self.rank, **self.offloader.offload(parts)}
+
+    def onload_state(self) -> dict:
+        """Bring every offloaded part back before the rank's next forward; the same report."""
+        if self.offloader is None:
+            return {"rank": self.rank, "bytes": 0, "by_part": {}, "moved": False, "seconds": 0.0}
+        return {"rank": self.rank, **self.offloader.onload()}
+
+    def _on_device(self, method: str, *parts: str) -> None:
+        """A method that reads the state while some of it is offloaded brings it back first (the
+        driver onloads explicitly before a step; this covers any other path), and says so."""
+        if self.offloader is None or not self.offloader.away:
+            return
+        wanted = parts or tuple(self.offloader.away)
+        if any(p in self.offloader.away for p in wanted):
+            import logging
+
+            logging.getLogger(__name__).warning("rank %d: %s found %s offloaded; bringing it back", self.rank, method,
+                                                sorted(self.offloader.away))
+            self.offloader.onload(wanted)
 
     # --- profiling (profile.steps) --------------------------------------------------------------
 
@@ -209,6 +249,7 @@ class MegatronActor:
         the leader's report, else None. The sender (and its process groups, a collective) is made
         at the first sync; a later sync with other settings is refused rather than silently sent
         with the first's."""
+        self._on_device("push_weights", "weights")
         from mrl.sync.sender import WeightSender
 
         settings = (endpoints, transport, bucket_bytes, timeout_s)
@@ -226,6 +267,7 @@ class MegatronActor:
     def save(self, root: str, step: int, data_state: dict, config: dict, keep: int, async_save: bool) -> None:
         """Save iteration `step` under `root`, keep the newest `keep` (an async save publishes at the
         next save or at `finish_save`)."""
+        self._on_device("save")
         from mrl.megatron.checkpoint import SavePolicy
 
         if self.saver is None or self.saver.root != Path(root):  # the SFT checkpoint has a root of its own
@@ -241,12 +283,14 @@ class MegatronActor:
     def load(self, path: str) -> dict:
         from mrl.megatron.checkpoint import load_checkpoint
 
+        self._on_device("load")
         state = load_checkpoint(path, self.trainable)
         return {"step": state["step"], "data": state["data"]}
 
     def load_policy(self, path: str, into_reference: bool = False) -> None:
         """A policy checkpoint's weights (the one RL starts from): into the frozen reference copy, or
         into this model's transformer (a critic: its value head stays), optimizer state kept."""
+        self._on_device("load_policy")
         from mrl.megatron.checkpoint import load_policy_weights
 
         if into_reference:
