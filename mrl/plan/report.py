@@ -23,9 +23,10 @@ def _groups(stages: list[StagePlan]) -> list[list[StagePlan]]:
     """Runs of consecutive stages with the same memory (a pipeline's middle stages, usually)."""
     groups: list[list[StagePlan]] = []
     for stage in stages:
-        key = (stage.state, stage.update, stage.engine, stage.in_flight, stage.host)
+        key = (stage.state, stage.update, stage.engine, stage.in_flight, stage.host, stage.kept_while_generating)
         last = groups[-1][0] if groups else None
-        if last and (last.state, last.update, last.engine, last.in_flight, last.host) == key:
+        if last and (last.state, last.update, last.engine, last.in_flight, last.host,
+                     last.kept_while_generating) == key:
             groups[-1].append(stage)
         else:
             groups.append([stage])
@@ -50,8 +51,10 @@ def header(plan: Plan) -> list[str]:
         + _recompute_words(run),
         f"update micro-batch: {mb.size} × {mb.seq} tokens, {run.micro_batches} per DP rank and step; "
         f"rollout: one TP{run.engine_tp} engine, {'colocated' if run.colocated else 'on its own GPUs'}",
-        "GB per GPU (10^9 bytes); " + ("train: the update, engine asleep; generate: the engine awake beside the "
-                                       "actor's state" if run.colocated else "the engine runs on its own GPUs"),
+        "GB per GPU (10^9 bytes); " + (("train: the update, engine asleep; generate: the engine awake beside "
+                                        + ("the actor's weights only (trainer.offload_actor_during_rollout)"
+                                           if run.offload_actor else "the actor's state"))
+                                       if run.colocated else "the engine runs on its own GPUs"),
     ]
 
 
@@ -71,7 +74,8 @@ def table(plan: Plan) -> str:
     engine = any(s.engine for s in plan.stages)
     host = any(s.host for s in plan.stages)
     columns = (["stage", "layers"] + state + update + ["in flight"] + (["engine"] if engine else [])
-               + ["train", "generate", "verdict"] + (["host (offloaded optimizer)"] if host else []))
+               + ["train", "generate", "verdict"]
+               + ([("host (offloaded state)" if plan.run.offload_actor else "host (offloaded optimizer)")] if host else []))
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for group in _groups(plan.stages):
         s = group[0]
@@ -111,7 +115,11 @@ def notes(plan: Plan) -> list[str]:
     if run.transformer_impl != "local":
         lines.append(f"note: model.transformer_impl {run.transformer_impl!r}: the activations are those of Megatron's "
                      "local layer spec (measured on CPU); Transformer Engine's fused layers save different tensors.")
-    if run.optimizer_on_gpu < 1:
+    if run.offload_actor:
+        lines.append("note: trainer.offload_actor_during_rollout: while the engine is awake only the actor's weights stay "
+                     "(the weight push reads them; they leave after it); host (offloaded state) adds the pinned host "
+                     "copies of everything that leaves, per GPU's rank.")
+    elif run.optimizer_on_gpu < 1:
         lines.append("note: host (offloaded optimizer) is host memory per GPU's rank (fp32 copy, Adam moments and a "
                      "gradient copy of the offloaded elements); a node needs it times its GPUs, beyond the GPU column.")
     if run.recompute.granularity == "selective" and set(run.recompute.modules or ()) & {"layernorm", "mla_up_proj"}:
@@ -143,6 +151,7 @@ def to_dict(plan: Plan) -> dict[str, Any]:
         "micro_batch": dict(size=run.micro.size, seq=run.micro.seq, per_step=run.micro_batches),
         "stages": [dict(stage=s.stage, layers=s.layers, ranks=s.ranks, in_flight=s.in_flight, state=s.state,
                         update=s.update, engine=s.engine, host_bytes=s.host, train_bytes=s.train_bytes,
+                        kept_while_generating=s.kept_while_generating,
                         generate_bytes=s.generate_bytes,
                         peak=s.peak,
                         free=plan.gpu_bytes - s.peak, fits=s.peak <= plan.gpu_bytes) for s in plan.stages],

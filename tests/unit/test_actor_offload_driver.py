@@ -106,7 +106,6 @@ def test_the_sync_step_reports_the_onload():
     (dict(placement="separate"), "trainer.offload_actor_during_rollout frees the actor's GPU memory for a colocated "
                                  "engine, but launch.placement is 'separate'"),
     (dict(mode="one_step_off"), "trainer.offload_actor_during_rollout needs trainer.mode sync"),
-    (dict(async_save=True), "trainer.offload_actor_during_rollout with checkpoint.async_save"),
 ])
 def test_refused_where_it_cannot_work(overrides, message):
     from mrl.config.validation import _check_actor_offload
@@ -114,8 +113,7 @@ def test_refused_where_it_cannot_work(overrides, message):
     cfg = RunConfig()
     cfg = replace(cfg, trainer=replace(cfg.trainer, offload_actor_during_rollout=True,
                                        mode=overrides.get("mode", "sync")),
-                  launch=replace(cfg.launch, placement=overrides.get("placement", "colocated")),
-                  checkpoint=replace(cfg.checkpoint, async_save=overrides.get("async_save", False)))
+                  launch=replace(cfg.launch, placement=overrides.get("placement", "colocated")))
     (error,) = _check_actor_offload(cfg)
     assert error.startswith(message), error
     assert _check_actor_offload(replace(cfg, trainer=replace(cfg.trainer, offload_actor_during_rollout=False))) == []

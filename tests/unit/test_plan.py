@@ -201,3 +201,25 @@ def test_search_ranks_fitting_layouts():
     assert memory and all(r.reason.startswith("stage ") for r in memory)
     tried = {p.run.layout for p in result.fits} | {r.layout for r in result.rejected}
     assert ParallelLayout(tp=2, ep=2, etp=1) in tried and ParallelLayout(tp=2, ep=2, etp=2) in tried
+
+
+def test_actor_offload_during_rollout_in_the_671b_plan(dsv3):
+    """trainer.offload_actor_during_rollout: beside the awake engine only the actor's weights stay
+    (the push reads them); everything else that leaves gets a host copy; the update is unchanged."""
+    cfg, shape = dsv3
+    overrides = [f"model.path={FIXTURE}", "model.recompute=full", "optim.offload_fraction=1.0", "algo.kl_coef=0.001"]
+    off, on = (plan(shape, Run.of(load_config(RECIPE, overrides + extra, check_files=False), shape), 80 * GB)
+               for extra in ([], ["trainer.offload_actor_during_rollout=true"]))
+    for before, after in zip(off.stages, on.stages):
+        assert after.state == before.state and after.train_bytes == before.train_bytes
+        assert before.generate_bytes == sum(before.state.values()) + before.engine
+        assert after.generate_bytes == after.state["actor weights"] + after.engine < before.generate_bytes
+        assert after.peak == max(after.train_bytes, after.generate_bytes)
+        moved = after.state["actor grads"] + after.state["KL reference"] + after.state["actor weights"]
+        assert after.host == before.host + moved  # the optimizer is in host memory already (offload 1.0)
+    text = render(on)
+    assert "host (offloaded state)" in text and "the actor's weights only" in text
+    cfg_on = load_config(RECIPE, overrides + ["trainer.offload_actor_during_rollout=true"], check_files=False)
+    # (the config check refuses the setting with separate placement; the plan ignores it there)
+    separate = Run.of(replace(cfg_on, launch=replace(cfg_on.launch, placement="separate", rollout_gpus=16)), shape, 144)
+    assert on.run.offload_actor and not separate.offload_actor
