@@ -36,17 +36,20 @@ class Cluster:
     critic: ActorGroup | None = None
     sync: WeightSync | None = None
     offloaded: bool = field(default=False, init=False)  # the trainers' state is in host memory now
+    _unreported: dict = field(default_factory=dict, init=False)  # an offload outside the push, for the next onload
     # trainer.offload_actor_during_rollout: move the ranks' host tensors too (tests on CPU only)
     offload_host_tensors: bool = field(default=False, init=False)
 
     def generate(self, prompt_ids: list[list[int]],
                  sampling: SamplingSettings) -> tuple[list[list[Generation]], dict[str, float]]:
         """Samples per prompt, spread over the engines; and each engine's throughput metrics."""
+        self._away_before_generating()
         return self.engines.generate(prompt_ids, sampling)
 
     def generate_async(self, prompt_ids: list[list[int]],
                        sampling: SamplingSettings | list[SamplingSettings]) -> FleetGeneration:
         """Start generating; the driver goes on until the result is asked for (trainer.mode one_step_off)."""
+        self._away_before_generating()
         return self.engines.generate_async(prompt_ids, sampling)
 
     def interrupt_engines(self) -> None:
@@ -87,6 +90,13 @@ class Cluster:
         finally:
             self._offload(list(OFFLOAD_PARTS), list(OFFLOAD_PARTS))
 
+    def _away_before_generating(self) -> None:
+        """trainer.offload_actor_during_rollout: the engines generate only with the trainers' state
+        away. The push sends it away; a step that trained nothing (dynamic sampling) did not push, and
+        an evaluation before the first push has not either: it leaves here, reported with the next onload."""
+        if self.cfg.trainer.offload_actor_during_rollout and not self.offloaded:
+            self._unreported = _added(self._unreported, self._offload(list(OFFLOAD_PARTS), list(OFFLOAD_PARTS)))
+
     def _offload(self, actor_parts: list[str], critic_parts: list[str]) -> dict[str, float]:
         """Move these parts of the actor's (and a critic's) state to host memory; per role the bytes
         moved (summed over ranks) and the driver's wait."""
@@ -105,7 +115,7 @@ class Cluster:
         """Bring the trainers' offloaded state back (nothing to do: no metrics)."""
         if not self.offloaded:
             return {}
-        metrics: dict[str, float] = {}
+        metrics, self._unreported = self._unreported, {}
         for role, group in zip(("actor", "critic"), self.trainers()):
             start = time.perf_counter()
             reports = group.onload_state()

@@ -78,6 +78,18 @@ def test_a_save_between_steps_brings_the_state_back_with_the_engines_asleep():
     assert events == ["sleep", "actor on", "save", "actor off weights+grads+optimizer+reference"]
 
 
+def test_a_generation_without_a_push_before_it_sends_the_state_away_first():
+    """A step that trained nothing (dynamic sampling) pushes nothing: the next generation offloads."""
+    cluster, events = _cluster(True)
+    cluster.engines.generate_async = lambda prompts, sampling: events.append("generate")
+    cluster.generate_async([[1]], None)
+    assert events == ["actor off weights+grads+optimizer+reference", "generate"]
+    cluster.generate_async([[1]], None)  # away already
+    assert events[2:] == ["generate"]
+    back = cluster.release_engines()  # the unreported offload comes with the onload's metrics
+    assert back["perf/actor_offload_bytes"] == 4 * 30 and back["perf/actor_onload_bytes"] == 30
+
+
 def test_without_the_setting_nothing_moves():
     cluster, events = _cluster(False)
     assert cluster.sync_weights() == {"timing_s/sync": 1.0}
