@@ -19,14 +19,18 @@
 #   - data parallel: the 4 nodes of a stage hold 4 replicas of the attention/dense weights.
 #   - expert parallel: the 32 GPUs of a stage each hold 8 of the 256 routed experts of each of the
 #     stage's MoE layers (EP rank = r % 32); experts are not replicated (expert-DP 1).
-# Rollout: colocated on the same 128 GPUs, vLLM engines of tensor_parallel_size 16 (two nodes per
-# engine, 8 engines), asleep while the actor trains. Weights alone are 1.34 TB in bf16, more than
-# 16 × 80 GB: the engines need FP8 weights (0.67 TB), which mrl's rollout config cannot ask vLLM for
-# yet (docs/dsv3.md, "Open gaps"). The actor loads bf16 only: mrl's HF import refuses FP8 block-scaled
-# files (their weight_scale_inv tensors); convert DeepSeek's FP8 release to bf16 first.
-# FP8 training: only with Transformer Engine installed (pip install -e '.[gpu]'), which
-# model.transformer_impl=auto then uses for its fused layers; mrl has no switch for FP8 GEMMs yet, so
-# this run trains in bf16 with or without Transformer Engine.
+# Rollout: colocated on the same 128 GPUs, 4 vLLM engines of tensor_parallel_size 32 (four nodes per
+# engine) with bf16 weights (44 GB per GPU; at TP16 they would be 85.9 GB, over the 56 GB budget, and
+# FP8 rollout weights, which would allow TP16, are not built: docs/dsv3.md). The engines sleep while
+# the actor trains; while they generate, the actor's weights, gradient buffers and KL reference wait
+# in host memory (trainer.offload_actor_during_rollout), and the optimizer lives there throughout
+# (optim.offload_fraction 1.0): about 1 TB of host memory per node. Full recomputation keeps the
+# update at 39-47 GB per GPU. `mrl plan configs/dsv3_671b_grpo.yaml model.path=...` says this fits
+# 80 GB GPUs (docs/dsv3.md has its table); none of it has run on GPUs yet.
+# The actor loads bf16 weights (DeepSeek's FP8 release: `mrl convert fp8-to-hf` writes its bf16 twin).
+# FP8 training GEMMs: model.fp8=blockwise (or delayed, tensorwise, mxfp8) with Transformer Engine
+# installed (pip install -e '.[gpu]'); off here: the recipe trains in bf16, and mrl plan does not model
+# FP8 training.
 set -euo pipefail
 
 address=${RAY_ADDRESS:-}

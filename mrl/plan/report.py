@@ -50,7 +50,8 @@ def header(plan: Plan) -> list[str]:
         + (f", {1 - run.optimizer_on_gpu:g} of it offloaded to host memory" if run.optimizer_on_gpu < 1 else "")
         + _recompute_words(run),
         f"update micro-batch: {mb.size} × {mb.seq} tokens, {run.micro_batches} per DP rank and step; "
-        f"rollout: one TP{run.engine_tp} engine, {'colocated' if run.colocated else 'on its own GPUs'}",
+        f"rollout: {'one' if run.engines == 1 else run.engines} TP{run.engine_tp} engine{'s' if run.engines > 1 else ''}, "
+        f"{'colocated' if run.colocated else 'on their own GPUs' if run.engines > 1 else 'on its own GPUs'}",
         "GB per GPU (10^9 bytes); " + (("train: the update, engine asleep; generate: the engine awake beside "
                                         + ("the actor's weights only (trainer.offload_actor_during_rollout)"
                                            if run.offload_actor else "the actor's state"))
@@ -102,16 +103,17 @@ def engine_lines(plan: Plan) -> list[str]:
     needed = e.kv_per_token * e.max_model_len
     if not e.fits:
         return [line, f"  does not fit: {gb(e.kv_space)} GB left for KV, one {e.max_model_len}-token sequence needs {gb(needed)} GB"]
+    share = f" ({-(-e.sequences // plan.run.engines)} per engine)" if plan.run.engines > 1 else ""
     return [line, f"  fits: {gb(e.kv_space)} GB for KV holds at most {e.concurrent_sequences} full-length sequences at "
-                  f"once of the step's {e.sequences}"]
+                  f"once (per engine) of the step's {e.sequences}{share}"]
 
 
 def notes(plan: Plan) -> list[str]:
     """What the numbers assume, where a reader could assume otherwise."""
     run, lines = plan.run, []
-    if run.colocated and run.engine_tp < run.world:
-        lines.append(f"note: the engine occupies {run.engine_tp} of the {run.world} GPUs; which ones is Ray's choice, "
-                     "so every stage's generate column assumes it may be one of them.")
+    if run.colocated and run.engines * run.engine_tp < run.world:
+        lines.append(f"note: the engines occupy {run.engines * run.engine_tp} of the {run.world} GPUs; which ones is "
+                     "Ray's choice, so every stage's generate column assumes it may be one of them.")
     if run.transformer_impl != "local":
         lines.append(f"note: model.transformer_impl {run.transformer_impl!r}: the activations are those of Megatron's "
                      "local layer spec (measured on CPU); Transformer Engine's fused layers save different tensors.")

@@ -256,6 +256,9 @@ def test_a_quantised_model_path_is_refused_with_the_conversion_to_run(tmp_path):
         f"dequantised twin with `mrl convert fp8-to-hf --hf {model} --out DIR` and set model.path to DIR."]
 
 
+TP16_ENGINE = ["rollout.tensor_parallel_size=16", "rollout.num_engines=1"]  # the engine these cases count with
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -275,7 +278,7 @@ def test_a_quantised_model_path_is_refused_with_the_conversion_to_run(tmp_path):
     ],
 )
 def test_resources(overrides, message):
-    errors = errors_of(DSV3, *overrides, check_files=False)
+    errors = errors_of(DSV3, *TP16_ENGINE, *overrides, check_files=False)
     assert any(e.startswith(message) for e in errors), errors
 
 
@@ -283,6 +286,8 @@ def test_resources(overrides, message):
                                        ["launch.num_nodes=20", "launch.placement=separate", "sync.transport=broadcast",
                                         "launch.rollout_gpus=32", "rollout.num_engines=2"]])
 def test_an_engine_fleet_that_fits_its_gpus_is_accepted(overrides):
+    overrides = TP16_ENGINE + overrides + (["trainer.offload_actor_during_rollout=false"]
+                                           if "launch.placement=separate" in overrides else [])
     assert load_config(DSV3, overrides, check_files=False).rollout.num_engines in (2, 8)
 
 
@@ -403,7 +408,8 @@ def test_one_step_off_needs_the_engine_off_the_actors_gpus():
     assert any(e.startswith("trainer.mode one_step_off generates while the actor trains") and
                "set launch.placement: separate" in e for e in errors), errors
     separate = ["trainer.mode=one_step_off", "launch.placement=separate", "sync.transport=broadcast",
-                "launch.num_nodes=20", "launch.rollout_gpus=32", "rollout.num_engines=2"]
+                "launch.num_nodes=20", "launch.rollout_gpus=32", "rollout.num_engines=2",
+                "rollout.tensor_parallel_size=16", "trainer.offload_actor_during_rollout=false"]
     assert load_config(DSV3, separate, check_files=False).trainer.mode == "one_step_off"
     assert load_config(TINY, ["trainer.mode=one_step_off"]).trainer.mode == "one_step_off"  # CPU: both run colocated
 

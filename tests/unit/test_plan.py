@@ -31,11 +31,15 @@ RECIPE = str(ROOT / "configs" / "dsv3_671b_grpo.yaml")
 FIXTURE = str(ROOT / "tests" / "fixtures" / "deepseek_v3_671b")
 TINY = str(ROOT / "configs" / "tiny_cpu_grpo.yaml")
 GB = 10**9
+# The recipe as first written (no recomputation or offload, one TP16 engine, a 16k token budget): the
+# hand-derived cases below; test_the_671b_recipe_fits checks the recipe as shipped.
+AS_WRITTEN = ["model.recompute=none", "optim.offload_fraction=0.0", "trainer.offload_actor_during_rollout=false",
+              "optim.max_tokens_per_micro_batch=16384", "rollout.tensor_parallel_size=16", "rollout.num_engines=1"]
 
 
 @pytest.fixture(scope="module")
 def dsv3():
-    cfg = load_config(RECIPE, [f"model.path={FIXTURE}"], check_files=False)
+    cfg = load_config(RECIPE, [f"model.path={FIXTURE}", *AS_WRITTEN], check_files=False)
     return cfg, model_shape(cfg.model.path)
 
 
@@ -79,7 +83,7 @@ def test_offload_and_recompute_in_the_671b_plan(dsv3):
     base = plan(shape, Run.of(cfg, shape), 80 * GB)
 
     def with_(*overrides):
-        return plan(shape, Run.of(load_config(RECIPE, [f"model.path={FIXTURE}", *overrides], check_files=False),
+        return plan(shape, Run.of(load_config(RECIPE, [f"model.path={FIXTURE}", *AS_WRITTEN, *overrides], check_files=False),
                                   shape), 80 * GB)
 
     half = with_("optim.offload_fraction=0.5")
@@ -151,7 +155,7 @@ def test_671b_recipe_does_not_fit(dsv3):
     assert middle.in_flight == 3 and p.stages[0].in_flight == 4 and p.stages[3].in_flight == 1
     assert "loss working set" in p.stages[3].update and "loss working set" not in middle.update
     assert any("max_tokens_per_micro_batch 16384" in problem for problem in p.run.problems)
-    fixed = Run.of(load_config(RECIPE, [f"model.path={FIXTURE}", "optim.max_tokens_per_micro_batch=34816"],
+    fixed = Run.of(load_config(RECIPE, [f"model.path={FIXTURE}", *AS_WRITTEN, "optim.max_tokens_per_micro_batch=34816"],
                                check_files=False), shape)
     assert fixed.problems == () and fixed.micro.size == 1
 
@@ -159,7 +163,7 @@ def test_671b_recipe_does_not_fit(dsv3):
 def test_plan_refuses_bad_input(dsv3):
     cfg, shape = dsv3
     with pytest.raises(PlanError, match=r"TP8×PP8×EP16×ETP1 on 128 actor GPUs: .*leave 48 for 7 other stage"):
-        Run.of(load_config(RECIPE, [f"model.path={FIXTURE}", "parallel.pp=8", "parallel.ep=16"], check_files=False),
+        Run.of(load_config(RECIPE, [f"model.path={FIXTURE}", *AS_WRITTEN, "parallel.pp=8", "parallel.ep=16"], check_files=False),
                shape)
     with pytest.raises(PlanError, match="give the cluster's size with --gpus"):
         Run.of(load_config(TINY, [], check_files=False), model_shape("", "deepseek_v3"))
@@ -170,13 +174,13 @@ def test_plan_refuses_bad_input(dsv3):
 
 
 def test_cli(capsys, tmp_path):
-    assert plan_main([RECIPE, f"model.path={FIXTURE}"]) == 1
+    assert plan_main([RECIPE, f"model.path={FIXTURE}", *AS_WRITTEN]) == 1
     out = capsys.readouterr().out
     assert "short by" in out and "verdict: does not fit" in out and "does not fit: its weights exceed" in out
-    assert plan_main([RECIPE, f"model.path={FIXTURE}", "--json", "--gpu-memory-gb", "1000",
+    assert plan_main([RECIPE, f"model.path={FIXTURE}", *AS_WRITTEN, "--json", "--gpu-memory-gb", "1000",
                       "optim.max_tokens_per_micro_batch=34816", "rollout.quantization=fp8"]) == 2  # no such key yet
     assert "unknown key 'rollout.quantization'" in capsys.readouterr().err
-    assert plan_main([RECIPE, f"model.path={FIXTURE}", "--json", "--gpu-memory-gb", "1000",
+    assert plan_main([RECIPE, f"model.path={FIXTURE}", *AS_WRITTEN, "--json", "--gpu-memory-gb", "1000",
                       "optim.max_tokens_per_micro_batch=34816"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["fits"] and [s["stage"] for s in result["stages"]] == [0, 1, 2, 3]
@@ -209,7 +213,7 @@ def test_actor_offload_during_rollout_in_the_671b_plan(dsv3):
     cfg, shape = dsv3
     overrides = [f"model.path={FIXTURE}", "model.recompute=full", "optim.offload_fraction=1.0", "algo.kl_coef=0.001"]
     off, on = (plan(shape, Run.of(load_config(RECIPE, overrides + extra, check_files=False), shape), 80 * GB)
-               for extra in ([], ["trainer.offload_actor_during_rollout=true"]))
+               for extra in (["trainer.offload_actor_during_rollout=false"], ["trainer.offload_actor_during_rollout=true"]))
     for before, after in zip(off.stages, on.stages):
         assert after.state == before.state and after.train_bytes == before.train_bytes
         assert before.generate_bytes == sum(before.state.values()) + before.engine
@@ -223,3 +227,16 @@ def test_actor_offload_during_rollout_in_the_671b_plan(dsv3):
     # (the config check refuses the setting with separate placement; the plan ignores it there)
     separate = Run.of(replace(cfg_on, launch=replace(cfg_on.launch, placement="separate", rollout_gpus=16)), shape, 144)
     assert on.run.offload_actor and not separate.offload_actor
+
+
+def test_the_671b_recipe_fits(capsys):
+    """configs/dsv3_671b_grpo.yaml as shipped: every stage fits 80 GB in both phases, the four TP32
+    engines fit their budget, the update accepts the batches (docs/dsv3.md shows this table)."""
+    assert plan_main([RECIPE, f"model.path={FIXTURE}"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: fits" in out and "short by" not in out and "problem" not in out
+    assert "rollout: 4 TP32 engines, colocated" in out
+    cfg = load_config(RECIPE, [f"model.path={FIXTURE}"], check_files=False)
+    shape = model_shape(cfg.model.path)
+    p = plan(shape, Run.of(cfg, shape), 80 * GB)
+    assert p.fits and p.margin > 10 * GB and p.run.offload_actor and p.run.problems == ()
