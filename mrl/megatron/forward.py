@@ -16,7 +16,7 @@ def forward_logits(built: BuiltModel, tokens: torch.Tensor) -> torch.Tensor | No
     """Logits [b, s, V] (padding stripped) on the last pipeline stage, None on other stages.
 
     Runs one micro-batch per sequence through Megatron's pipeline schedule (forward only).
-    The sequence is right-padded to a multiple of TP for sequence parallelism; causal attention
+    The sequence is right-padded to a multiple of TP for sequence parallelism (more with FP8); causal attention
     keeps the real positions unaffected and their logits are returned.
     """
     from megatron.core import parallel_state as ps
@@ -24,8 +24,8 @@ def forward_logits(built: BuiltModel, tokens: torch.Tensor) -> torch.Tensor | No
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     batch, seq = tokens.shape
-    tp = built.layout.tp
-    padded = -(-seq // tp) * tp
+    multiple = built.sequence_multiple  # TP (sequence parallelism), more with FP8
+    padded = -(-seq // multiple) * multiple
     tokens = torch.nn.functional.pad(tokens, (0, padded - seq))
     positions = torch.arange(padded).unsqueeze(0)
     micro_batches = [tokens[i : i + 1] for i in range(batch)]

@@ -35,6 +35,14 @@ class BuiltModel:
     padded_vocab_size: int
     use_te: bool
     value_head: bool = False  # a critic: the output layer is mrl.megatron.value_head.ValueHead
+    fp8: str | None = None  # model.fp8: Transformer Engine's FP8 recipe (None: none)
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What a micro-batch's sequence length is padded to: TP (sequence parallelism splits it),
+        and with FP8 TP × 16 (× 32 for MXFP8), so each rank's token rows suit Transformer Engine's
+        FP8 GEMMs, which refuse matrices whose dimensions are not multiples of 16 (MXFP8: 32)."""
+        return self.layout.tp * (FP8_TOKEN_MULTIPLE.get(self.fp8, 1) if self.fp8 else 1)
 
 
 def transformer_engine_available() -> bool:
@@ -89,6 +97,9 @@ FP8_RECIPES: dict[str, dict[str, Any]] = {
     "blockwise": dict(fp8="e4m3", fp8_recipe="blockwise"),
     "mxfp8": dict(fp8="e4m3", fp8_recipe="mxfp8"),
 }
+
+
+FP8_TOKEN_MULTIPLE = {"delayed": 16, "tensorwise": 16, "blockwise": 16, "mxfp8": 32}
 
 
 def fp8_options(fp8: str | None) -> dict[str, Any]:
@@ -198,4 +209,4 @@ def build_model(
         for chunk in chunks:
             if chunk.post_process:
                 chunk.output_layer = ValueHead(config.hidden_size, config.sequence_parallel, params_dtype)
-    return BuiltModel(chunks, spec, layout, vocab, use_te, value_head)
+    return BuiltModel(chunks, spec, layout, vocab, use_te, value_head, fp8)

@@ -122,7 +122,8 @@ def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int | None = None) 
 def micro_batches(
     batch: dict, tp: int, micro_batch_size: int, max_tokens_per_micro_batch: int | None = None
 ) -> list[dict]:
-    """Split a rollout batch into equal-shaped micro-batches [b, s] (see the module legend).
+    """Split a rollout batch into equal-shaped micro-batches [b, s] (see the module legend); `tp`:
+    the multiple s is padded to (BuiltModel.sequence_multiple: TP, more with FP8).
 
     Columns after the batch's last response label are trimmed first: they carry no loss and, as
     attention is causal, do not change earlier positions, so short batches run short. With a token
@@ -276,7 +277,7 @@ def compute_logprobs(
     built = _built(built_or_trainable)
     if tp != built.layout.tp:
         raise ValueError(f"compute_logprobs got tp={tp} but the model is built for TP={built.layout.tp}")
-    micro = micro_batches(batch, tp, micro_batch_size, max_tokens)
+    micro = micro_batches(batch, built.sequence_multiple, micro_batch_size, max_tokens)
 
     def score(logits: torch.Tensor, mb: dict) -> tuple:
         logprobs = vocab_parallel_logprobs(logits, mb["labels"], built.spec.vocab_size)
@@ -304,7 +305,7 @@ def compute_values(
     built = _built(built_or_trainable)
     if not built.value_head:
         raise ValueError("compute_values needs a critic: build the model with value_head=True")
-    micro = micro_batches(batch, built.layout.tp, micro_batch_size, max_tokens)
+    micro = micro_batches(batch, built.sequence_multiple, micro_batch_size, max_tokens)
     outputs = _forward_only(built, micro, lambda values, mb: values[..., 0].float())
     if outputs is None:
         return None
@@ -537,7 +538,7 @@ def update_sft(trainable: Trainable, batch: dict, micro_batch_size: int, max_tok
 
 def _update(trainable: Trainable, batch: dict, loss_fn: LossFn, micro_batch_size: int,
             max_tokens: int | None, prefix: str) -> dict:
-    micro = micro_batches(batch, trainable.built.layout.tp, micro_batch_size, max_tokens)
+    micro = micro_batches(batch, trainable.built.sequence_multiple, micro_batch_size, max_tokens)
     result = train_step(trainable, micro, loss_fn)
     metrics = dict(result.metrics)
     metrics[f"{prefix}/grad_norm"] = result.grad_norm

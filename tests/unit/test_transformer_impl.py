@@ -1,6 +1,7 @@
 """Transformer Engine is optional: chosen when importable, a clear error when demanded and missing."""
 
 import pytest
+import torch
 
 from mrl.megatron import model
 
@@ -59,3 +60,19 @@ def test_fp8_refused_without_te_or_cuda():
     with pytest.raises(RuntimeError, match="model.fp8 'delayed' needs a CUDA GPU"):
         model.check_fp8("delayed", use_te=True, cuda=False)
     model.check_fp8("delayed", use_te=True, cuda=True)
+
+
+def test_fp8_pads_sequences_for_transformer_engines_gemms():
+    from mrl.layout import ParallelLayout
+
+    def built(tp: int, fp8):
+        return model.BuiltModel([], None, ParallelLayout(tp=tp), 0, True, fp8=fp8)
+
+    assert built(2, None).sequence_multiple == 2  # sequence parallelism only
+    assert built(2, "blockwise").sequence_multiple == 32 and built(4, "delayed").sequence_multiple == 64
+    assert built(1, "mxfp8").sequence_multiple == 32
+    from mrl.megatron.policy import micro_batches
+
+    batch = {"tokens": torch.ones(2, 21, dtype=torch.long), "response_mask": torch.ones(2, 20)}
+    (micro,) = micro_batches(batch, built(2, "tensorwise").sequence_multiple, 2)
+    assert micro["tokens"].shape[1] == 32  # 20 positions padded to a multiple of TP·16
