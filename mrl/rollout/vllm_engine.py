@@ -312,6 +312,13 @@ class VLLMEngine:
             # for resources the actor already holds (measured: a TP2 engine in an actor never started).
             distributed_executor_backend=distributed_executor_backend,
         )
+        if not torch.cuda.is_available():
+            # vLLM on CPU cannot split a seeded request's prefill over two steps: rewinding the
+            # request's generator for the discarded partial-prefill sample fails ("CPU Generator
+            # does not use offset"), which a batch of seeded prompts over the step's token budget
+            # hit (e.g. partial rollout's continuations). Whole prompts only; a step holds
+            # at least one full-length sequence. (vLLM does the same itself for MLA on CPU.)
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 2048))
         # On CPU gpu_memory_utilization is a fraction of *host* RAM; an explicit byte budget is
         # the portable way to size the KV cache.
         if kv_cache_memory_bytes is not None:

@@ -41,6 +41,16 @@ def test_n_samples_and_seed(actor):
     assert len({tuple(g.token_ids) for g in a[0]}) > 1  # n samples, not n copies
 
 
+def test_seeded_batch_over_the_step_token_budget(actor):
+    """Seeded requests whose prefill exceeds vLLM's step token budget (partial rollout's
+    continuations are such a batch): vLLM-CPU failed them ("CPU Generator does not use offset")
+    when it split a prefill over two steps (measured: 24 × 100 tokens passed, × n 2 failed);
+    mrl's engine prefills whole prompts on CPU."""
+    prompts = [[(7 * i + j) % 400 + 10 for j in range(100)] for i in range(24)]
+    out = actor("generate", prompts, SamplingSettings(max_tokens=2, ignore_eos=True, temperature=1.0, n=2, seed=5))
+    assert [[len(g.token_ids) for g in group] for group in out] == [[2, 2]] * 24
+
+
 def test_stop_string(actor):
     full = actor("generate", PROMPTS[:1], SamplingSettings(max_tokens=12, ignore_eos=True))[0][0]
     stop = full.text[len(full.text) // 2 :][:2]
