@@ -131,9 +131,10 @@ class SyncConfig:
     timeout_s: float = 300.0
     parity_threshold: float = 1e-3  # max |logprob difference| engine vs actor allowed at a parity check
     parity_every: int = 0  # check parity every N syncs (0: only after the first)
-    # How the engine takes the weights: vLLM's load_weights, or copies straight into its parameters
-    # from a sync plan computed once (mrl/sync/plan.py; TP1 parity shown for the tiny zoo).
-    apply: Literal["load_weights", "in_place"] = "load_weights"
+    # How the engine takes the weights: copies straight into its parameters from a sync plan
+    # computed once (mrl/sync/plan.py; needs the architecture's row in mrl/models/vllm_fusions.py),
+    # or vLLM's own load_weights (any architecture vLLM loads; the reference in_place is tested against).
+    apply: Literal["load_weights", "in_place"] = "in_place"
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from mrl.rollout.engine import Generation, SamplingSettings
-from mrl.sync.wire import Bucket, WeightLoadError, WeightUpdateReport, tensor_checksum, wire_dtype
+from mrl.sync.wire import Bucket, WeightLoadError, WeightUpdateReport, checksums_match, tensor_checksum, wire_dtype
 
 # The engine lives in the caller's process (one engine per process): no hidden engine core process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -130,6 +130,9 @@ def _begin_in_place(worker: Any) -> None:
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     model = _model(worker)
+    # No _check_cpu_experts here: the plan writes unpadded checkpoint-format experts into fresh
+    # storage and the cpu_experts hook pads them again, so vLLM-CPU's padded per-rank sizes that
+    # the layer-wise reload refuses are applied (TP2 qwen3_moe: equal to an engine started on the weights).
     targets = {}
     for name in {c.param for copies in worker.mrl_sync_plan.values() for c in copies}:
         module_name, _, leaf = name.rpartition(".")
@@ -143,6 +146,7 @@ def _begin_in_place(worker: Any) -> None:
             setattr(module, leaf, fresh)
         targets[name] = getattr(module, leaf)
     worker.mrl_sync_targets = targets
+    worker.mrl_sync_written = []  # (copy, checksum of what it wrote): read back by _finish_in_place
 
 
 def _box(box: tuple) -> tuple[slice, ...]:
@@ -170,7 +174,20 @@ def _copy_tensor(worker: Any, name: str, tensor: torch.Tensor) -> None:
                          f"expects {list(worker.mrl_sync_shapes[name])}: the trainer's model is not the engine's")
     for c in plan[name]:
         dst = targets[c.param].data[_box(c.param_box)]
-        dst.copy_(tensor[_box(c.hf_box)].reshape(dst.shape))
+        src = tensor[_box(c.hf_box)].reshape(dst.shape)
+        dst.copy_(src)
+        worker.mrl_sync_written.append((c, tensor_checksum(src)))
+
+
+def _misapplied(worker: Any) -> list[str]:
+    """Engine parameters whose planned region does not hold, after every copy, what was copied there:
+    a plan entry that writes over another's region (a corrupted destination slice), or a write that
+    missed the live parameter. Read back before the hooks, which may re-pack the weights away."""
+    targets, bad = worker.mrl_sync_targets, []
+    for c, written in worker.mrl_sync_written:
+        if not checksums_match(tensor_checksum(targets[c.param].data[_box(c.param_box)]), written):
+            bad.append(f"{c.param} {list(c.param_box)} (from {c.hf_name})")
+    return bad
 
 
 def _hook_kernel_formats(worker: Any, model: torch.nn.Module, touched: set[str]) -> None:
@@ -204,13 +221,16 @@ POST_APPLY_HOOKS = {"kernel_formats": _hook_kernel_formats, "cpu_experts": _hook
                     "mla_absorb": _hook_mla_absorb}
 
 
-def _finish_in_place(worker: Any, hooks: tuple[str, ...]) -> None:
+def _finish_in_place(worker: Any, hooks: tuple[str, ...]) -> list[str]:
+    """Check what was written (see _misapplied), then rebuild the derived state; the misapplied."""
+    misapplied = _misapplied(worker)
     model = _model(worker)
     touched = {name.rpartition(".")[0] for name in worker.mrl_sync_targets}
     # Hooks run in the architecture's order, e.g. kv_b_proj's kernel format before MLA absorbs it.
     for hook in hooks:
         POST_APPLY_HOOKS[hook](worker, model, touched)
-    del worker.mrl_sync_targets
+    del worker.mrl_sync_targets, worker.mrl_sync_written
+    return misapplied
 
 
 def _bind_cpu_workers(workers: int) -> None:
@@ -286,7 +306,7 @@ def _repack_tied_lm_head(model: torch.nn.Module) -> None:
 class VLLMEngine:
     """A vLLM `LLM` behind mrl's RolloutEngine protocol."""
 
-    weight_apply = "load_weights"  # sync.apply (per engine, set by __init__)
+    weight_apply = "in_place"  # sync.apply (per engine, set by __init__)
 
     def __init__(
         self,
@@ -300,7 +320,7 @@ class VLLMEngine:
         enforce_eager: bool = True,
         seed: int = 0,
         distributed_executor_backend: str = "mp",
-        weight_apply: str = "load_weights",
+        weight_apply: str = "in_place",
     ):
         from vllm import LLM
 
@@ -489,7 +509,8 @@ class VLLMEngine:
     def finish_weight_update(self) -> WeightUpdateReport:
         start = time.perf_counter()
         if self.weight_apply == "in_place":  # _loaded holds HF names: an engine param needs all of its own
-            self.llm.collective_rpc(_finish_in_place, args=(self._hooks,))
+            misapplied = self.llm.collective_rpc(_finish_in_place, args=(self._hooks,))
+            self._report.misapplied = sorted({m for rank in misapplied for m in rank})
             not_updated = [p for p, hf in sorted(self._param_sources.items()) if not hf <= self._loaded]
         else:
             params = self.llm.collective_rpc(_finish_reload)[0]

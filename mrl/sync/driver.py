@@ -67,7 +67,7 @@ class WeightSync:
         due = self.syncs == 0 or (s.parity_every and self.syncs % s.parity_every == 0)
         trainer = None
         for i, (engine, report) in enumerate(zip(self.engines, reports)):
-            if not (due or report.mismatched or report.not_updated):
+            if not (due or report.mismatched or report.not_updated or report.misapplied):
                 continue
             trainer = trainer or self.actor.probe_logprobs(self.probe)
             gap = logprob_gap(engine.score(self.probe), trainer)

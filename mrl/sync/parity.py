@@ -45,6 +45,10 @@ def check_parity(gap: dict[str, float], threshold: float, report: WeightUpdateRe
     if report.mismatched:
         cause = (f"The first tensor that arrived different from what was sent is {report.mismatched[0]!r} "
                  f"({len(report.mismatched)} in all): the transport corrupted or lost data.")
+    elif report.misapplied:
+        cause = (f"Engine parameter region {report.misapplied[0]} does not hold what the sync plan copied "
+                 f"there ({len(report.misapplied)} in all): a plan entry writes over another's region "
+                 "(mrl/sync/plan.py), or the copy missed the live parameter.")
     elif report.not_updated:
         cause = (f"The sync never reached engine parameter {report.not_updated[0]!r} "
                  f"({len(report.not_updated)} in all): a mapping-table row is missing for this architecture.")

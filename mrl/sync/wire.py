@@ -75,6 +75,8 @@ class WeightUpdateReport:
     checksums: dict[str, tuple[float, float]] = field(default_factory=dict)
     not_updated: list[str] = field(default_factory=list)  # engine parameters no tensor reached
     mismatched: list[str] = field(default_factory=list)  # arrived different from what was sent, in order
+    # sync.apply in_place: engine parameters whose planned region, read back, differs from what was copied
+    misapplied: list[str] = field(default_factory=list)
     load_seconds: float = 0.0  # inside the backend's load_weights
     finish_seconds: float = 0.0  # post-load processing (re-packing, derived matrices) and cache reset
     finished_at: float = 0.0  # wall clock (time.time()) when the engine was ready with the new weights

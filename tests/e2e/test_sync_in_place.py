@@ -23,8 +23,9 @@ TOL = 1e-6
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def _apply_checkpoint(server, model_dir: str, buckets: int = 3) -> dict:
-    """Run one weight update on the server's engine from a checkpoint's tensors (no trainer)."""
+def _apply_checkpoint(server, model_dir: str, buckets: int = 3, skip: int | None = None) -> dict:
+    """Run one weight update on the server's engine from a checkpoint's tensors (no trainer),
+    leaving out bucket `skip` if given."""
     from safetensors.torch import load_file
     from pathlib import Path
 
@@ -35,10 +36,52 @@ def _apply_checkpoint(server, model_dir: str, buckets: int = 3) -> dict:
     engine = server.engine
     engine.begin_weight_update()
     for i in range(buckets):
-        engine.load_weights(items[i::buckets])
+        if i != skip:
+            engine.load_weights(items[i::buckets])
     report = engine.finish_weight_update()
-    return {"tensors": report.tensors, "not_updated": report.not_updated, "load_s": report.load_seconds,
-            "finish_s": report.finish_seconds}
+    return {"tensors": report.tensors, "not_updated": report.not_updated, "misapplied": report.misapplied,
+            "load_s": report.load_seconds, "finish_s": report.finish_seconds}
+
+
+def _shift_one_plan_entry(worker) -> str:
+    """Corrupt the worker's installed sync plan: move one copy's destination back by one row along
+    a stacked dimension, so that it overlaps the piece before it (the coverage check at planning
+    time would refuse such a plan; this one is corrupted after it)."""
+    from dataclasses import replace
+
+    for copies in worker.mrl_sync_plan.values():
+        for i, c in enumerate(copies):
+            dim = next((d for d, (start, _) in enumerate(c.param_box) if start > 0 and d > 0 or
+                        start > 0 and len(c.param_box) == 2), None)
+            if dim is not None:
+                box = list(c.param_box)
+                box[dim] = (box[dim][0] - 1, box[dim][1] - 1)
+                copies[i] = replace(c, param_box=tuple(box))
+                return c.param
+    raise AssertionError("no plan entry with a stacked destination to corrupt")
+
+
+def _check_gate(server, model_dir: str, reference) -> dict:
+    """A skipped bucket, then a corrupted plan entry: each must fail the parity gate, naming the
+    engine parameter. `reference`: the scores the engine gives once `model_dir` is applied right."""
+    from mrl.sync.parity import ParityError, check_parity, logprob_gap, probe_sequences
+    from mrl.sync.wire import WeightUpdateReport
+
+    def gate(report: dict) -> str:
+        gap = logprob_gap(server.score(reference["probe"]), reference["scores"])
+        try:
+            check_parity(gap, 1e-6, WeightUpdateReport(not_updated=report["not_updated"],
+                                                       misapplied=report["misapplied"]), step=1)
+        except ParityError as err:
+            return str(err)
+        return f"passed the gate with a gap of {gap}"
+
+    skipped = _apply_checkpoint(server, model_dir, skip=1)
+    out = {"skipped": skipped, "skipped_error": gate(skipped)}
+    out["corrupted_param"] = server.engine.llm.collective_rpc(_shift_one_plan_entry)[0]
+    corrupted = _apply_checkpoint(server, model_dir)
+    out |= {"corrupted": corrupted, "corrupted_error": gate(corrupted)}
+    return out
 
 
 def _wrong_shape(server) -> str:
@@ -87,6 +130,15 @@ def test_in_place_matches_load_weights(arch, tiny_model_dir, tmp_path, ray_local
         assert logprob_gap(again["in_place"], again["load_weights"])["rollout/logprob_abs_diff_max"] <= TOL
         message = ray.get(actors["in_place"].__ray_call__.remote(_wrong_shape), timeout=60)
         assert "'model.norm.weight' arrived with shape [3]" in message, message
+        # The gate: a skipped bucket and a corrupted plan entry are caught, the parameter named.
+        gate = ray.get(actors["in_place"].__ray_call__.remote(
+            _check_gate, str(target), {"probe": probe, "scores": scores["load_weights"]}), timeout=300)
+        stale = gate["skipped"]["not_updated"]
+        assert stale and f"never reached engine parameter {stale[0]!r}" in gate["skipped_error"], gate
+        param = gate["corrupted_param"]
+        assert not gate["corrupted"]["not_updated"] and gate["corrupted"]["misapplied"], gate
+        assert all(m.startswith(param + " ") for m in gate["corrupted"]["misapplied"]), gate
+        assert f"Engine parameter region {param} " in gate["corrupted_error"], gate
     finally:
         for actor in actors.values():
             ray.kill(actor)
@@ -102,13 +154,18 @@ def test_trainer_push_applies_in_place(arch, layout, transport, tiny_model_dir, 
     _push_in_place(arch, layout, transport, ENGINE | {"weight_apply": "in_place"}, tiny_model_dir, tmp_path)
 
 
-def test_engine_tp2_applies_in_place(tiny_model_dir, tmp_path, ray_local):
-    """A TP2 engine (two workers, each with its own plan): qwen2's single K/V head is replicated on
-    both ranks, its 896-row vocabulary split in two; parity against the Megatron that pushed."""
+@pytest.mark.parametrize("arch, layout, transport", [("qwen2", "pp2", "broadcast"), ("deepseek_v3", "tp2ep2", "colocated")])
+def test_engine_tp2_applies_in_place(arch, layout, transport, tiny_model_dir, tmp_path, ray_local):
+    """A TP2 engine (two workers, each with its own plan); parity against the Megatron that pushed.
+    qwen2: its single K/V head replicated on both ranks, its 896-row vocabulary split in two.
+    deepseek_v3 from a TP2×EP2 trainer: MLA's projections split, and experts whose per-rank
+    intermediate size (16) vLLM-CPU pads to 32, which its layer-wise reload refuses
+    (test_weight_sync.py::test_engine_refusal_reaches_the_trainer_at_once) and the plan applies."""
     from mrl.layout import ParallelLayout
 
+    layout = ParallelLayout(pp=2) if layout == "pp2" else ParallelLayout(tp=2, ep=2)
     options = ENGINE | {"weight_apply": "in_place", "tensor_parallel_size": 2}
-    _push_in_place("qwen2", ParallelLayout(pp=2), "broadcast", options, tiny_model_dir, tmp_path, num_cpus=2)
+    _push_in_place(arch, layout, transport, options, tiny_model_dir, tmp_path, num_cpus=2)
 
 
 def _push_in_place(arch, layout, transport, options, tiny_model_dir, tmp_path, num_cpus=1):

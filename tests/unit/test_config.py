@@ -392,8 +392,8 @@ def test_the_saved_config_is_the_resolved_run_config(tmp_path):
 
 
 def test_sync_apply(tmp_path):
-    assert load_config(TINY, ["sync.apply=in_place"]).sync.apply == "in_place"
-    assert load_config(TINY, []).sync.apply == "load_weights"
+    assert load_config(TINY, []).sync.apply == "in_place"  # the default
+    assert load_config(TINY, ["sync.apply=load_weights"]).sync.apply == "load_weights"
     assert errors_of(TINY, "sync.apply=inplace") == [
         "sync.apply: must be one of 'load_weights', 'in_place', got 'inplace'"]
     model = tmp_path / "m"
