@@ -51,9 +51,8 @@ def _shift_one_plan_entry(worker) -> str:
 
     for copies in worker.mrl_sync_plan.values():
         for i, c in enumerate(copies):
-            dim = next((d for d, (start, _) in enumerate(c.param_box) if start > 0 and d > 0 or
-                        start > 0 and len(c.param_box) == 2), None)
-            if dim is not None:
+            dim = len(c.param_box) - 2  # stacked along dim 0 (fused linear) or 1 (experts' [E, rows, cols])
+            if c.param_box[dim][0] > 0:  # not the first piece: one row back overlaps the piece before
                 box = list(c.param_box)
                 box[dim] = (box[dim][0] - 1, box[dim][1] - 1)
                 copies[i] = replace(c, param_box=tuple(box))

@@ -57,6 +57,7 @@ class FakeLLM:
 
 def slept_engine() -> VLLMEngine:
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM: the sleep/wake bookkeeping is what is tested
+    engine.weight_apply = "load_weights"  # the fake LLM has no parameters to plan; bookkeeping is the point
     engine.llm, engine._sleeping, engine.weight_version = FakeLLM(), False, 0
     engine.interrupted, engine._request_ids = threading.Event(), itertools.count()
     engine.sleep()

@@ -40,6 +40,7 @@ class FakeLLM:
 def test_generations_carry_the_number_of_finished_weight_updates(monkeypatch):
     monkeypatch.setattr(VLLMEngine, "_params", lambda self, sampling, **extra: SimpleNamespace())
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM: the version bookkeeping is what is tested
+    engine.weight_apply = "load_weights"  # the fake LLM has no parameters to plan; bookkeeping is the point
     engine.llm, engine._sleeping, engine.weight_version = FakeLLM(), False, 0
     engine.interrupted, engine._request_ids = threading.Event(), itertools.count()
     generate = lambda: engine.generate([[1, 2]], SamplingSettings())[0][0]  # noqa: E731
@@ -78,6 +79,7 @@ class SlowCore:
 def test_an_interrupted_generate_returns_its_tokens_so_far_until_the_next_weight_update(monkeypatch):
     monkeypatch.setattr(VLLMEngine, "_params", lambda self, sampling, **extra: SimpleNamespace())
     engine = VLLMEngine.__new__(VLLMEngine)
+    engine.weight_apply = "load_weights"  # the fake LLM has no parameters to plan; bookkeeping is the point
     engine.llm, engine._sleeping, engine.weight_version = FakeLLM(), False, 4
     engine.interrupted, engine._request_ids = threading.Event(), itertools.count()
     engine.llm.llm_engine = core = SlowCore(engine)
