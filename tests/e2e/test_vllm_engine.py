@@ -6,7 +6,9 @@ import pytest
 
 from mrl.rollout.engine import SamplingSettings
 
-ENGINE = dict(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20)  # 1024: a long generation to interrupt
+# 1024: a long generation to interrupt; interruptible: generate steps vLLM itself (partial rollout's path),
+# which test_one_request_per_sample... compares with LLM.generate (every other engine's path)
+ENGINE = dict(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20, interruptible=True)
 PROMPTS = ["12+7=", "3*4="]
 
 

@@ -60,6 +60,7 @@ def slept_engine() -> VLLMEngine:
     engine.weight_apply = "load_weights"  # the fake LLM has no parameters to plan; bookkeeping is the point
     engine.llm, engine._sleeping, engine.weight_version = FakeLLM(), False, 0
     engine.interrupted, engine._request_ids = threading.Event(), itertools.count()
+    engine.interruptible = True  # the stepping path (partial rollout's), whose bookkeeping is tested here
     engine.sleep()
     return engine
 

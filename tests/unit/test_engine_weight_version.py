@@ -43,6 +43,7 @@ def test_generations_carry_the_number_of_finished_weight_updates(monkeypatch):
     engine.weight_apply = "load_weights"  # the fake LLM has no parameters to plan; bookkeeping is the point
     engine.llm, engine._sleeping, engine.weight_version = FakeLLM(), False, 0
     engine.interrupted, engine._request_ids = threading.Event(), itertools.count()
+    engine.interruptible = True  # the stepping path (partial rollout's), whose bookkeeping is tested here
     generate = lambda: engine.generate([[1, 2]], SamplingSettings())[0][0]  # noqa: E731
     assert generate().weight_version == 0  # the weights it started with
     for expected in (1, 2):
@@ -82,6 +83,7 @@ def test_an_interrupted_generate_returns_its_tokens_so_far_until_the_next_weight
     engine.weight_apply = "load_weights"  # the fake LLM has no parameters to plan; bookkeeping is the point
     engine.llm, engine._sleeping, engine.weight_version = FakeLLM(), False, 4
     engine.interrupted, engine._request_ids = threading.Event(), itertools.count()
+    engine.interruptible = True  # the stepping path (partial rollout's), whose bookkeeping is tested here
     engine.llm.llm_engine = core = SlowCore(engine)
     engine.llm.get_tokenizer = lambda: SimpleNamespace(decode=lambda ids, skip_special_tokens: f"<{len(ids)}>")
     (a, b), = engine.generate([[1, 2]], SamplingSettings(n=2, seed=3))
@@ -93,3 +95,26 @@ def test_an_interrupted_generate_returns_its_tokens_so_far_until_the_next_weight
     engine.begin_weight_update()
     engine.finish_weight_update()
     assert not engine.interrupted.is_set()  # the new weights: generating again
+
+
+def test_an_engine_without_partial_rollout_runs_vllms_own_loop_and_refuses_interrupt(monkeypatch):
+    """interruptible=False (no async.partial_rollout): one LLM.generate call runs every request to
+    its end (faster on CPU than stepping); interrupt() is an error, not a flag nobody reads."""
+    monkeypatch.setattr(VLLMEngine, "_params", lambda self, sampling, **extra: SimpleNamespace())
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.llm, engine._sleeping, engine.weight_version = FakeLLM(), False, 3
+    engine.interrupted, engine._request_ids = threading.Event(), itertools.count()
+    completions = [SimpleNamespace(token_ids=[t], text=str(t), logprobs=[{t: SimpleNamespace(logprob=-t / 10)}],
+                                   finish_reason="length") for t in (4, 5)]
+    engine.llm.generate = lambda prompts, params, use_tqdm: [
+        SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], finished=True, outputs=completions) for p in prompts]
+    (a, b), = engine.generate([[1, 2]], SamplingSettings(n=2))
+    assert (a.token_ids, b.token_ids, a.logprobs, a.finish_reason) == ([4], [5], [-0.4], "length")
+    assert a.prompt_ids == [1, 2] and a.weight_version == 3 and a.token_versions == [3]
+    assert engine.llm.llm_engine.added == []  # the stepping path was not taken
+    try:
+        engine.interrupt()
+    except RuntimeError as err:
+        assert "interruptible=True" in str(err) and "async.partial_rollout" in str(err)
+    else:
+        raise AssertionError("interrupt() on an engine that cannot be interrupted passed silently")
