@@ -21,7 +21,7 @@ import ray
 
 from mrl.launch.proxies import EngineError, EngineHandle, engine_died, engine_silent
 from mrl.launch.rollout_actor import RolloutServer, launch_rollout_actor
-from mrl.rollout.engine import Generation, SamplingSettings
+from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
 
 
 def assign_by_load(costs: Sequence[float], engines: int) -> list[list[int]]:
@@ -41,17 +41,7 @@ def assign_by_load(costs: Sequence[float], engines: int) -> list[list[int]]:
 def prompt_costs(prompt_ids: Sequence[list[int]],
                  sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[float]:
     """Estimated work per prompt: its tokens and the most it may generate, for each of its n samples."""
-    settings = _per_prompt(sampling, len(prompt_ids))
-    return [float((len(p) + s.max_tokens) * s.n) for p, s in zip(prompt_ids, settings)]
-
-
-def _per_prompt(sampling: SamplingSettings | Sequence[SamplingSettings], prompts: int) -> list[SamplingSettings]:
-    """One SamplingSettings per prompt (continued samples each have their own seed and token budget)."""
-    if isinstance(sampling, SamplingSettings):
-        return [sampling] * prompts
-    if len(sampling) != prompts:
-        raise ValueError(f"{len(sampling)} sampling settings for {prompts} prompts: give one, or one per prompt")
-    return list(sampling)
+    return [float((len(p) + s.max_tokens) * s.n) for p, s in zip(prompt_ids, per_prompt(sampling, len(prompt_ids)))]
 
 
 class EngineFleet:
@@ -110,8 +100,8 @@ class EngineFleet:
         meanwhile). Each engine runs one call at a time: what it is asked next (a weight update,
         sleep) starts only when its part of this generation has finished (or was interrupted).
         `sampling`: one for every prompt, or one per prompt."""
-        parts = assign_by_load(prompt_costs(prompt_ids, sampling), len(self))
-        settings = _per_prompt(sampling, len(prompt_ids))
+        settings = per_prompt(sampling, len(prompt_ids))
+        parts = assign_by_load(prompt_costs(prompt_ids, settings), len(self))
 
         def engine_sampling(part: list[int]) -> SamplingSettings | list[SamplingSettings]:
             return sampling if isinstance(sampling, SamplingSettings) else [settings[j] for j in part]

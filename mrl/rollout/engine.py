@@ -28,6 +28,16 @@ class SamplingSettings:
     ignore_eos: bool = False
 
 
+def per_prompt(sampling: SamplingSettings | Sequence[SamplingSettings], prompts: int) -> list[SamplingSettings]:
+    """One SamplingSettings per prompt, from one for all or one each (partial rollout's continued
+    samples each have their own seed and token budget)."""
+    if isinstance(sampling, SamplingSettings):
+        return [sampling] * prompts
+    if len(sampling) != prompts:
+        raise ValueError(f"{len(sampling)} sampling settings for {prompts} prompts: give one, or one per prompt")
+    return list(sampling)
+
+
 @dataclass
 class Generation:
     """One sampled response: token ids, text, and the log-probability of each sampled token.

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from mrl.rollout.engine import Generation, SamplingSettings
+from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
 from mrl.sync.wire import Bucket, WeightLoadError, WeightUpdateReport, checksums_match, tensor_checksum, wire_dtype
 
 # The engine lives in the caller's process (one engine per process): no hidden engine core process.
@@ -391,9 +391,7 @@ class VLLMEngine:
         self.wake_up()  # whoever slept the engine (colocated training), generating wakes it
         if not self.interruptible and isinstance(sampling, SamplingSettings):
             return self._generate_to_end(prompts, sampling)
-        settings = [sampling] * len(prompts) if isinstance(sampling, SamplingSettings) else list(sampling)
-        if len(settings) != len(prompts):
-            raise ValueError(f"generate: {len(settings)} sampling settings for {len(prompts)} prompts")
+        settings = per_prompt(sampling, len(prompts))
         requests = {}  # request id → (prompt index, sample index)
         for p, (prompt, s) in enumerate(zip(prompts, settings)):
             for i in range(s.n):
