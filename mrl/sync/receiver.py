@@ -9,6 +9,7 @@ import queue
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -53,8 +54,7 @@ class WeightReceiver:
         if not 0 <= index < engines or (index > 0) != (hub is not None):
             raise ValueError(f"engine {index} of {engines}: engine 0 hosts the rendezvous (hub=None), every "
                              f"other engine needs engine 0's endpoint as hub (got {hub})")
-        store = self.store if hub is None else self._join_hub(hub)
-        fanout = (store, index, engines)
+        fanout = _Fanout(self.store if hub is None else self._connect(hub), index, engines, hub or self.endpoint)
         peers: list[dict] = []  # the other engines' errors, heard in their answers to the end marker
         outcome: dict[str, Any] = {}  # {"error": ..., "tensor": ...} once the update failed
         # At most one bucket per channel waits here while the engine loads another: bounded memory.
@@ -90,15 +90,16 @@ class WeightReceiver:
         report.mismatched = [n for n, c in sent.items() if n not in held or not checksums_match(c, held[n])]
         return report
 
-    def _join_hub(self, hub: SyncEndpoint) -> Any:
-        """Engine 0's store, as a client: the rendezvous and the error key live there."""
+    def _connect(self, hub: SyncEndpoint) -> Any:
+        """A client of the hub's store (engine 0's, or this engine's own): the rendezvous and the
+        error key live there."""
         try:
             return dist.TCPStore(hub.host, hub.port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
         except (RuntimeError, OSError) as err:
-            raise SyncError(f"engine at {self.endpoint.host}:{self.endpoint.port}: cannot reach the hub engine's "
-                            f"weight-sync store at {hub.host}:{hub.port}: {err}") from err
+            raise SyncError(f"engine at {self.endpoint.host}:{self.endpoint.port}: cannot reach the "
+                            f"weight-sync store of the hub (engine 0) at {hub.host}:{hub.port}: {err}") from err
 
-    def _drain(self, sync_id: str, channels: int, arrivals: queue.Queue, outcome: dict, fanout: tuple) -> dict:
+    def _drain(self, sync_id: str, channels: int, arrivals: queue.Queue, outcome: dict, fanout: _Fanout) -> dict:
         """Load every channel's buckets until all have ended; after a failure keep receiving (and
         dropping) so that every sender reaches its end marker and hears the error in its answer."""
         sent: dict[str, tuple[float, float]] = {}
@@ -127,7 +128,7 @@ class WeightReceiver:
                 self._fail(sync_id, outcome, err, header, fanout)
         return sent
 
-    def _fail(self, sync_id: str, outcome: dict, err: BaseException, header: dict | None, fanout: tuple) -> None:
+    def _fail(self, sync_id: str, outcome: dict, err: BaseException, header: dict | None, fanout: _Fanout) -> None:
         """Record the update's first error and post it in the store, where every sender looks for
         it between buckets: they stop sending at once instead of waiting for an answer that the
         engine will never give."""
@@ -135,7 +136,7 @@ class WeightReceiver:
             return
         tensor = getattr(err, "tensor", None) or (describe(header) if header else None)
         message = getattr(err, "message", None) or f"{type(err).__name__}: {err}"
-        store, index, engines = fanout
+        store, index, engines = fanout.store, fanout.index, fanout.engines
         outcome.update(error=" ".join(message.split()), tensor=tensor, engine=f"{self.endpoint.host}:{self.endpoint.port}")
         if engines > 1:
             outcome.update(index=index, engines=engines)
@@ -145,15 +146,18 @@ class WeightReceiver:
             pass
 
     def _serve(self, sync_id: str, channel_index: int, arrivals: queue.Queue, loaded: threading.Event,
-               outcome: dict, fanout: tuple, peers: list) -> None:
+               outcome: dict, fanout: _Fanout, peers: list) -> None:
         """Receive one channel's buckets into `arrivals`; answer the end marker once the update is
         finished: {"ok": true}, or the engine's error (each engine answers in turn)."""
-        store, engine_index, engines = fanout
+        engine_index, engines = fanout.index, fanout.engines
         try:
             who = "engine" if engines == 1 else f"engine {engine_index} of {engines}"
             who = f"{who} ← PP stage {channel_index}"
-            channel = Channel(store, f"{sync_id}/channel{channel_index}", engine_index + 1, self.timeout_s, who,
-                              members=engines + 1)
+            # A connection of this channel's own: a TCPStore client runs one operation at a time, and
+            # the rendezvous blocks in a wait. Shared, channel 0's wait for its sender held up channel
+            # 1's rendezvous, and two engines of a fan-out could each hold up the other (CI hang).
+            channel = Channel(self._connect(fanout.hub), f"{sync_id}/channel{channel_index}", engine_index + 1,
+                              self.timeout_s, who, members=engines + 1)
             index = 0
             while True:
                 header = channel.recv_json(f"waiting for bucket {index}")
@@ -179,6 +183,17 @@ class WeightReceiver:
         path = header["shm"]
         flat = torch.from_file(path, shared=True, size=max(header["nbytes"], 1), dtype=torch.uint8)
         return flat[: header["nbytes"]]  # the sender unlinks the file; the mapping stays valid
+
+
+@dataclass(frozen=True)
+class _Fanout:
+    """This engine's place in one update: the hub's store (errors are posted there), its index
+    among the engines fed by the same senders, and the hub's address (each channel connects anew)."""
+
+    store: Any
+    index: int
+    engines: int
+    hub: SyncEndpoint
 
 
 def _pending(arrivals: queue.Queue) -> list:

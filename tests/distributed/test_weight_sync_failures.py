@@ -294,3 +294,29 @@ def test_dead_engine_1_fails_the_push_naming_it(tiny_model_dir):
     for proc, _, _ in engines:
         proc.join(timeout=10)
     assert engines[1][0].exitcode == 3
+
+
+def test_each_channel_rendezvouses_without_waiting_for_the_others():
+    """Stage 1's sender joins its channel while stage 0's has not come yet: the engine's channel 1
+    meets it at once. (With one store connection for both channels, channel 0's wait for its
+    sender blocked channel 1's rendezvous; two engines of a fan-out could then block each other.)"""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    from mrl.sync.channel import Channel
+
+    proc, endpoint, results = _start_engine(channels=2, sync_id="rendezvous")
+    time.sleep(2.0)  # the engine's channel 0 is waiting for its sender by now
+    senders = []
+    for stage in (1, 0):  # stage 0 comes last
+        store = dist.TCPStore(endpoint.host, endpoint.port, is_master=False, timeout=timedelta(seconds=30))
+        start = time.monotonic()
+        senders.append(Channel(store, f"rendezvous/channel{stage}", 0, 10, f"sender of stage {stage}"))
+        assert time.monotonic() - start < 10
+    for channel in senders:
+        channel.send_json({"end": True, "tensors": 0}, "sending the end marker")
+    for channel in senders:  # the engine answers once every channel has ended
+        assert channel.answers(None, "waiting for the answer") == [{"ok": True}]
+    status, tensors, *_ = results.get(timeout=60)
+    proc.join(timeout=10)
+    assert status == "ok" and tensors == 0
