@@ -4,13 +4,14 @@ Every rank runs the same generator. A plan (which global tensor lives on which r
 order) is gathered once; then, bucket by bucket, the owning ranks send their shards straight to
 the destination, which reassembles HF tensors with the mapping table's segments and yields them.
 Data-parallel replicas stay idle: only data-parallel rank 0 (expert-data-parallel rank 0 for
-experts) sends. Peak extra memory on the destination is one bucket (never less than the largest
-tensor) plus the largest tensor, provided the consumer drops each bucket before asking for the
-next; senders send their parameters in place and allocate nothing.
+experts) sends, one message per bucket (its shards packed). Peak extra memory on the destination
+is one bucket (never less than the largest tensor) plus the largest tensor, provided the consumer
+drops each bucket before asking for the next; on a sender, its own share of one bucket.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from datetime import timedelta
@@ -47,10 +48,11 @@ class PlanItem:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.global_shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.global_shape) * self.dtype.itemsize
+
+    @property
+    def shard_bytes(self) -> int:
+        return math.prod(self.local_shape) * self.dtype.itemsize
 
 
 def _owns(t: LocalTensor, coords: RankCoords) -> bool:
@@ -104,42 +106,91 @@ def export_hf_weights(
     dst: int = 0,
     group: Any = None,
     timeout_s: float = 300.0,
+    plan: list[PlanItem] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield buckets of (hf_name, tensor) on rank `dst`; drive the sends on every other rank.
 
     With `group` (e.g. one pipeline stage's ranks), only that group's tensors are exported, to `dst`
-    (a global rank inside the group); every rank of the group must call this.
+    (a global rank inside the group); every rank of the group must call this. `plan` is
+    `build_plan`'s result for the same ranks, when the caller keeps it (it never changes for a
+    model; building it is a collective): otherwise it is built here.
     Vocab padding is stripped, tied copies are skipped, experts come one expert at a time.
     """
     tensors = local_tensors(built, coords)
     by_name = {t.name: t for t in tensors}
     dims = SplitDims.of(built.spec)
     timeout = timedelta(seconds=timeout_s)
-    rank = coords.rank
-    for index, bucket in enumerate(_buckets(build_plan(tensors, coords, group), bucket_bytes)):
-        received: dict[tuple[str, int], torch.Tensor] = {}
-        waits = []
+    plan = build_plan(tensors, coords, group) if plan is None else plan
+    for index, bucket in enumerate(_buckets(plan, bucket_bytes)):
+        # One message per source rank and bucket: a model of many small tensors (MoE experts, the
+        # tiny demo's 180 shards) spent most of its export on per-message latency.
+        shards: dict[int, list[tuple[PlanItem, int]]] = {}
         for item in bucket:
             for source, shard in item.sources:
-                if source == rank == dst:
-                    received[item.name, shard] = by_name[item.name].tensor.detach()
-                elif rank == dst:
-                    buffer = torch.empty(item.local_shape, dtype=item.dtype)
-                    received[item.name, shard] = buffer
-                    waits.append((dist.irecv(buffer, src=source, group=group), item.name, source))
-                elif source == rank:
-                    waits.append((dist.isend(by_name[item.name].tensor.detach().contiguous(), dst, group=group), item.name, dst))
-        for work, name, peer in waits:
-            try:
-                work.wait(timeout)
-            except RuntimeError as err:
-                raise ExportTimeout(
-                    f"rank {rank}: export bucket {index} timed out after {timeout_s:.0f}s exchanging "
-                    f"{name!r} with rank {peer}: {err}"
-                ) from err
-        waits.clear()  # finished works still reference their buffers: let the shards go
-        if rank == dst:
+                shards.setdefault(source, []).append((item, shard))
+        if coords.rank == dst:
+            received = _receive(shards, by_name, dst, group, timeout, index)
             yield [pair for item in bucket for pair in _assemble(item, received, dims)]
+        elif coords.rank in shards:
+            _send(shards[coords.rank], by_name, coords.rank, dst, group, timeout, index)
+
+
+_ALIGN = 64  # every shard starts at a multiple of this in a message: its bytes view as any dtype
+
+
+def _offsets(entries: list[tuple[PlanItem, int]]) -> tuple[list[int], int]:
+    """Where each shard starts in one source's message, and the message's length in bytes."""
+    offsets, size = [], 0
+    for item, _ in entries:
+        offsets.append(size)
+        size += -(-item.shard_bytes // _ALIGN) * _ALIGN
+    return offsets, size
+
+
+def _send(entries: list[tuple[PlanItem, int]], by_name: dict[str, LocalTensor], rank: int, dst: int, group: Any,
+          timeout: timedelta, index: int) -> None:
+    """Copy this rank's shards of the bucket into one message and send it to `dst`."""
+    offsets, size = _offsets(entries)
+    message = torch.empty(size, dtype=torch.uint8)
+    for (item, _), offset in zip(entries, offsets):
+        shard = by_name[item.name].tensor.detach().contiguous().view(-1).view(torch.uint8)
+        if shard.numel() != item.shard_bytes:  # the destination would read the message wrongly
+            raise ValueError(f"rank {rank}: shard of {item.name!r} has {shard.numel()} bytes, the plan says "
+                             f"{item.shard_bytes} (shape {tuple(item.local_shape)}, {item.dtype})")
+        message[offset : offset + shard.numel()].copy_(shard)
+    _wait(dist.isend(message, dst, group=group), rank, dst, entries, timeout, index, "sending")
+
+
+def _receive(shards: dict[int, list[tuple[PlanItem, int]]], by_name: dict[str, LocalTensor], dst: int, group: Any,
+             timeout: timedelta, index: int) -> dict[tuple[str, int], torch.Tensor]:
+    """Every shard of the bucket on `dst`: its own in place, each other source's from one message."""
+    received: dict[tuple[str, int], torch.Tensor] = {}
+    waits = []
+    for source, entries in shards.items():
+        if source == dst:
+            received.update(((item.name, shard), by_name[item.name].tensor.detach()) for item, shard in entries)
+            continue
+        offsets, size = _offsets(entries)
+        message = torch.empty(size, dtype=torch.uint8)
+        waits.append((dist.irecv(message, src=source, group=group), source, entries))
+        for (item, shard), offset in zip(entries, offsets):
+            view = message[offset : offset + item.shard_bytes].view(item.dtype)
+            received[item.name, shard] = view.view(item.local_shape)
+    for work, source, entries in waits:
+        _wait(work, dst, source, entries, timeout, index, "receiving")
+    return received
+
+
+def _wait(work: Any, rank: int, peer: int, entries: list[tuple[PlanItem, int]], timeout: timedelta, index: int,
+          doing: str) -> None:
+    try:
+        work.wait(timeout)
+    except RuntimeError as err:
+        names = [item.name for item, _ in entries]
+        raise ExportTimeout(
+            f"rank {rank}: export bucket {index} timed out after {timeout.total_seconds():.0f}s {doing} "
+            f"{len(names)} shard(s) ({names[0]!r} first) {'to' if doing == 'sending' else 'from'} rank {peer}: {err}"
+        ) from err
 
 
 def _assemble(

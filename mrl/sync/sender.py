@@ -62,6 +62,7 @@ class WeightSender:
         self.pipeline = pipeline
         self.engine_dtype = dtype_named(self.endpoint.dtype)
         self.group, self.leader, self.stage = self._export_group()
+        self.plan = self._export_plan()
 
     def _export_group(self) -> tuple[Any, int, int]:
         """Colocated: the whole world exports to rank 0. Broadcast: one group per pipeline stage."""
@@ -77,6 +78,14 @@ class WeightSender:
                 mine = group, min(ranks), stage
         return mine  # type: ignore[return-value]
 
+    def _export_plan(self) -> list:
+        """Which ranks send which shards, in which order: gathered once (a collective), since a
+        model's shards never move; every push reuses it."""
+        from mrl.bridge.export import build_plan
+        from mrl.bridge.local_tensors import local_tensors
+
+        return build_plan(local_tensors(self.built, self.coords), self.coords, self.group)
+
     @property
     def channels(self) -> int:
         """How many channels each engine must open for this layout."""
@@ -90,7 +99,7 @@ class WeightSender:
         report = SentReport(started_at=time.time())
         link = _Link(self, sync_id) if self.coords.rank == self.leader else None
         buckets = export_hf_weights(self.built, self.coords, bucket_bytes=self.bucket_bytes, dst=self.leader,
-                                    group=self.group, timeout_s=self.timeout_s)
+                                    group=self.group, timeout_s=self.timeout_s, plan=self.plan)
         if link is None:
             for _ in buckets:  # drives this rank's sends to its leader
                 pass
