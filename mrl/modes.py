@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Protocol
 
 from mrl.metrics import timer
+from mrl.rollout.detokenize import Detokenizer
 from mrl.rollout.engine import Generation
 
 # The phases in which the trainer ranks work (a timed phase of the step: timing_s/<name>).
@@ -135,19 +136,24 @@ Restored = GeneratedBatch | list[GeneratedBatch] | None  # a checkpoint's batche
 Resume = Callable[[int, list[Generation], list[tuple[int, int]]], PendingBatch]
 
 
-def continue_generation(prefix: Generation, rest: Generation) -> Generation:
+def continue_generation(prefix: Generation, rest: Generation, detokenize: Detokenizer) -> Generation:
     """A sample interrupted at a weight update (`prefix`, finish_reason None) followed by its
     continuation (`rest`, generated from prompt + prefix's tokens, possibly on newer weights): the
     whole sample, each token with its own version and engine log-prob; its weight_version is the
-    oldest token's (the staleness of the sample is that of its stalest token)."""
+    oldest token's (the staleness of the sample is that of its stalest token). Its text and stop are
+    those of one uninterrupted request (`detokenize`): the engine saw the continuation alone, so a
+    stop string that began before the cut ends the sample here, and tokens after the one completing
+    it are dropped, as vLLM drops them."""
     if rest.prompt_ids != prefix.prompt_ids + prefix.token_ids:
         raise RuntimeError(f"a continuation's prompt ({len(rest.prompt_ids)} tokens) is not the interrupted sample's "
                            f"prompt and tokens ({len(prefix.prompt_ids)} + {len(prefix.token_ids)}): it continues "
                            "another sample")
-    versions = prefix.versions() + rest.versions()
-    # The prefix's text is its tokens' own (VLLMEngine._generation); vLLM detokenizes the rest after them.
-    return Generation(prefix.prompt_ids, prefix.token_ids + rest.token_ids, prefix.text + rest.text,
-                      prefix.logprobs + rest.logprobs, rest.finish_reason,
+    tokens = prefix.token_ids + rest.token_ids
+    sample = detokenize(prefix.prompt_ids, tokens, stop_terminated=rest.finish_reason == "stop")
+    kept = sample.kept
+    versions = (prefix.versions() + rest.versions())[:kept]
+    return Generation(prefix.prompt_ids, tokens[:kept], sample.text, (prefix.logprobs + rest.logprobs)[:kept],
+                      "stop" if sample.stop is not None else rest.finish_reason,
                       min(versions) if versions else rest.weight_version, versions)
 
 
@@ -284,6 +290,12 @@ class AsyncPlan:
     samples_per_prompt: int
     interrupt: Callable[[], None] | None = None  # async.partial_rollout: stop the engines' generations now
     resume: Resume | None = None  # async.partial_rollout: continue unfinished samples
+    detokenize: Detokenizer | None = None  # async.partial_rollout: a continued sample's text and stop
+
+    def __post_init__(self):
+        if self.interrupt is not None and (self.resume is None or self.detokenize is None):
+            raise ValueError("AsyncPlan: interrupt (async.partial_rollout) needs resume and detokenize, which continue "
+                             "an interrupted sample and give it the text and stop of one uninterrupted request")
 
 
 @dataclass
@@ -428,7 +440,7 @@ class FullyAsyncSource(BatchSource):
             rest = resumed.pending.result()
             groups = [list(group) for group in chunk.done.groups]
             for (p, s), (generation,) in zip(resumed.slots, rest.groups, strict=True):
-                groups[p][s] = continue_generation(groups[p][s], generation)
+                groups[p][s] = continue_generation(groups[p][s], generation, self.plan.detokenize)
             end = resumed.launched + rest.gen_seconds
             self.busy.append((resumed.launched, end))
             chunk.done = replace(chunk.done, groups=groups, gen_seconds=end - chunk.launched,

@@ -29,6 +29,7 @@ from mrl.modes import (AsyncPlan, BatchSource, GeneratedBatch, PendingBatch, con
                        overlap_metrics)
 from mrl.profiling import profiled_step
 from mrl.rewards import RewardInput, RewardResult
+from mrl.rollout.detokenize import Detokenizer
 from mrl.rollout.engine import Generation, SamplingSettings
 from mrl.rollout_trace import trace_rollouts
 from mrl.run import Run, open_run
@@ -174,7 +175,8 @@ def batch_source(run: Run) -> BatchSource:
     a = cfg.async_
     plan = AsyncPlan(run.sampler.next_batch, generate, run.start, a.max_staleness, a.sync_every, a.queue_size,
                      a.chunk_prompts or cfg.data.batch_size, cfg.rollout.n_samples_per_prompt,
-                     cluster.interrupt_engines if a.partial_rollout else None, resume)
+                     cluster.interrupt_engines if a.partial_rollout else None, resume,
+                     Detokenizer(run.tokenizer, tuple(cfg.rollout.stop)) if a.partial_rollout else None)
     return make_source(cfg.trainer.mode, lambda step: generate(step, run.sampler.next_batch()), cluster.sync_weights,
                        cluster.release_engines, cfg.trainer.total_steps, GeneratedBatch.list_from_state(run.in_flight),
                        plan)

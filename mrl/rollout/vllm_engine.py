@@ -464,7 +464,8 @@ class VLLMEngine:
         c = out.outputs[0] if completion is None else completion
         tokens = list(c.token_ids)
         # Unfinished: vLLM may hold back the text of the last tokens (a stop string could start
-        # there); the tokens' own text goes on instead, and the continuation's text follows it.
+        # there); the tokens' own text goes on instead, until the merge with the continuation
+        # (mrl.modes.continue_generation) detokenizes the whole sample again.
         text = c.text if out.finished else self.llm.get_tokenizer().decode(tokens, skip_special_tokens=True)
         return Generation(
             prompt_ids=list(out.prompt_token_ids),

@@ -105,9 +105,11 @@ def test_a_partial_rollout_continues_on_new_weights_with_the_engines_logprobs(ac
 
     import ray
     from safetensors.torch import load_file
+    from transformers import AutoTokenizer
 
     from mrl.models.tiny import write_tiny_model
     from mrl.modes import continue_generation
+    from mrl.rollout.detokenize import Detokenizer
 
     prompt, budget = [3, 5, 7, 9], 1000  # far more than 0.3 s of tokens on any CPU
     long = SamplingSettings(max_tokens=budget, ignore_eos=True, temperature=1.0, n=8, seed=5)
@@ -137,7 +139,7 @@ def test_a_partial_rollout_continues_on_new_weights_with_the_engines_logprobs(ac
         rest = SamplingSettings(max_tokens=16, ignore_eos=True, temperature=1.0, seed=99)  # (not all the rest: time)
         cont = actor("generate", [prompt + old.token_ids], [rest])[0][0]
         assert cont.finish_reason == "length" and cont.token_versions == [version] * len(cont.token_ids)
-        merged = continue_generation(old, cont)
+        merged = continue_generation(old, cont, Detokenizer(AutoTokenizer.from_pretrained(str(original))))
         assert merged.prompt_ids == prompt and len(merged.token_ids) == len(old.token_ids) + 16 == len(merged.logprobs)
         assert set(merged.token_versions) == {version - 1, version} and merged.weight_version == version - 1
         scores = actor("score", [prompt + merged.token_ids])[0][len(prompt) - 1:]

@@ -8,9 +8,15 @@ import pytest
 
 from mrl.modes import (AsyncPlan, GeneratedBatch, PendingBatch, continuation_seed, continue_generation, make_source,
                        overlap_metrics)
+from mrl.rollout.detokenize import SampleText
 from mrl.rollout.engine import Generation
 
 BATCH, N, LENGTH = 2, 2, 4  # prompts a step, samples a prompt, tokens a sample
+
+
+def detokenize(prompt_ids: list[int], token_ids: list[int], stop_terminated: bool) -> SampleText:
+    """The fake's text ("t" a token) and no stop strings (the real one: tests/unit/test_partial_text.py)."""
+    return SampleText("t" * len(token_ids), len(token_ids), None)
 
 
 def token(sample: int, version: int, position: int) -> int:
@@ -84,7 +90,7 @@ def _run(eta: int = 1, steps: int = 3, partial: bool = True):
     engine = InterruptibleEngine()
     engine.push()  # the run's first sync: version 1
     plan = AsyncPlan(engine.sample, engine.generate, 0, eta, 1, 8, 1, N,
-                     engine.interrupt if partial else None, engine.resume)
+                     engine.interrupt if partial else None, engine.resume, detokenize)
     source = make_source("fully_async", None, engine.push, None, steps, None, plan)
     batches, metrics = [], {}
     for step in range(1, steps + 1):
@@ -147,7 +153,7 @@ def test_without_partial_rollout_the_push_waits_and_nothing_is_continued():
 def test_a_checkpoint_waits_for_the_continuations_and_round_trips_token_versions():
     engine = InterruptibleEngine()
     engine.push()
-    plan = AsyncPlan(engine.sample, engine.generate, 0, 1, 1, 8, 1, N, engine.interrupt, engine.resume)
+    plan = AsyncPlan(engine.sample, engine.generate, 0, 1, 1, 8, 1, N, engine.interrupt, engine.resume, detokenize)
     source = make_source("fully_async", None, engine.push, None, 3, None, plan)
     source.next(1, {})
     source.after_update(1, True, {})  # b2 interrupted, continued on v2
@@ -166,11 +172,17 @@ def test_a_checkpoint_waits_for_the_continuations_and_round_trips_token_versions
 def test_a_continuation_must_continue_its_own_sample():
     prefix = Generation([5], [7, 8], "ab", [-0.1, -0.2], None, 1, [1, 1])
     rest = Generation([5, 7, 8], [9], "c", [-0.3], "stop", 2, [2])
-    merged = continue_generation(prefix, rest)
+    merged = continue_generation(prefix, rest, detokenize)
     assert (merged.token_ids, merged.text, merged.logprobs, merged.token_versions, merged.weight_version,
-            merged.finish_reason) == ([7, 8, 9], "abc", [-0.1, -0.2, -0.3], [1, 1, 2], 1, "stop")
+            merged.finish_reason) == ([7, 8, 9], "ttt", [-0.1, -0.2, -0.3], [1, 1, 2], 1, "stop")
     with pytest.raises(RuntimeError, match="continues another sample"):
-        continue_generation(prefix, Generation([5, 7], [9], "c", [-0.3], "stop", 2, [2]))
+        continue_generation(prefix, Generation([5, 7], [9], "c", [-0.3], "stop", 2, [2]), detokenize)
+
+
+def test_partial_rollout_without_its_detokenizer_is_refused():
+    engine = InterruptibleEngine()
+    with pytest.raises(ValueError, match="needs resume and detokenize"):
+        AsyncPlan(engine.sample, engine.generate, 0, 1, 1, 8, 1, N, engine.interrupt, engine.resume)
 
 
 def test_continuation_seeds_differ_per_sample_and_continuation():
