@@ -162,21 +162,25 @@ def batch_source(run: Run) -> BatchSource:
         pending = cluster.generate_async([run.train_set[i]["prompt_ids"] for i in indices], sampling_for(cfg, step))
         return PendingBatch(step, indices, pending, run.start)
 
+    a = cfg.async_
+    # async.partial_rollout: a continued sample's text and stop strings (the merge), and which stop
+    # strings vLLM may check in a continuation
+    detokenize = Detokenizer(run.tokenizer, tuple(cfg.rollout.stop)) if a.partial_rollout else None
+
     def resume(step: int, partials: list[Generation], keys: list[tuple[int, int]]) -> PendingBatch:
         """async.partial_rollout: each interrupted sample goes on from its prompt and tokens so far,
         for the rest of its token budget, with a seed of its own per continuation."""
         base = sampling_for(cfg, step)
         settings = [replace(base, n=1, max_tokens=base.max_tokens - len(g.token_ids),
-                            seed=continuation_seed(base.seed, sample, count))
+                            seed=continuation_seed(base.seed, sample, count),
+                            stop=detokenize.continuation_stop(g.prompt_ids + g.token_ids))
                     for g, (sample, count) in zip(partials, keys)]
         pending = cluster.generate_async([g.prompt_ids + g.token_ids for g in partials], settings)
         return PendingBatch(step, [], pending, run.start)
 
-    a = cfg.async_
     plan = AsyncPlan(run.sampler.next_batch, generate, run.start, a.max_staleness, a.sync_every, a.queue_size,
                      a.chunk_prompts or cfg.data.batch_size, cfg.rollout.n_samples_per_prompt,
-                     cluster.interrupt_engines if a.partial_rollout else None, resume,
-                     Detokenizer(run.tokenizer, tuple(cfg.rollout.stop)) if a.partial_rollout else None)
+                     cluster.interrupt_engines if a.partial_rollout else None, resume, detokenize)
     return make_source(cfg.trainer.mode, lambda step: generate(step, run.sampler.next_batch()), cluster.sync_weights,
                        cluster.release_engines, cfg.trainer.total_steps, GeneratedBatch.list_from_state(run.in_flight),
                        plan)

@@ -10,6 +10,14 @@ uninterrupted request: vLLM 0.32's v1 FastIncrementalDetokenizer and check_stop_
 (vllm/v1/engine/detokenizer.py), for the settings mrl gives vLLM (skip_special_tokens,
 include_stop_str_in_output off, no min_tokens; mrl.rollout.vllm_engine). No vLLM import: the driver
 merges, and `tokenizers` is the library vLLM's fast detokenizer runs on.
+
+What still differs from an uninterrupted request: a continuation cut inside a character gets no
+stop strings (continuation_stop), so it generates on to EOS or its budget and the merge drops the
+tokens after the stop string (same sample, more engine work). An EOS token that is not a special
+token and whose own text completes a stop string: vLLM leaves the EOS out of the text (finish
+"stop", the text up to the EOS), the merge, which cannot tell it from a stop string's end, cuts the
+text at the stop string. vLLM's slow (Python) detokenizer is not reproduced: a tokenizer without a
+`tokenizers` backend is refused.
 """
 
 from __future__ import annotations
@@ -61,6 +69,16 @@ class Detokenizer:
             if stop is not None:  # vLLM keeps the token completing the stop string, and the text before it
                 return SampleText(text[:stop[1]], i + 1, stop[0])
         return SampleText(before_last if stop_terminated and token_ids else text, len(token_ids), None)
+
+    def continuation_stop(self, prompt_ids: list[int]) -> tuple[str, ...]:
+        """The stop strings to give vLLM for a continuation whose prompt is `prompt_ids` (the
+        sample's prompt and tokens so far): none when it ends inside a character, where vLLM's
+        decode stream returns the prompt's own text with that character, so a stop string in the
+        prompt would end the continuation at once. The merge (__call__) finds every stop string
+        anyway; such a continuation only runs on to EOS or its budget rather than stopping early."""
+        if self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True).endswith("\ufffd"):
+            return ()
+        return self.stop
 
     def _step(self, stream: DecodeStream, token: int) -> tuple[str, DecodeStream]:
         """The text `token` adds ("" while a character is incomplete), as FastIncrementalDetokenizer."""

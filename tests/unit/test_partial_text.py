@@ -34,23 +34,26 @@ def vllm_request(prompt: list[int], tokens: list[int], stop: tuple[str, ...], st
 
 
 def interrupted_and_continued(tokens: list[int], cut: int, stop: tuple[str, ...], rest_finishes: bool = True,
-                              stop_token: bool = False) -> Generation:
-    """The sample `tokens`, interrupted after `cut` of them and continued (same tokens), merged."""
-    prefix = Generation(PROMPT, tokens[:cut], TOKENIZER.decode(tokens[:cut], skip_special_tokens=True),
+                              stop_token: bool = False, prompt: list[int] = PROMPT) -> Generation:
+    """The sample `tokens`, interrupted after `cut` of them and continued (same tokens, with the stop
+    strings the trainer gives a continuation), merged."""
+    detokenize = Detokenizer(TOKENIZER, stop)
+    prefix = Generation(prompt, tokens[:cut], TOKENIZER.decode(tokens[:cut], skip_special_tokens=True),
                         [-0.1] * cut, None, 1, [1] * cut)
-    text, kept, stopped = vllm_request(PROMPT + tokens[:cut], tokens[cut:], stop, stop_token)
+    rest_stop = detokenize.continuation_stop(prompt + tokens[:cut])
+    text, kept, stopped = vllm_request(prompt + tokens[:cut], tokens[cut:], rest_stop, stop_token)
     if not rest_finishes and not stopped:  # interrupted again: the engine gives the tokens' own text
         text = TOKENIZER.decode(kept, skip_special_tokens=True)
     finish = "stop" if stopped else ("length" if rest_finishes else None)
-    rest = Generation(PROMPT + tokens[:cut], kept, text, [-0.2] * len(kept), finish, 2, [2] * len(kept))
-    return continue_generation(prefix, rest, Detokenizer(TOKENIZER, stop))
+    rest = Generation(prompt + tokens[:cut], kept, text, [-0.2] * len(kept), finish, 2, [2] * len(kept))
+    return continue_generation(prefix, rest, detokenize)
 
 
-def _check_every_cut(sample: str, stop: tuple[str, ...], **kw) -> Generation:
+def _check_every_cut(sample: str, stop: tuple[str, ...], prompt: list[int] = PROMPT, **kw) -> Generation:
     tokens = TOKENIZER.encode(sample, add_special_tokens=False)
-    text, kept, stopped = vllm_request(PROMPT, tokens, stop, kw.get("stop_token", False))
+    text, kept, stopped = vllm_request(prompt, tokens, stop, kw.get("stop_token", False))
     for cut in range(1, len(kept)):  # a cut after the token that ends the sample: it would not be interrupted
-        merged = interrupted_and_continued(tokens, cut, stop, **kw)
+        merged = interrupted_and_continued(tokens, cut, stop, prompt=prompt, **kw)
         assert (merged.text, merged.token_ids) == (text, kept), f"cut after {cut} tokens"
         assert merged.finish_reason == ("stop" if stopped else ("length" if kw.get("rest_finishes", True) else None))
         assert merged.token_versions == [1] * cut + [2] * (len(kept) - cut) and len(merged.logprobs) == len(kept)
@@ -73,6 +76,18 @@ def test_a_stop_string_across_the_cut_ends_the_sample_as_vllm_would(sample, stop
 
 def test_a_stop_string_across_the_cut_ends_a_continuation_interrupted_again():
     _check_every_cut("so the answer is 5 and more", ("the answer",), rest_finishes=False)
+
+
+def test_a_stop_string_in_the_prompt_does_not_end_a_continuation_cut_inside_a_character():
+    """vLLM's decode stream, primed with a prompt that ends inside a character, returns the prompt's
+    text with that character: a stop string there would end the continuation at once. The trainer
+    gives such a continuation no stop strings (continuation_stop); the merge finds them all."""
+    prompt = TOKENIZER.encode("no answer here: ")
+    tokens = TOKENIZER.encode("Hi 猫 cat", add_special_tokens=False)
+    assert vllm_request(prompt + tokens[:4], tokens[4:], ("answer",))[2]  # vLLM's own: stopped at once
+    assert Detokenizer(TOKENIZER, ("answer",)).continuation_stop(prompt + tokens[:4]) == ()
+    assert Detokenizer(TOKENIZER, ("answer",)).continuation_stop(prompt + tokens[:3]) == ("answer",)
+    assert _check_every_cut("Hi 猫 cat", ("answer",), prompt).text == "Hi 猫 cat"
 
 
 def test_a_stop_token_is_left_out_of_the_text():
