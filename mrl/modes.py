@@ -149,7 +149,8 @@ def continue_generation(prefix: Generation, rest: Generation, detokenize: Detoke
                            f"prompt and tokens ({len(prefix.prompt_ids)} + {len(prefix.token_ids)}): it continues "
                            "another sample")
     tokens = prefix.token_ids + rest.token_ids
-    sample = detokenize(prefix.prompt_ids, tokens, stop_terminated=rest.finish_reason == "stop")
+    stop_token = rest.finish_reason == "stop" and bool(rest.token_ids)  # an EOS (or a stop string: detokenize tells)
+    sample = detokenize(prefix.prompt_ids, tokens, stop_terminated=stop_token)
     kept = sample.kept
     versions = (prefix.versions() + rest.versions())[:kept]
     return Generation(prefix.prompt_ids, tokens[:kept], sample.text, (prefix.logprobs + rest.logprobs)[:kept],

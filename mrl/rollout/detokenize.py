@@ -84,6 +84,8 @@ class Detokenizer:
         """The text `token` adds ("" while a character is incomplete), as FastIncrementalDetokenizer."""
         try:
             return stream.step(self.tokenizer, token) or "", stream
+        except (OverflowError, TypeError):  # an invalid token id: vLLM gives it no text
+            return "", stream
         except Exception as err:  # noqa: BLE001 - re-raised unless it is the error vLLM recovers from
             if not str(err).startswith(_INVALID_PREFIX):
                 raise
