@@ -4,6 +4,9 @@ vLLM's own detokenizer and stop-string check fed one token a step, as its output
 engine side is emulated as VLLMEngine returns it: an interrupted sample with its tokens' own text,
 a continuation as vLLM detokenizes and stops it given prompt + tokens so far as its prompt."""
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -13,10 +16,12 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.v1.engine import EngineCoreRequest  # noqa: E402
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 
+from mrl.config import load_config  # noqa: E402
 from mrl.models.tiny import build_tokenizer  # noqa: E402
 from mrl.modes import continue_generation  # noqa: E402
 from mrl.rollout.detokenize import Detokenizer  # noqa: E402
 from mrl.rollout.engine import Generation  # noqa: E402
+from mrl.trainer import batch_source  # noqa: E402
 
 TOKENIZER = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer())  # byte-level: 猫 is three tokens
 PROMPT = TOKENIZER.encode("Q: ")
@@ -98,3 +103,19 @@ def test_a_stop_token_is_left_out_of_the_text():
 def test_a_tokenizer_vllm_cannot_detokenize_fast_is_refused_by_name():
     with pytest.raises(TypeError, match="fast .*tokenizer.*async.partial_rollout: false"):
         Detokenizer(object())
+
+
+def test_the_trainer_continues_a_sample_cut_inside_a_character_without_stop_strings():
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu_async.yaml",
+                      ["async.partial_rollout=true", 'rollout.stop=["answer"]'])
+    asked = []  # the sampling settings of each generate
+    cluster = SimpleNamespace(generate_async=lambda prompts, settings: asked.append(settings),
+                              interrupt_engines=None, sync_weights=None, release_engines=None)
+    run = SimpleNamespace(cfg=cfg, tokenizer=TOKENIZER, train_set=[], sampler=SimpleNamespace(next_batch=list),
+                          cluster=cluster, start=0, in_flight=None)
+    plan = batch_source(run).plan
+    tokens = TOKENIZER.encode("Hi 猫 cat", add_special_tokens=False)  # H|i| |猫 (3 tokens)| c|at
+    partials = [Generation(PROMPT, tokens[:cut], "", [0.0] * cut, None, 1, [1] * cut) for cut in (3, 4)]
+    plan.resume(2, partials, [(0, 1), (1, 1)])
+    assert [s.stop for s in asked[0]] == [("answer",), ()]  # after " ": the stop strings; inside 猫: none
+    assert plan.detokenize.stop == ("answer",)  # the merge checks them all
