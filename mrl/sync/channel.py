@@ -46,6 +46,7 @@ class Channel:
         self.timeout_s = timeout_s
         self.who = who
         self.member, self.members = member, members
+        self.prefix = prefix
         try:  # the rendezvous itself waits for every peer
             self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), member, members, self.timeout)
         except RuntimeError as err:
@@ -96,3 +97,49 @@ class Channel:
             self.group.allreduce([torch.zeros(1)]).wait(self.timeout)
         except RuntimeError as err:
             raise SyncError(f"{self.who}: {what} failed or timed out after {self.timeout_s:.0f}s: {err}") from err
+
+
+# --- keeping a channel from one sync to the next -----------------------------------------------
+# A gloo group costs a rendezvous to make and ~20 ms to destroy (measured: `del` of a two-member
+# ProcessGroupGloo), each on both sides of every sync: a quarter of the demo's sync. So both sides
+# keep each channel after a sync that succeeded, and the next sync reuses it when every member
+# still holds it: the sender offers the channel it kept (by its prefix), every engine says whether
+# it holds the same one, and the sender announces the outcome. A member that lost its channel (a
+# failed sync, a restarted process, another sender) makes everyone rendezvous anew.
+
+
+def _keys(sync_id: str, stage: int) -> tuple[str, str, str]:
+    return f"{sync_id}/offer{stage}", f"{sync_id}/keeps{stage}", f"{sync_id}/reuse{stage}"
+
+
+def offer_kept(store: Any, sync_id: str, stage: int, kept: str, engines: int, who: str, timeout_s: float) -> bool:
+    """The sender's half: offer the channel `kept` (its prefix; "" for none) for this sync's
+    channel of `stage`. Returns whether every engine holds it (then it is reused)."""
+    offer, keeps, reuse = _keys(sync_id, stage)
+    try:
+        store.set(offer, kept)
+        if not kept:
+            return False
+        answers = [f"{keeps}/{engine}" for engine in range(engines)]
+        store.wait(answers, timedelta(seconds=timeout_s))
+        reused = all(store.get(key) == b"1" for key in answers)
+        store.set(reuse, "1" if reused else "0")
+        return reused
+    except RuntimeError as err:
+        raise SyncError(f"{who}: the engines did not say within {timeout_s:.0f}s whether they still hold channel "
+                        f"{kept!r}: {err}") from err
+
+
+def accept_kept(store: Any, sync_id: str, stage: int, kept: str, engine: int, who: str, timeout_s: float) -> bool:
+    """An engine's half (`kept`: the prefix of the channel of `stage` it holds, "" for none):
+    whether this sync reuses it. Waits for the sender's offer as long as the store's timeout."""
+    offer, keeps, reuse = _keys(sync_id, stage)
+    try:
+        offered = store.get(offer).decode()
+        if not offered:
+            return False
+        store.set(f"{keeps}/{engine}", "1" if offered == kept else "0")
+        return store.get(reuse) == b"1"
+    except RuntimeError as err:
+        raise SyncError(f"{who}: no sender opened channel {stage} of sync {sync_id!r} within {timeout_s:.0f}s: "
+                        f"{err}") from err

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mrl.sync.channel import IDENTITY_KEY, Channel, SyncEndpoint
+from mrl.sync.channel import IDENTITY_KEY, Channel, SyncEndpoint, accept_kept
 from mrl.sync.wire import SyncError, WeightUpdateReport, checksums_match, describe, describe_failure, error_key, unpack
 
 
@@ -33,6 +33,11 @@ class WeightReceiver:
         self.endpoint = SyncEndpoint(host, self.store.port, str(engine.dtype), token=uuid.uuid4().hex)
         self.store.set(IDENTITY_KEY, self.endpoint.token)
         self._used_ids: set[str] = set()
+        # Kept from the last sync that succeeded (mrl.sync.channel: reused when the sender still
+        # holds them too): per (hub, engines, index, channel) its prefix and Channel, and per (hub,
+        # channel) the store connection it rendezvoused on.
+        self._kept: dict[tuple, tuple[str, Channel]] = {}
+        self._connections: dict[tuple, Any] = {}
 
     def receive(self, sync_id: str, channels: int, engines: int = 1, index: int = 0,
                 hub: SyncEndpoint | None = None) -> WeightUpdateReport:
@@ -153,11 +158,7 @@ class WeightReceiver:
         try:
             who = "engine" if engines == 1 else f"engine {engine_index} of {engines}"
             who = f"{who} ← PP stage {channel_index}"
-            # A connection of this channel's own: a TCPStore client runs one operation at a time, and
-            # the rendezvous blocks in a wait. Shared, channel 0's wait for its sender held up channel
-            # 1's rendezvous, and two engines of a fan-out could each hold up the other (CI hang).
-            channel = Channel(self._connect(fanout.hub), f"{sync_id}/channel{channel_index}", engine_index + 1,
-                              self.timeout_s, who, members=engines + 1)
+            channel, kept = self._open(sync_id, channel_index, fanout, who)
             index = 0
             while True:
                 header = channel.recv_json(f"waiting for bucket {index}")
@@ -173,8 +174,28 @@ class WeightReceiver:
                 raise SyncError(f"{who}: the engine did not finish loading within {self.timeout_s:.0f}s")
             answers = channel.answers(dict(outcome) or {"ok": True}, "answering the end marker")
             peers.extend(a for a in answers if "error" in a)
+            self._kept[kept] = channel.prefix, channel  # every message of this sync went through: reusable
         except BaseException as err:  # noqa: BLE001 - surfaced by receive()
+            self._connections.pop((fanout.hub.host, fanout.hub.port, channel_index), None)  # the hub may be gone
             arrivals.put((channel_index, None, err))
+
+    def _open(self, sync_id: str, channel_index: int, fanout: _Fanout, who: str) -> tuple[Channel, tuple]:
+        """This sync's channel: the one kept from the last sync if the sender still holds it too,
+        else a new rendezvous. Each channel has a store connection of its own: a TCPStore client
+        runs one operation at a time and the rendezvous blocks in a wait; shared, channel 0's wait
+        for its sender held up channel 1's, and two engines of a fan-out could block each other."""
+        hub = fanout.hub
+        key = (hub.host, hub.port, fanout.engines, fanout.index, channel_index)
+        connection = (hub.host, hub.port, channel_index)
+        if connection not in self._connections:
+            self._connections[connection] = self._connect(hub)
+        store = self._connections[connection]
+        prefix, channel = self._kept.pop(key, ("", None))
+        if accept_kept(store, sync_id, channel_index, prefix, fanout.index, who, self.timeout_s):
+            return channel, key
+        channel = Channel(store, f"{sync_id}/channel{channel_index}", fanout.index + 1, self.timeout_s, who,
+                          members=fanout.engines + 1)
+        return channel, key
 
     @staticmethod
     def _data(channel: Channel, header: dict, what: str) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from mrl.sync.channel import IDENTITY_KEY, Channel, SyncEndpoint, channel_count
+from mrl.sync.channel import IDENTITY_KEY, Channel, SyncEndpoint, channel_count, offer_kept
 from mrl.sync.wire import Bucket, SyncError, describe, describe_failure, dtype_named, error_key, nbytes, pack
 
 TRANSPORTS = ("colocated", "broadcast")
@@ -63,6 +63,10 @@ class WeightSender:
         self.engine_dtype = dtype_named(self.endpoint.dtype)
         self.group, self.leader, self.stage = self._export_group()
         self.plan = self._export_plan()
+        # The leader's engine store connection and its channel, kept from the last push that
+        # succeeded (mrl.sync.channel: the next push reuses the channel if every engine kept it too).
+        self._store: Any = None
+        self._kept: Channel | None = None
 
     def _export_group(self) -> tuple[Any, int, int]:
         """Colocated: the whole world exports to rank 0. Broadcast: one group per pipeline stage."""
@@ -111,8 +115,13 @@ class WeightSender:
                 for index, bucket in enumerate(buckets):
                     link.send(index, bucket, report)
             link.finish(report)
+            self._kept = link.channel  # every message of this push went through: reusable
         except SyncError as err:
+            self._store = None  # the engine may be gone: the next push connects anew
             raise SyncError(link.diagnosed(str(err))) from err
+        except BaseException:
+            self._store = None
+            raise
         finally:
             link.close()
         report.seconds = time.perf_counter() - start
@@ -170,9 +179,15 @@ class _Link:
         to = f"engine at {address}" if engines == 1 else f"{engines} engines (hub at {address})"
         self.short = f"rank {sender.coords.rank} (PP stage {sender.stage})"
         self.who = f"{self.short} → {to}"
-        self.store = sender._open_store(self.who)
-        self.channel = Channel(self.store, f"{sync_id}/channel{sender.stage}", 0, sender.timeout_s, self.who,
-                               members=engines + 1)
+        self.store = sender._store or sender._open_store(self.who)
+        sender._store = self.store
+        kept, sender._kept = sender._kept, None
+        if offer_kept(self.store, sync_id, sender.stage, kept.prefix if kept else "", engines, self.who,
+                      sender.timeout_s):
+            self.channel = kept
+        else:
+            self.channel = Channel(self.store, f"{sync_id}/channel{sender.stage}", 0, sender.timeout_s, self.who,
+                                   members=engines + 1)
         self.failed = False  # an engine posted an error: nothing more travels
         self.files: set[str] = set()  # shared-memory files not yet unlinked
 

@@ -58,11 +58,13 @@ def _engine_process(endpoints, results, engine_kwargs, channels, delay_s, fanout
     receiver = WeightReceiver(engine, timeout_s=60)
     endpoints.put(receiver.endpoint)
     time.sleep(delay_s)
-    try:
-        report = receiver.receive(sync_id, channels, *fanout)
-        results.put(("ok", report.tensors, report.mismatched, report.checksums, engine.digests))
-    except Exception as err:  # noqa: BLE001
-        results.put(("error", str(err)))
+    for one in sync_id if isinstance(sync_id, tuple) else (sync_id,):  # a tuple: one update after the other
+        try:
+            report = receiver.receive(one, channels, *fanout)
+            kept = (sorted(prefix for prefix, _ in receiver._kept.values()),) if isinstance(sync_id, tuple) else ()
+            results.put(("ok", report.tensors, report.mismatched, report.checksums, engine.digests) + kept)
+        except Exception as err:  # noqa: BLE001
+            results.put(("error", str(err)))
 
 
 def _start_engine(channels=1, delay_s=0.0, fanout=(1, 0, None), sync_id="sync0", **engine_kwargs):
@@ -303,7 +305,7 @@ def test_each_channel_rendezvouses_without_waiting_for_the_others():
     import torch.distributed as dist
     from datetime import timedelta
 
-    from mrl.sync.channel import Channel
+    from mrl.sync.channel import Channel, offer_kept
 
     proc, endpoint, results = _start_engine(channels=2, sync_id="rendezvous")
     time.sleep(2.0)  # the engine's channel 0 is waiting for its sender by now
@@ -311,6 +313,7 @@ def test_each_channel_rendezvouses_without_waiting_for_the_others():
     for stage in (1, 0):  # stage 0 comes last
         store = dist.TCPStore(endpoint.host, endpoint.port, is_master=False, timeout=timedelta(seconds=30))
         start = time.monotonic()
+        assert not offer_kept(store, "rendezvous", stage, "", 1, "test", 10)  # nothing kept: a new rendezvous
         senders.append(Channel(store, f"rendezvous/channel{stage}", 0, 10, f"sender of stage {stage}"))
         assert time.monotonic() - start < 10
     for channel in senders:
@@ -320,3 +323,28 @@ def test_each_channel_rendezvouses_without_waiting_for_the_others():
     status, tensors, *_ = results.get(timeout=60)
     proc.join(timeout=10)
     assert status == "ok" and tensors == 0
+
+
+def _push_twice(rank, world, hf_dir, layout, endpoint, transport, timeout_s, sync_ids):
+    sender = _sender(hf_dir, layout, endpoint, transport, timeout_s)
+    return [None if sent is None else sent.checksums for sent in map(sender.push, sync_ids)]
+
+
+@pytest.mark.parametrize("transport,layout", [("colocated", ParallelLayout()), ("broadcast", ParallelLayout(pp=2))])
+def test_next_push_reuses_the_channel_and_a_new_sender_makes_its_own(tiny_model_dir, transport, layout):
+    """A sender's second push goes over the channel of its first (no rendezvous, no group torn
+    down: ~20 ms each side); a new sender (another process) meets the engine anew. Every update
+    arrives whole."""
+    hf_dir = str(tiny_model_dir("qwen3"))
+    proc, endpoint, results = _start_engine(channels=layout.pp, sync_id=("s1", "s2", "s3"))
+    first = run_local(_push_twice, layout.min_world_size(), hf_dir, layout, endpoint, transport, 60, ["s1", "s2"])
+    second = run_local(_push_twice, layout.min_world_size(), hf_dir, layout, endpoint, transport, 60, ["s3"])
+    received = [results.get(timeout=60) for _ in range(3)]
+    proc.join(timeout=10)
+    assert [r[0] for r in received] == ["ok"] * 3 and not any(r[2] for r in received)
+    sent = [{k: v for rank in pushes for k, v in (rank[i] or {}).items()} for pushes, i in
+            [(first, 0), (first, 1), (second, 0)]]
+    assert all(s == received[0][3] for s in sent)  # what each update sent is what the engine held
+    stages = range(layout.pp if transport == "broadcast" else 1)
+    kept = [r[5] for r in received]  # the channels the engine held after each update
+    assert kept == [[f"{sync}/channel{stage}" for stage in stages] for sync in ("s1", "s1", "s3")]
