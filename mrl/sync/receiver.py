@@ -34,9 +34,9 @@ class WeightReceiver:
         self.store.set(IDENTITY_KEY, self.endpoint.token)
         self._used_ids: set[str] = set()
         # Kept from the last sync that succeeded (mrl.sync.channel: reused when the sender still
-        # holds them too): per (hub, engines, index, channel) its prefix and Channel, and per (hub,
-        # channel) the store connection it rendezvoused on.
-        self._kept: dict[tuple, tuple[str, Channel]] = {}
+        # holds them too): per (hub, engines, index, channel) its Channel, and per (hub, channel)
+        # the store connection it rendezvoused on.
+        self._kept: dict[tuple, Channel] = {}
         self._connections: dict[tuple, Any] = {}
 
     def receive(self, sync_id: str, channels: int, engines: int = 1, index: int = 0,
@@ -158,7 +158,7 @@ class WeightReceiver:
         try:
             who = "engine" if engines == 1 else f"engine {engine_index} of {engines}"
             who = f"{who} ← PP stage {channel_index}"
-            channel, kept = self._open(sync_id, channel_index, fanout, who)
+            channel, key = self._open(sync_id, channel_index, fanout, who)
             index = 0
             while True:
                 header = channel.recv_json(f"waiting for bucket {index}")
@@ -174,7 +174,7 @@ class WeightReceiver:
                 raise SyncError(f"{who}: the engine did not finish loading within {self.timeout_s:.0f}s")
             answers = channel.answers(dict(outcome) or {"ok": True}, "answering the end marker")
             peers.extend(a for a in answers if "error" in a)
-            self._kept[kept] = channel.prefix, channel  # every message of this sync went through: reusable
+            self._kept[key] = channel  # every message of this sync went through: reusable
         except BaseException as err:  # noqa: BLE001 - surfaced by receive()
             self._connections.pop((fanout.hub.host, fanout.hub.port, channel_index), None)  # the hub may be gone
             arrivals.put((channel_index, None, err))
@@ -190,9 +190,9 @@ class WeightReceiver:
         if connection not in self._connections:
             self._connections[connection] = self._connect(hub)
         store = self._connections[connection]
-        prefix, channel = self._kept.pop(key, ("", None))
-        if accept_kept(store, sync_id, channel_index, prefix, fanout.index, who, self.timeout_s):
-            return channel, key
+        kept = self._kept.pop(key, None)
+        if accept_kept(store, sync_id, channel_index, kept.prefix if kept else "", fanout.index, who, self.timeout_s):
+            return kept, key
         channel = Channel(store, f"{sync_id}/channel{channel_index}", fanout.index + 1, self.timeout_s, who,
                           members=fanout.engines + 1)
         return channel, key
@@ -209,7 +209,8 @@ class WeightReceiver:
 @dataclass(frozen=True)
 class _Fanout:
     """This engine's place in one update: the hub's store (errors are posted there), its index
-    among the engines fed by the same senders, and the hub's address (each channel connects anew)."""
+    among the engines fed by the same senders, and the hub's address (each channel has a connection
+    of its own there)."""
 
     store: Any
     index: int

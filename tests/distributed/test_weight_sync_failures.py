@@ -61,7 +61,7 @@ def _engine_process(endpoints, results, engine_kwargs, channels, delay_s, fanout
     for one in sync_id if isinstance(sync_id, tuple) else (sync_id,):  # a tuple: one update after the other
         try:
             report = receiver.receive(one, channels, *fanout)
-            kept = (sorted(prefix for prefix, _ in receiver._kept.values()),) if isinstance(sync_id, tuple) else ()
+            kept = (sorted(channel.prefix for channel in receiver._kept.values()),) if isinstance(sync_id, tuple) else ()
             results.put(("ok", report.tensors, report.mismatched, report.checksums, engine.digests) + kept)
         except Exception as err:  # noqa: BLE001
             results.put(("error", str(err)))
