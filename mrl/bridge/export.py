@@ -4,9 +4,10 @@ Every rank runs the same generator. A plan (which global tensor lives on which r
 order) is gathered once; then, bucket by bucket, the owning ranks send their shards straight to
 the destination, which reassembles HF tensors with the mapping table's segments and yields them.
 Data-parallel replicas stay idle: only data-parallel rank 0 (expert-data-parallel rank 0 for
-experts) sends, one message per bucket (its shards packed). Peak extra memory on the destination
-is one bucket (never less than the largest tensor) plus the largest tensor, provided the consumer
-drops each bucket before asking for the next; on a sender, its own share of one bucket.
+experts) sends, its shards of a bucket packed into messages of up to MESSAGE_BYTES. Peak extra
+memory on the destination is one bucket (never less than the largest tensor) plus the largest
+tensor plus one message per source, provided the consumer drops each bucket before asking for the
+next; on a sender, one message.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ from mrl.megatron.model import BuiltModel
 from mrl.megatron.parallel import RankCoords
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+_ALIGN = 64  # every shard starts at a multiple of this in a message: its bytes view as any dtype
+# A source's shards of a bucket travel in messages of about this size (a larger shard alone): the
+# destination frees a message once every shard in it is assembled, so the data it holds beyond the
+# bucket is one message per source, not that source's whole share.
+MESSAGE_BYTES = 4 << 20
 
 
 class ExportTimeout(RuntimeError):
@@ -107,13 +115,15 @@ def export_hf_weights(
     group: Any = None,
     timeout_s: float = 300.0,
     plan: list[PlanItem] | None = None,
+    message_bytes: int = MESSAGE_BYTES,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield buckets of (hf_name, tensor) on rank `dst`; drive the sends on every other rank.
 
     With `group` (e.g. one pipeline stage's ranks), only that group's tensors are exported, to `dst`
     (a global rank inside the group); every rank of the group must call this. `plan` is
     `build_plan`'s result for the same ranks, when the caller keeps it (it never changes for a
-    model; building it is a collective): otherwise it is built here.
+    model; building it is a collective): otherwise it is built here. `message_bytes`: the most a
+    source rank sends in one message (a larger shard goes alone).
     Vocab padding is stripped, tied copies are skipped, experts come one expert at a time.
     """
     tensors = local_tensors(built, coords)
@@ -122,62 +132,79 @@ def export_hf_weights(
     timeout = timedelta(seconds=timeout_s)
     plan = build_plan(tensors, coords, group) if plan is None else plan
     for index, bucket in enumerate(_buckets(plan, bucket_bytes)):
-        # One message per source rank and bucket: a model of many small tensors (MoE experts, the
-        # tiny demo's 180 shards) spent most of its export on per-message latency.
+        # A source rank's shards travel packed, in few messages: a model of many small tensors (MoE
+        # experts, the tiny demo's 180 shards) spent most of its export on per-message latency.
         shards: dict[int, list[tuple[PlanItem, int]]] = {}
         for item in bucket:
             for source, shard in item.sources:
                 shards.setdefault(source, []).append((item, shard))
         if coords.rank == dst:
-            received = _receive(shards, by_name, dst, group, timeout, index)
+            received = _receive(shards, by_name, dst, group, timeout, index, message_bytes)
             yield [pair for item in bucket for pair in _assemble(item, received, dims)]
         elif coords.rank in shards:
-            _send(shards[coords.rank], by_name, coords.rank, dst, group, timeout, index)
+            _send(shards[coords.rank], by_name, coords.rank, dst, group, timeout, index, message_bytes)
 
 
-_ALIGN = 64  # every shard starts at a multiple of this in a message: its bytes view as any dtype
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _messages(entries: list[tuple[PlanItem, int]], cap: int) -> list[list[tuple[PlanItem, int]]]:
+    """One source's shards of a bucket, in plan order, cut into messages of at most `cap` bytes."""
+    messages: list[list[tuple[PlanItem, int]]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = _aligned(entry[0].shard_bytes)
+        if messages[-1] and size + nbytes > cap:
+            messages.append([])
+            size = 0
+        messages[-1].append(entry)
+        size += nbytes
+    return messages
 
 
 def _offsets(entries: list[tuple[PlanItem, int]]) -> tuple[list[int], int]:
-    """Where each shard starts in one source's message, and the message's length in bytes."""
+    """Where each shard starts in one message, and the message's length in bytes."""
     offsets, size = [], 0
     for item, _ in entries:
         offsets.append(size)
-        size += -(-item.shard_bytes // _ALIGN) * _ALIGN
+        size += _aligned(item.shard_bytes)
     return offsets, size
 
 
 def _send(entries: list[tuple[PlanItem, int]], by_name: dict[str, LocalTensor], rank: int, dst: int, group: Any,
-          timeout: timedelta, index: int) -> None:
-    """Copy this rank's shards of the bucket into one message and send it to `dst`."""
-    offsets, size = _offsets(entries)
-    message = torch.empty(size, dtype=torch.uint8)
-    for (item, _), offset in zip(entries, offsets):
-        shard = by_name[item.name].tensor.detach().contiguous().view(-1).view(torch.uint8)
-        if shard.numel() != item.shard_bytes:  # the destination would read the message wrongly
-            raise ValueError(f"rank {rank}: shard of {item.name!r} has {shard.numel()} bytes, the plan says "
-                             f"{item.shard_bytes} (shape {tuple(item.local_shape)}, {item.dtype})")
-        message[offset : offset + shard.numel()].copy_(shard)
-    _wait(dist.isend(message, dst, group=group), rank, dst, entries, timeout, index, "sending")
+          timeout: timedelta, index: int, cap: int) -> None:
+    """Copy this rank's shards of the bucket into messages and send them to `dst`, one at a time."""
+    for chunk in _messages(entries, cap):
+        offsets, size = _offsets(chunk)
+        message = torch.empty(size, dtype=torch.uint8)
+        for (item, _), offset in zip(chunk, offsets):
+            shard = by_name[item.name].tensor.detach().contiguous().view(-1).view(torch.uint8)
+            if shard.numel() != item.shard_bytes:  # the destination would read the message wrongly
+                raise ValueError(f"rank {rank}: shard of {item.name!r} has {shard.numel()} bytes, the plan says "
+                                 f"{item.shard_bytes} (shape {tuple(item.local_shape)}, {item.dtype})")
+            message[offset : offset + shard.numel()].copy_(shard)
+        _wait(dist.isend(message, dst, group=group), rank, dst, chunk, timeout, index, "sending")
 
 
 def _receive(shards: dict[int, list[tuple[PlanItem, int]]], by_name: dict[str, LocalTensor], dst: int, group: Any,
-             timeout: timedelta, index: int) -> dict[tuple[str, int], torch.Tensor]:
-    """Every shard of the bucket on `dst`: its own in place, each other source's from one message."""
+             timeout: timedelta, index: int, cap: int) -> dict[tuple[str, int], torch.Tensor]:
+    """Every shard of the bucket on `dst`: its own in place, the others as views of their messages."""
     received: dict[tuple[str, int], torch.Tensor] = {}
     waits = []
     for source, entries in shards.items():
         if source == dst:
             received.update(((item.name, shard), by_name[item.name].tensor.detach()) for item, shard in entries)
             continue
-        offsets, size = _offsets(entries)
-        message = torch.empty(size, dtype=torch.uint8)
-        waits.append((dist.irecv(message, src=source, group=group), source, entries))
-        for (item, shard), offset in zip(entries, offsets):
-            view = message[offset : offset + item.shard_bytes].view(item.dtype)
-            received[item.name, shard] = view.view(item.local_shape)
-    for work, source, entries in waits:
-        _wait(work, dst, source, entries, timeout, index, "receiving")
+        for chunk in _messages(entries, cap):
+            offsets, size = _offsets(chunk)
+            message = torch.empty(size, dtype=torch.uint8)
+            waits.append((dist.irecv(message, src=source, group=group), source, chunk))
+            for (item, shard), offset in zip(chunk, offsets):
+                view = message[offset : offset + item.shard_bytes].view(item.dtype)
+                received[item.name, shard] = view.view(item.local_shape)
+    for work, source, chunk in waits:
+        _wait(work, dst, source, chunk, timeout, index, "receiving")
     return received
 
 

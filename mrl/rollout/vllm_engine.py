@@ -233,10 +233,13 @@ def _finish_in_place(worker: Any, hooks: tuple[str, ...]) -> list[str]:
     return misapplied
 
 
-def _uses_mla(model: str) -> bool:
-    """Whether the HF checkpoint's attention is multi-head latent attention (DeepSeek-V2/V3)."""
+def cpu_attention(model: str) -> dict[str, str]:
+    """The attention backend for an engine on CPU (LLM keyword arguments). On a CPU with AMX tiles
+    vLLM picks its AMX MLA kernels for MLA models (DeepSeek-V2/V3), which take bf16/fp16 weights
+    only: a float32 engine died at start ("expect weight to be bfloat16 ..."). The reference CPU MLA
+    takes every dtype, and every CPU then runs the same kernels."""
     config = json.loads((Path(model) / "config.json").read_text())
-    return config.get("kv_lora_rank") is not None
+    return {"attention_backend": "CPU_MLA"} if config.get("kv_lora_rank") is not None else {}
 
 
 def _bind_cpu_workers(workers: int) -> None:
@@ -347,11 +350,7 @@ class VLLMEngine:
             # hit (e.g. partial rollout's continuations). Whole prompts only; a step holds
             # at least one full-length sequence. (vLLM does the same itself for MLA on CPU.)
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 2048))
-            if _uses_mla(model):
-                # On a CPU with AMX tiles vLLM picks its AMX MLA kernels, which take bf16/fp16 weights
-                # only: a float32 engine died at start ("expect weight to be bfloat16 ..."). The
-                # reference CPU MLA takes every dtype, and every CPU then runs the same kernels.
-                kwargs["attention_backend"] = "CPU_MLA"
+            kwargs.update(cpu_attention(model))
         # On CPU gpu_memory_utilization is a fraction of *host* RAM; an explicit byte budget is
         # the portable way to size the KV cache.
         if kv_cache_memory_bytes is not None:

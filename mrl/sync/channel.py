@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -112,34 +112,42 @@ def _keys(sync_id: str, stage: int) -> tuple[str, str, str]:
     return f"{sync_id}/offer{stage}", f"{sync_id}/keeps{stage}", f"{sync_id}/reuse{stage}"
 
 
+def _step(step: Callable[[], Any], who: str, what: str, timeout_s: float) -> Any:
+    """One store operation of the handshake; its failure names who waited for what."""
+    try:
+        return step()
+    except RuntimeError as err:
+        timed_out = "timeout" in str(err).lower() or "timed out" in str(err).lower()
+        how = f"within {timeout_s:.0f}s" if timed_out else "(the store failed)"
+        raise SyncError(f"{who}: {what} {how}: {err}") from err
+
+
 def offer_kept(store: Any, sync_id: str, stage: int, kept: str, engines: int, who: str, timeout_s: float) -> bool:
     """The sender's half: offer the channel `kept` (its prefix; "" for none) for this sync's
     channel of `stage`. Returns whether every engine holds it (then it is reused)."""
     offer, keeps, reuse = _keys(sync_id, stage)
-    try:
-        store.set(offer, kept)
-        if not kept:
-            return False
-        answers = [f"{keeps}/{engine}" for engine in range(engines)]
-        store.wait(answers, timedelta(seconds=timeout_s))
-        reused = all(store.get(key) == b"1" for key in answers)
-        store.set(reuse, "1" if reused else "0")
-        return reused
-    except RuntimeError as err:
-        raise SyncError(f"{who}: the engines did not say within {timeout_s:.0f}s whether they still hold channel "
-                        f"{kept!r}: {err}") from err
+    _step(lambda: store.set(offer, kept), who, "could not post its channel offer in the hub's store", timeout_s)
+    if not kept:
+        return False
+    answers = [f"{keeps}/{engine}" for engine in range(engines)]
+    _step(lambda: store.wait(answers, timedelta(seconds=timeout_s)), who,
+          f"the engines did not say whether they still hold channel {kept!r}", timeout_s)
+    reused = all(_step(lambda: store.get(key), who, "reading an engine's answer", timeout_s) == b"1" for key in answers)
+    _step(lambda: store.set(reuse, "1" if reused else "0"), who, "could not post whether the channel is reused",
+          timeout_s)
+    return reused
 
 
 def accept_kept(store: Any, sync_id: str, stage: int, kept: str, engine: int, who: str, timeout_s: float) -> bool:
     """An engine's half (`kept`: the prefix of the channel of `stage` it holds, "" for none):
     whether this sync reuses it. Waits for the sender's offer as long as the store's timeout."""
     offer, keeps, reuse = _keys(sync_id, stage)
-    try:
-        offered = store.get(offer).decode()
-        if not offered:
-            return False
-        store.set(f"{keeps}/{engine}", "1" if offered == kept else "0")
-        return store.get(reuse) == b"1"
-    except RuntimeError as err:
-        raise SyncError(f"{who}: no sender opened channel {stage} of sync {sync_id!r} within {timeout_s:.0f}s: "
-                        f"{err}") from err
+    offered = _step(lambda: store.get(offer), who, f"no sender offered channel {stage} of sync {sync_id!r}",
+                    timeout_s).decode()
+    if not offered:
+        return False
+    _step(lambda: store.set(f"{keeps}/{engine}", "1" if offered == kept else "0"), who,
+          "could not answer the sender's channel offer", timeout_s)
+    answer = _step(lambda: store.get(reuse), who, f"the sender did not say whether channel {offered!r} is reused "
+                   "(it waits for every engine of the sync to answer)", timeout_s)
+    return answer == b"1"

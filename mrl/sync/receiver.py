@@ -83,11 +83,13 @@ class WeightReceiver:
         loaded.set()
         for t in threads:
             t.join(self.timeout_s)
+        late = [item[2] for item in _pending(arrivals) if isinstance(item[2], BaseException)]
+        if outcome or peers or late:  # the senders drop their channels after a failed update: so does this engine
+            self._kept.clear()
         if outcome:
             raise SyncError(describe_failure(outcome))
         if peers:  # this engine loaded everything, but another engine of the fan-out failed: the update did
             raise SyncError(describe_failure(peers[0]))
-        late = [item[2] for item in _pending(arrivals) if isinstance(item[2], BaseException)]
         if late:  # a channel failed while answering the end marker
             raise SyncError(f"{late[0]}") from late[0]
         report.finished_at = time.time()
@@ -190,6 +192,8 @@ class WeightReceiver:
         if connection not in self._connections:
             self._connections[connection] = self._connect(hub)
         store = self._connections[connection]
+        for other in [k for k in self._kept if k[:4] != key[:4]]:  # another hub or fan-out: never offered again
+            del self._kept[other]
         kept = self._kept.pop(key, None)
         if accept_kept(store, sync_id, channel_index, kept.prefix if kept else "", fanout.index, who, self.timeout_s):
             return kept, key

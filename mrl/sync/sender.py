@@ -179,8 +179,9 @@ class _Link:
         to = f"engine at {address}" if engines == 1 else f"{engines} engines (hub at {address})"
         self.short = f"rank {sender.coords.rank} (PP stage {sender.stage})"
         self.who = f"{self.short} → {to}"
-        self.store = sender._store or sender._open_store(self.who)
-        sender._store = self.store
+        # Taken from the sender, given back only once this link is open: a connection that failed
+        # here (the hub gone) is not reused by the next push.
+        self.store, sender._store = sender._store or sender._open_store(self.who), None
         kept, sender._kept = sender._kept, None
         if offer_kept(self.store, sync_id, sender.stage, kept.prefix if kept else "", engines, self.who,
                       sender.timeout_s):
@@ -188,6 +189,7 @@ class _Link:
         else:
             self.channel = Channel(self.store, f"{sync_id}/channel{sender.stage}", 0, sender.timeout_s, self.who,
                                    members=engines + 1)
+        sender._store = self.store
         self.failed = False  # an engine posted an error: nothing more travels
         self.files: set[str] = set()  # shared-memory files not yet unlinked
 

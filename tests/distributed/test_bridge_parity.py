@@ -58,7 +58,8 @@ def _run_layouts(rank: int, world_size: int, hf_dir: str, layouts: dict[str, Par
         built = build_model(spec, layout)
         bytes_read = load_hf_weights(built, coords, hf_dir)
         logits = forward_logits(built, probe_tokens(spec.vocab_size))
-        exported = dict(iter_hf_weights(built, coords, bucket_bytes=256 * 1024))  # many buckets
+        # many buckets, and a source's share of a bucket in many messages
+        exported = dict(iter_hf_weights(built, coords, bucket_bytes=256 * 1024, message_bytes=16 * 1024))
         result = {"bytes_read": bytes_read}
         if logits is not None and coords.tp == 0 and coords.dp == 0:
             result["logits"] = logits

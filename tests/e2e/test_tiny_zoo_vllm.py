@@ -16,16 +16,18 @@ import torch
 from mrl.models.tiny import TINY_ARCHS
 
 PROMPT, NEW_TOKENS = "12+7=", 8
-# Run as a script: argv = model directory, prompt, number of tokens. ignore_eos makes the length
-# fixed and the choice a pure argmax, like the transformers loop below. kv_cache_memory_bytes
-# sizes the cache directly (on CPU, gpu_memory_utilization would be a fraction of host RAM).
+# Run as a script: argv = model directory, prompt, number of tokens, extra LLM arguments (JSON: the
+# attention backend mrl's engine picks on CPU, mrl.rollout.vllm_engine.cpu_attention). ignore_eos
+# makes the length fixed and the choice a pure argmax, like the transformers loop below.
+# kv_cache_memory_bytes sizes the cache directly (on CPU, gpu_memory_utilization would be a
+# fraction of host RAM).
 SCRIPT = """
 import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20,
-              enforce_eager=True, seed=0)
+              enforce_eager=True, seed=0, **json.loads(sys.argv[4]))
     params = SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0, ignore_eos=True, logprobs=0)
     out = llm.generate([sys.argv[2]], params)[0]
     tokens = list(out.outputs[0].token_ids)
@@ -53,11 +55,13 @@ def _transformers_greedy(path: Path, prompt_ids: list[int]) -> tuple[list[int], 
 def test_generates_in_vllm_like_transformers(arch, tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
+    from mrl.rollout.vllm_engine import cpu_attention
+
     path = tiny_model_dir(arch)
     script = tmp_path / "generate.py"
     script.write_text(SCRIPT)
     proc = subprocess.run(
-        [sys.executable, str(script), str(path), PROMPT, str(NEW_TOKENS)],
+        [sys.executable, str(script), str(path), PROMPT, str(NEW_TOKENS), json.dumps(cpu_attention(str(path)))],
         capture_output=True, text=True, timeout=300, env=os.environ | {"TOKENIZERS_PARALLELISM": "false"},
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
