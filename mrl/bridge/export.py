@@ -149,34 +149,28 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _messages(entries: list[tuple[PlanItem, int]], cap: int) -> list[list[tuple[PlanItem, int]]]:
-    """One source's shards of a bucket, in plan order, cut into messages of at most `cap` bytes."""
-    messages: list[list[tuple[PlanItem, int]]] = [[]]
+def _messages(entries: list[tuple[PlanItem, int]], cap: int) -> Iterator[tuple[list, list[int], int]]:
+    """One source's shards of a bucket, in plan order, cut into messages of at most `cap` bytes:
+    each message's shards, where each starts in it, and its length in bytes."""
+    chunk: list[tuple[PlanItem, int]] = []
+    offsets: list[int] = []
     size = 0
     for entry in entries:
         nbytes = _aligned(entry[0].shard_bytes)
-        if messages[-1] and size + nbytes > cap:
-            messages.append([])
-            size = 0
-        messages[-1].append(entry)
-        size += nbytes
-    return messages
-
-
-def _offsets(entries: list[tuple[PlanItem, int]]) -> tuple[list[int], int]:
-    """Where each shard starts in one message, and the message's length in bytes."""
-    offsets, size = [], 0
-    for item, _ in entries:
+        if chunk and size + nbytes > cap:
+            yield chunk, offsets, size
+            chunk, offsets, size = [], [], 0
+        chunk.append(entry)
         offsets.append(size)
-        size += _aligned(item.shard_bytes)
-    return offsets, size
+        size += nbytes
+    if chunk:
+        yield chunk, offsets, size
 
 
 def _send(entries: list[tuple[PlanItem, int]], by_name: dict[str, LocalTensor], rank: int, dst: int, group: Any,
           timeout: timedelta, index: int, cap: int) -> None:
     """Copy this rank's shards of the bucket into messages and send them to `dst`, one at a time."""
-    for chunk in _messages(entries, cap):
-        offsets, size = _offsets(chunk)
+    for chunk, offsets, size in _messages(entries, cap):
         message = torch.empty(size, dtype=torch.uint8)
         for (item, _), offset in zip(chunk, offsets):
             shard = by_name[item.name].tensor.detach().contiguous().view(-1).view(torch.uint8)
@@ -196,8 +190,7 @@ def _receive(shards: dict[int, list[tuple[PlanItem, int]]], by_name: dict[str, L
         if source == dst:
             received.update(((item.name, shard), by_name[item.name].tensor.detach()) for item, shard in entries)
             continue
-        for chunk in _messages(entries, cap):
-            offsets, size = _offsets(chunk)
+        for chunk, offsets, size in _messages(entries, cap):
             message = torch.empty(size, dtype=torch.uint8)
             waits.append((dist.irecv(message, src=source, group=group), source, chunk))
             for (item, shard), offset in zip(chunk, offsets):

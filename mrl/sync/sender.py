@@ -115,13 +115,11 @@ class WeightSender:
                 for index, bucket in enumerate(buckets):
                     link.send(index, bucket, report)
             link.finish(report)
-            self._kept = link.channel  # every message of this push went through: reusable
+            # Every message of this push went through: its connection and channel are reusable. A
+            # failed push gives neither back (the engine may be gone): the next one connects anew.
+            self._store, self._kept = link.store, link.channel
         except SyncError as err:
-            self._store = None  # the engine may be gone: the next push connects anew
             raise SyncError(link.diagnosed(str(err))) from err
-        except BaseException:
-            self._store = None
-            raise
         finally:
             link.close()
         report.seconds = time.perf_counter() - start
@@ -179,8 +177,7 @@ class _Link:
         to = f"engine at {address}" if engines == 1 else f"{engines} engines (hub at {address})"
         self.short = f"rank {sender.coords.rank} (PP stage {sender.stage})"
         self.who = f"{self.short} → {to}"
-        # Taken from the sender, given back only once this link is open: a connection that failed
-        # here (the hub gone) is not reused by the next push.
+        # Taken from the sender, which gets them back only after a push that succeeded.
         self.store, sender._store = sender._store or sender._open_store(self.who), None
         kept, sender._kept = sender._kept, None
         if offer_kept(self.store, sync_id, sender.stage, kept.prefix if kept else "", engines, self.who,
@@ -189,7 +186,6 @@ class _Link:
         else:
             self.channel = Channel(self.store, f"{sync_id}/channel{sender.stage}", 0, sender.timeout_s, self.who,
                                    members=engines + 1)
-        sender._store = self.store
         self.failed = False  # an engine posted an error: nothing more travels
         self.files: set[str] = set()  # shared-memory files not yet unlinked
 
