@@ -32,6 +32,7 @@ PATCH_MODULES = (
     "group_routing_top2",
     "cpu_hybrid_optimizer",
     "checkpoint_without_te",
+    "mla_rope_key_gradient",
 )
 
 _applied: set[str] = set()

@@ -4,12 +4,14 @@ Upstream (megatron-core 0.16.1): many modules call `torch.cuda.current_device()`
 placement, `torch.cuda.synchronize()`, CUDA streams and events, and create tensors with the
 literal `device="cuda"` (for example the token counter in `pipeline_parallel/schedules.py`, the
 shape exchange in `p2p_communication.py`, MoE router buffers, the global memory buffer in
-`utils.py`). On a CPU build each of these raises "Torch not compiled with CUDA enabled".
+`utils.py`), or with `pin_memory=True` for an upload (context parallelism's rotary indices in
+`rope_utils.py`). On a CPU build each of these raises "Torch not compiled with CUDA enabled" (or
+"pin_memory=True requires a CUDA or other accelerator backend").
 
 Patch: in every loaded `megatron.core` module, the module-level name `torch` is replaced by a thin
 proxy of the torch module whose `cuda` namespace answers on the CPU (current_device → "cpu",
 synchronize → no-op, streams/events → no-op objects) and whose tensor factories map
-`device="cuda"` to the CPU. torch itself is untouched, so vLLM, transformers and mrl see the real
+`device="cuda"` to the CPU and pin no memory. torch itself is untouched, so vLLM, transformers and mrl see the real
 module. Only megatron modules imported by `apply()` (and their imports) are covered, which is why
 `apply()` must run before models are built.
 
@@ -87,6 +89,8 @@ def _on_cpu(factory):
     def call(*args, **kwargs):
         if "device" in kwargs:
             kwargs["device"] = _cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):  # a staging copy for a CUDA upload (CP's rotary indices): plain memory
+            kwargs["pin_memory"] = False
         return factory(*args, **kwargs)
 
     return call

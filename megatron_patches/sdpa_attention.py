@@ -8,7 +8,11 @@ Upstream (megatron-core 0.16.1): the local spec's `DotProductAttention` does not
 This module is not a monkeypatch: `mrl.models` puts `SDPACoreAttention` into the layer spec's
 `core_attention` slot whenever the local spec is used. It handles MHA, GQA (query groups are
 repeated to the heads, as Megatron's own attention does) and unequal q/k and v head dims, with the
-causal mask built in or an explicit Megatron-style boolean mask (True = masked out).
+causal mask built in or an explicit Megatron-style boolean mask (True = masked out), and context
+parallelism (CP > 1): each rank holds two of a sequence's 2·CP chunks (Megatron's load-balanced
+split, `chunk_positions`), all-gathers K and V over the CP group (gradients reduce-scattered back)
+and masks by each query's and key's position in the whole sequence. Megatron's own CP attention is
+Transformer Engine's; this is the plain all-gather form of it, for the local spec.
 
 Drop when: megatron-core's local `DotProductAttention` runs on CPU and accepts MLA's unequal head
 dims (not the case up to 0.16.1).
@@ -50,8 +54,7 @@ class SDPACoreAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPACoreAttention does not support context parallelism (CP > 1).")
+        self.cp = config.context_parallel_size
         self.attn_mask_type = attn_mask_type
         head_dim = k_channels if k_channels is not None else config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -78,11 +81,14 @@ class SDPACoreAttention(MegatronModule):
         groups = key.shape[2]
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        causal = mask_type == AttnMaskType.causal and attention_mask is None
+        mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
+        if self.cp > 1:  # before the query groups are repeated: fewer bytes to gather
+            k, v, mask = self._whole_sequence(k, v, sq, mask_type, attention_mask)
+            causal = False
         if groups != heads:
             k = k.repeat_interleave(heads // groups, dim=1)
             v = v.repeat_interleave(heads // groups, dim=1)
-        causal = mask_type == AttnMaskType.causal and attention_mask is None
-        mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
         out = F.scaled_dot_product_attention(
             q, k, v,
             attn_mask=mask,
@@ -92,3 +98,39 @@ class SDPACoreAttention(MegatronModule):
         )
         # [b, n, sq, hv] -> [sq, b, n * hv]
         return out.permute(2, 0, 1, 3).reshape(sq, batch, -1)
+
+    def _whole_sequence(self, k: torch.Tensor, v: torch.Tensor, sq: int, mask_type: AttnMaskType,
+                        attention_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """CP: this rank's K and V [b, n, s/CP, d] → the whole sequence's (gather order), and the
+        causal mask [s/CP, s] of this rank's queries over them (True = attend)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        if attention_mask is not None or mask_type != AttnMaskType.causal:
+            raise NotImplementedError("SDPACoreAttention with context parallelism supports the causal mask only "
+                                      "(no packed sequences or explicit masks): set parallel.cp 1 for them.")
+        group = ps.get_context_parallel_group()
+        # all-gather along the sequence (dim 0 of [s, b, n, d]); backward: reduce-scatter
+        k, v = (gather_from_sequence_parallel_region(t.permute(2, 0, 1, 3).contiguous(), True, group)
+                .permute(1, 2, 0, 3) for t in (k, v))
+        seq = sq * self.cp
+        queries = chunk_positions(seq, self.cp, ps.get_context_parallel_rank())
+        keys = gathered_positions(seq, self.cp)
+        return k, v, keys.unsqueeze(0) <= queries.unsqueeze(1)
+
+
+def chunk_positions(seq: int, size: int, rank: int) -> torch.Tensor:
+    """The positions of a `seq`-token sequence that CP rank `rank` of `size` holds, in its order:
+    chunk `rank`, then chunk 2·size-1-rank, of 2·size equal chunks (Megatron's load balancing:
+    get_batch_on_this_cp_rank, and the rotary embedding's get_pos_emb_on_this_cp_rank)."""
+    if seq % (2 * size):
+        raise ValueError(f"a sequence of {seq} tokens does not split into 2·CP = {2 * size} equal chunks: pad it to a "
+                         f"multiple of {2 * size}")
+    chunk = seq // (2 * size)
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk)])
+
+
+def gathered_positions(seq: int, size: int) -> torch.Tensor:
+    """The positions in the order an all-gather over the CP group returns a sequence's pieces."""
+    return torch.cat([chunk_positions(seq, size, rank) for rank in range(size)])

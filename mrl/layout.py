@@ -19,7 +19,9 @@ class ParallelLayout:
     """Sizes of the model-parallel dimensions. Data parallelism fills the rest of the world.
 
     tp: tensor parallel, pp: pipeline parallel, vpp: virtual pipeline chunks per stage,
-    ep: expert parallel, etp: expert tensor parallel (defaults to tp, as in Megatron).
+    ep: expert parallel, etp: expert tensor parallel (defaults to tp, as in Megatron),
+    cp: context parallel (each sequence split over cp ranks in 2·cp load-balanced chunks; attention
+    gathers the keys and values of the whole sequence: mrl/megatron/context_parallel.py).
     first_stage_layers / last_stage_layers: an uneven pipeline (e.g. DeepSeek-V3's 61 layers as
     16+16+16+13); the other stages split the remaining layers evenly.
     """
@@ -31,10 +33,17 @@ class ParallelLayout:
     vpp: int | None = None
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    cp: int = 1
 
     @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What a sequence's length must divide into: TP (sequence parallelism) × 2·CP (each CP rank
+        holds two of the sequence's 2·CP equal chunks)."""
+        return self.tp * (2 * self.cp if self.cp > 1 else 1)
 
     @property
     def virtual_stages(self) -> int | None:
@@ -47,6 +56,7 @@ class ParallelLayout:
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.pp,
             virtual_pipeline_model_parallel_size=self.virtual_stages,
+            context_parallel_size=self.cp,
             expert_model_parallel_size=self.ep,
             expert_tensor_parallel_size=self.expert_tp,
         )
@@ -59,13 +69,15 @@ class ParallelLayout:
         )
 
     def min_world_size(self) -> int:
-        """Smallest world that fits both the dense (tp·pp) and the expert (etp·ep·pp) grid."""
-        dense = self.tp * self.pp
+        """Smallest world that fits both the dense (tp·cp·pp) and the expert (etp·ep·pp) grid."""
+        dense = self.tp * self.cp * self.pp
         expert = self.expert_tp * self.ep * self.pp
         return math.lcm(dense, expert)
 
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}")
         if self.vpp:
             parts.append(f"VPP{self.vpp}")
         if self.ep > 1:
@@ -76,7 +88,7 @@ class ParallelLayout:
 
     def validate(self, dims: "ModelDims", world_size: int | None = None) -> None:
         """Raise LayoutError naming the first number that does not divide."""
-        for name, value in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep), ("etp", self.expert_tp)):
+        for name, value in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep), ("etp", self.expert_tp), ("cp", self.cp)):
             if value < 1:
                 raise LayoutError(f"--{name} must be >= 1, got {value}.")
         if self.vpp is not None and (self.vpp < 1 or (self.vpp > 1 and self.pp == 1)):
@@ -116,7 +128,7 @@ class ParallelLayout:
         if world_size % self.min_world_size():
             raise LayoutError(
                 f"world size {world_size} does not fit layout {self.describe()}: it must be a multiple "
-                f"of {self.min_world_size()} (TP·PP for dense and ETP·EP·PP for expert layers)."
+                f"of {self.min_world_size()} (TP·CP·PP for dense and ETP·EP·PP for expert layers)."
             )
 
 

@@ -64,8 +64,8 @@ class PlanItem:
 
 
 def _owns(t: LocalTensor, coords: RankCoords) -> bool:
-    """Whether this rank is the one data-parallel replica that sends `t`."""
-    return t.rule.export and (coords.edp == 0 if t.rule.expert else coords.dp == 0)
+    """Whether this rank is the one data-parallel replica that sends `t` (CP ranks hold replicas too)."""
+    return t.rule.export and (coords.edp == 0 if t.rule.expert else coords.dp == 0 and coords.cp == 0)
 
 
 def _order(name: str) -> tuple[int, str]:

@@ -13,7 +13,7 @@ from mrl.layout import ParallelLayout
 
 def layout_of(cfg: RunConfig) -> ParallelLayout:
     p = cfg.parallel
-    return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
+    return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp, cp=p.cp,
                           first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
 
 
@@ -34,7 +34,7 @@ def actor_world_size(cfg: RunConfig) -> int:
 
 
 def data_parallel_size(cfg: RunConfig) -> int:
-    return actor_world_size(cfg) // (cfg.parallel.tp * cfg.parallel.pp)
+    return actor_world_size(cfg) // (cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp)
 
 
 def has_critic(cfg: RunConfig) -> bool:

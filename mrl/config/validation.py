@@ -367,12 +367,13 @@ def _refuse_quantized(path: str, hf_config: dict) -> list[str]:
 
 def _check_layout(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
     p = cfg.parallel
-    layout = ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp)
-    if min(p.tp, p.pp, p.ep, layout.expert_tp, p.vpp or 1) < 1:
+    layout = ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp, cp=p.cp)
+    if min(p.tp, p.pp, p.ep, layout.expert_tp, p.vpp or 1, p.cp) < 1:
         return [f"parallel sizes must be >= 1, got {layout.describe()}."]
     world, errors = _actor_world(cfg, layout)
-    if world is not None and world % (p.tp * p.pp) == 0:
-        dp, rows = world // (p.tp * p.pp), cfg.data.batch_size * cfg.rollout.n_samples_per_prompt
+    errors += _check_context_parallel(cfg)
+    if world is not None and world % (p.tp * p.cp * p.pp) == 0:
+        dp, rows = world // (p.tp * p.cp * p.pp), cfg.data.batch_size * cfg.rollout.n_samples_per_prompt
         if rows % dp:
             errors.append(f"data.batch_size {cfg.data.batch_size} × rollout.n_samples_per_prompt "
                           f"{cfg.rollout.n_samples_per_prompt} = {rows} sequences do not split over {dp} data-parallel "
@@ -386,6 +387,25 @@ def _check_layout(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
             layout.check_world_size(world)
     except LayoutError as exc:
         errors.append("parallel: " + str(exc).replace("--", "parallel."))
+    return errors
+
+
+def _check_context_parallel(cfg: RunConfig) -> list[str]:
+    """CP splits every sequence over ranks: settings that need a whole sequence on one rank (a
+    sequence-level mean or importance ratio, a packed row's segment mask) cannot run with it."""
+    if cfg.parallel.cp == 1:
+        return []
+    a, errors, why = cfg.algo, [], f"with parallel.cp {cfg.parallel.cp} each rank holds part of every sequence"
+    if a.aggregation != "token-mean":
+        errors.append(f"algo.aggregation {a.aggregation} averages over whole sequences, but {why}: set "
+                      "algo.aggregation: token-mean or parallel.cp: 1.")
+    for field, value in (("policy_loss", a.policy_loss), ("rollout_correction", a.rollout_correction)):
+        if value in ("gspo", "mis"):
+            errors.append(f"algo.{field} {value} needs each sequence's importance ratio over all its tokens, but {why}: "
+                          "choose a token-level one or parallel.cp: 1.")
+    if cfg.trainer.sft_pack_tokens:
+        errors.append("trainer.sft_pack_tokens packs rows with a segment mask, which context parallelism's attention "
+                      "does not take: set trainer.sft_pack_tokens: null or parallel.cp: 1.")
     return errors
 
 

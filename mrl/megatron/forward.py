@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from mrl.megatron.context_parallel import gather_sequence, local_positions, split_micro_batch
 from mrl.megatron.model import BuiltModel
 
 
@@ -16,8 +17,9 @@ def forward_logits(built: BuiltModel, tokens: torch.Tensor) -> torch.Tensor | No
     """Logits [b, s, V] (padding stripped) on the last pipeline stage, None on other stages.
 
     Runs one micro-batch per sequence through Megatron's pipeline schedule (forward only).
-    The sequence is right-padded to a multiple of TP for sequence parallelism (more with FP8); causal attention
-    keeps the real positions unaffected and their logits are returned.
+    The sequence is right-padded to a multiple of TP for sequence parallelism (× 2·CP with context
+    parallelism, more with FP8); causal attention keeps the real positions unaffected and their
+    logits are returned (with CP, gathered from the CP ranks in sequence order).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -27,18 +29,18 @@ def forward_logits(built: BuiltModel, tokens: torch.Tensor) -> torch.Tensor | No
     multiple = built.sequence_multiple  # TP (sequence parallelism), more with FP8
     padded = -(-seq // multiple) * multiple
     tokens = torch.nn.functional.pad(tokens, (0, padded - seq))
-    positions = torch.arange(padded).unsqueeze(0)
+    positions = local_positions(padded).unsqueeze(0)
     micro_batches = [tokens[i : i + 1] for i in range(batch)]
     chunks = len(built.chunks)
     # Every virtual chunk calls forward_step; each needs its own pass over the micro-batches.
     iterators = [iter(micro_batches) for _ in range(chunks)]
 
     def forward_step(data_iterator, model):
-        ids = next(data_iterator)
+        ids = split_micro_batch({"tokens": next(data_iterator)})["tokens"]  # CP: this rank's positions
         output = model(ids, positions, None)
 
         def keep_logits(output_tensor, non_loss_data=True):
-            return gather_from_tensor_model_parallel_region(output_tensor)
+            return gather_sequence(gather_from_tensor_model_parallel_region(output_tensor))
 
         return output, keep_logits
 

@@ -39,10 +39,11 @@ class BuiltModel:
 
     @property
     def sequence_multiple(self) -> int:
-        """What a micro-batch's sequence length is padded to: TP (sequence parallelism splits it),
-        and with FP8 TP × 16 (× 32 for MXFP8), so each rank's token rows suit Transformer Engine's
-        FP8 GEMMs, which refuse matrices whose dimensions are not multiples of 16 (MXFP8: 32)."""
-        return self.layout.tp * (FP8_TOKEN_MULTIPLE.get(self.fp8, 1) if self.fp8 else 1)
+        """What a micro-batch's sequence length is padded to: TP (sequence parallelism splits it)
+        × 2·CP (context parallelism: two chunks a CP rank), and with FP8 that × 16 (× 32 for
+        MXFP8), so each rank's token rows suit Transformer Engine's FP8 GEMMs, which refuse
+        matrices whose dimensions are not multiples of 16 (MXFP8: 32)."""
+        return self.layout.sequence_multiple * (FP8_TOKEN_MULTIPLE.get(self.fp8, 1) if self.fp8 else 1)
 
 
 def transformer_engine_available() -> bool:

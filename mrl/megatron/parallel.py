@@ -18,10 +18,11 @@ class RankCoords:
     rank: int
     tp: int
     pp: int
-    dp: int
+    dp: int  # among the data-parallel replicas (Megatron's DP group, without CP)
     ep: int
     etp: int
     edp: int
+    cp: int = 0
 
 
 # Third-party warnings that fire on every rank and carry no information for an mrl user; mrl
@@ -65,6 +66,7 @@ def rank_coords() -> RankCoords:
         ep=ps.get_expert_model_parallel_rank(),
         etp=ps.get_expert_tensor_parallel_rank(),
         edp=ps.get_expert_data_parallel_rank(),
+        cp=ps.get_context_parallel_rank(),
     )
 
 
@@ -94,7 +96,9 @@ def data_parallel_size() -> int:
 
 
 def is_reporter() -> bool:
-    """Whether this rank reports its data-parallel slice's results: the last pipeline stage's TP rank 0."""
+    """Whether this rank reports its data-parallel slice's results: the last pipeline stage's TP
+    rank 0 and CP rank 0 (CP ranks gather per-token results, so they hold the same)."""
     from megatron.core import parallel_state as ps
 
-    return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0)

@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import torch
 
+from mrl.megatron.context_parallel import cp_size, gather_outputs, local_positions, split_micro_batch
 from mrl.megatron.model import BuiltModel
 from mrl.megatron.parallel import from_last_stage
 from mrl.megatron.training import LossFn, Trainable, attention_mask, lm_loss, train_step
@@ -251,7 +252,23 @@ def _loss_scale(micro: dict, aggregation: str) -> float:
     if aggregation not in _AGGREGATION_UNITS:
         raise ValueError(f"aggregation {aggregation!r} has no micro-batch weighting: add it to "
                          f"mrl.megatron.policy._AGGREGATION_UNITS (known: {sorted(_AGGREGATION_UNITS)})")
+    if micro.get("cp_size", 1) > 1 and _AGGREGATION_UNITS[aggregation] != "tokens":
+        raise ValueError(f"aggregation {aggregation!r} averages over whole sequences, but with context parallelism "
+                         f"(CP {micro['cp_size']}) each rank holds part of every sequence: use aggregation "
+                         "token-mean, or parallel.cp 1")
     return micro[f"loss_scale_{_AGGREGATION_UNITS[aggregation]}"]
+
+
+_FAIL_EARLY = {"loss_scale_tokens": 1.0, "loss_scale_sequences": 1.0}  # a micro-batch's weights, to check a setting
+# Settings whose math needs every token of a sequence on one rank (a sequence's importance ratio)
+_WHOLE_SEQUENCE_SETTINGS = frozenset({"gspo", "mis"})
+
+
+def _metric_scale(micro: dict, aggregation: str) -> float:
+    """The weight of a loss metric (actor/pg_loss, critic/vf_loss, sft/loss) so that it is the
+    batch's loss: the loss weight, times CP (train_step averages metrics over the CP ranks, and
+    the batch's loss is their sum)."""
+    return _loss_scale(micro, aggregation) * micro.get("cp_size", 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,12 +340,12 @@ def _forward_only(built: BuiltModel, micro: list[dict], score: Callable[[torch.T
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     size, seq = micro[0]["tokens"].shape
-    positions = torch.arange(seq).unsqueeze(0)
+    positions = local_positions(seq).unsqueeze(0)
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+        mb = split_micro_batch(next(data_iterator))  # CP: this rank's part of each sequence
         output = model(mb["tokens"], positions, attention_mask(mb, built.use_te))
-        return output, lambda out, non_loss_data=True: score(out, mb)
+        return output, lambda out, non_loss_data=True: gather_outputs(score(out, mb))
 
     chunks = built.chunks
     # Train mode, as in train_step. Measured on CPU (tiny qwen3 TP2, qwen3_moe EP2 and TP2): train
@@ -435,7 +452,14 @@ def policy_loss_fn(algo: Any, vocab_size: int | None = None) -> LossFn:
     from mrl.algo import entropy_bonus, kl_loss, policy_loss
 
     config = ActorLoss.of(algo)
-    _loss_scale({"loss_scale_tokens": 1.0, "loss_scale_sequences": 1.0}, config.aggregation)  # fail early
+    _loss_scale(_FAIL_EARLY | {"cp_size": cp_size()}, config.aggregation)  # fail early
+    whole = [f"{field} {value}" for field, value in (("policy_loss", config.policy_loss),
+                                                     ("rollout_correction", config.rollout_correction))
+             if value in _WHOLE_SEQUENCE_SETTINGS]
+    if whole and cp_size() > 1:
+        raise ValueError(f"{', '.join(whole)} needs each sequence's log-prob ratio over all its tokens, but with "
+                         f"context parallelism (CP {cp_size()}) each rank holds part of every sequence: choose a "
+                         "token-level loss and correction, or parallel.cp 1")
 
     def loss_fn(logits: torch.Tensor, micro: dict) -> tuple[torch.Tensor, dict]:
         mask = micro["response_mask"]
@@ -446,7 +470,7 @@ def policy_loss_fn(algo: Any, vocab_size: int | None = None) -> LossFn:
             aggregation=config.aggregation, **config.policy_loss_inputs(micro),
         )
         loss = pg_loss
-        metrics = {"actor/pg_loss": pg_loss.detach() * _loss_scale(micro, config.aggregation)}
+        metrics = {"actor/pg_loss": pg_loss.detach() * _metric_scale(micro, config.aggregation)}
         metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
         # Entropy is always reported; it is differentiated only when it is part of the loss.
         with torch.set_grad_enabled(torch.is_grad_enabled() and config.entropy_coef != 0):
@@ -470,13 +494,13 @@ def value_loss_fn(cliprange: float, aggregation: str) -> LossFn:
     from mrl.algo import clipped_value_loss
     from mrl.algo.masked import masked_mean
 
-    _loss_scale({"loss_scale_tokens": 1.0, "loss_scale_sequences": 1.0}, aggregation)  # fail early
+    _loss_scale(_FAIL_EARLY | {"cp_size": cp_size()}, aggregation)  # fail early
 
     def loss_fn(output: torch.Tensor, micro: dict) -> tuple[torch.Tensor, dict]:
         values, mask = output[..., 0].float(), micro["response_mask"]
         loss, metrics = clipped_value_loss(values, micro["values"], micro["returns"], mask, cliprange, aggregation)
         return loss * _loss_scale(micro, aggregation), {
-            "critic/vf_loss": loss.detach() * _loss_scale(micro, aggregation), "critic/vf_clipfrac": metrics["vf_clipfrac"],
+            "critic/vf_loss": loss.detach() * _metric_scale(micro, aggregation), "critic/vf_clipfrac": metrics["vf_clipfrac"],
             "critic/vpred_mean": masked_mean(values.detach(), mask)}
 
     return loss_fn
@@ -488,8 +512,7 @@ def sft_loss_fn() -> LossFn:
 
     def loss_fn(logits: torch.Tensor, micro: dict) -> tuple[torch.Tensor, dict]:
         loss, _ = lm_loss(logits, micro)
-        scale = micro["loss_scale_tokens"]
-        return loss * scale, {"sft/loss": loss.detach() * scale}
+        return loss * micro["loss_scale_tokens"], {"sft/loss": loss.detach() * _metric_scale(micro, "token-mean")}
 
     return loss_fn
 

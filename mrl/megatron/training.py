@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from mrl.config.schema import OptimConfig
+from mrl.megatron.context_parallel import local_positions, mean_over_ranks, split_micro_batch
 from mrl.megatron.model import BuiltModel, transformer_engine_available
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
@@ -200,7 +201,8 @@ def train_step(trainable: Trainable, micro_batches: list[dict], loss_fn: LossFn 
     """Forward/backward over `micro_batches` (dicts with "tokens" [mb, s]) and one optimizer step.
 
     Every micro-batch must have the same shape (Megatron's pipeline schedules communicate fixed
-    shapes). The reported loss is the mean of the micro-batch losses on the last pipeline stage.
+    shapes). The reported loss is the mean of the micro-batch losses on the last pipeline stage
+    (with CP, also over the CP ranks: each computed its metrics on its part of the sequences).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -208,12 +210,14 @@ def train_step(trainable: Trainable, micro_batches: list[dict], loss_fn: LossFn 
     if not micro_batches:
         raise ValueError("train_step needs at least one micro-batch")
     mbs, seq = micro_batches[0]["tokens"].shape
-    if seq % trainable.built.layout.tp:
-        raise ValueError(f"sequence length {seq} is not a multiple of TP={trainable.built.layout.tp}: pad it")
-    positions = torch.arange(seq).unsqueeze(0)
+    multiple = trainable.built.layout.sequence_multiple
+    if seq % multiple:
+        raise ValueError(f"sequence length {seq} is not a multiple of TP·2CP = {multiple} "
+                         f"({trainable.built.layout.describe()}): pad it")
+    positions = local_positions(seq).unsqueeze(0)
 
     def forward_step(data_iterator, model):
-        micro_batch = next(data_iterator)
+        micro_batch = split_micro_batch(next(data_iterator))  # CP: this rank's part of each sequence
         output = model(micro_batch["tokens"], positions, attention_mask(micro_batch, trainable.built.use_te))
 
         def loss_func(out):
@@ -246,5 +250,6 @@ def train_step(trainable: Trainable, micro_batches: list[dict], loss_fn: LossFn 
         # Metrics come back as loss_fn returned them (only the backward loss is scaled by 1/num_microbatches).
         for key in outputs[0]:
             metrics[key] = float(torch.stack([m[key].float() for m in outputs]).mean())
+        metrics = mean_over_ranks(metrics)  # CP: every rank saw its own part of the sequences
         loss = next(iter(metrics.values()))
     return StepResult(loss, None if grad_norm is None else float(grad_norm), lr, not updated, metrics)

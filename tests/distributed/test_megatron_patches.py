@@ -259,3 +259,45 @@ def test_group_routing_top2_is_necessary_and_sufficient(tiny_model_dir):
     with_fix = (result["with"] - _reference(hf_dir)).abs().max().item()
     assert without > TOLERANCE, f"parity without group_routing_top2 ({without:.3g}): is the patch still needed?"
     assert with_fix <= TOLERANCE, f"max |logit diff| to transformers with the patch {with_fix:.3g} > {TOLERANCE}"
+
+
+def _grad_norms_without_then_with(rank: int, world_size: int, hf_dir: str) -> dict:
+    """Grad norm of one lr-0 update (same batch on every rank): DP2 (the TP1 reference), then TP2
+    without mla_rope_key_gradient, then TP2 with every patch."""
+    import os
+
+    import megatron_patches
+    from mrl.bridge.hf_import import load_hf_weights
+    from mrl.megatron.model import build_model
+    from mrl.megatron.parallel import destroy_layout, initialize_layout
+    from mrl.megatron.training import OptimConfig, lm_micro_batches, make_trainable, train_step
+    from mrl.models.registry import model_spec_from_hf
+
+    def grad_norm(layout: ParallelLayout) -> float:
+        coords = initialize_layout(layout)
+        spec = model_spec_from_hf(hf_dir)
+        built = build_model(spec, layout)
+        load_hf_weights(built, coords, hf_dir)
+        trainable = make_trainable(built, OptimConfig(lr=0.0, clip_grad=0.0))
+        tokens = torch.randint(0, spec.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+        result = train_step(trainable, lm_micro_batches(tokens, layout.tp))
+        destroy_layout()
+        return result.grad_norm
+
+    os.environ["MRL_SKIP_PATCHES"] = "mla_rope_key_gradient"
+    reference, without = grad_norm(ParallelLayout()), grad_norm(ParallelLayout(tp=2))
+    applied_without = megatron_patches.applied()
+    os.environ.pop("MRL_SKIP_PATCHES")
+    megatron_patches.apply()
+    return {"reference": reference, "without": without, "with": grad_norm(ParallelLayout(tp=2)),
+            "applied_without": applied_without}
+
+
+def test_mla_rope_key_gradient_is_necessary_and_sufficient(tiny_model_dir):
+    """MLA under TP2 (local spec): the rotary key's gradient must hold every TP rank's heads."""
+    (result, _) = run_local(_grad_norms_without_then_with, 2, str(tiny_model_dir("deepseek_v3")), timeout_s=240)
+    assert "mla_rope_key_gradient" not in result["applied_without"]
+    reference, without, with_fix = result["reference"], result["without"], result["with"]
+    assert abs(without - reference) > 1e-5 * reference, (
+        f"TP2 grad norm {without} equals TP1's {reference} without mla_rope_key_gradient: is the patch still needed?")
+    assert abs(with_fix - reference) <= 1e-5 * reference, f"TP2 grad norm {with_fix} with the patch, TP1 {reference}"

@@ -218,6 +218,33 @@ def test_layout_arithmetic(overrides, message):
     assert any(e.startswith(message) for e in errors), errors
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algo.aggregation=seq-mean-token-mean"], "algo.aggregation seq-mean-token-mean averages over whole sequences, "
+         "but with parallel.cp 2 each rank holds part of every sequence: set algo.aggregation: token-mean or parallel.cp: 1."),
+        (["algo.policy_loss=gspo", "algo.aggregation=token-mean"], "algo.policy_loss gspo needs each sequence's "
+         "importance ratio over all its tokens, but with parallel.cp 2 each rank holds part of every sequence"),
+        (["algo.rollout_correction=mis"], "algo.rollout_correction mis needs each sequence's importance ratio"),
+        (["trainer.sft_pack_tokens=64"], "trainer.sft_pack_tokens packs rows with a segment mask, which context "
+         "parallelism's attention does not take"),
+        (["parallel.world_size=2"], "parallel.world_size 2 is below the 4 processes layout TP2×PP1×CP2×EP2 needs."),
+    ],
+)
+def test_context_parallel_refuses_whole_sequence_settings(overrides, message):
+    errors = errors_of(TINY, "parallel.cp=2", *overrides)
+    assert any(e.startswith(message) for e in errors), errors
+
+
+def test_context_parallel_layout_counts_in_the_world_and_dp():
+    from mrl.config.derived import actor_world_size, data_parallel_size
+
+    cfg = load_config(TINY, ["parallel.cp=2"])  # dense TP2 × CP2; experts ETP2 × EP2 on the same 4 ranks
+    assert (actor_world_size(cfg), data_parallel_size(cfg)) == (4, 1)
+    cfg = load_config(TINY, ["parallel.cp=2", "parallel.world_size=8"])
+    assert data_parallel_size(cfg) == 2
+
+
 def _dsv3_files(tmp_path):
     """A DeepSeek-V3 671B config.json (the published sizes) and a data file, for the cluster recipe."""
     hf = tiny_hf_config("deepseek_v3") | dict(

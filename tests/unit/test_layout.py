@@ -21,6 +21,8 @@ MOE = ModelDims(num_layers=4, num_attention_heads=4, num_query_groups=2, ffn_hid
         (ParallelLayout(tp=2), DENSE, 3, "world size 3 does not fit layout TP2×PP1"),
         (ParallelLayout(tp=2, ep=2), MOE, 2, "must be a multiple of 4"),
         (ParallelLayout(tp=0), DENSE, None, "--tp must be >= 1"),
+        (ParallelLayout(cp=0), DENSE, None, "--cp must be >= 1"),
+        (ParallelLayout(tp=2, cp=2), DENSE, 6, "world size 6 does not fit layout TP2×PP1×CP2: it must be a multiple of 4"),
     ],
 )
 def test_layout_errors_name_the_problem(layout, dims, world, message):
@@ -38,7 +40,18 @@ def test_kv_heads_fewer_than_tp_is_allowed_but_not_a_non_multiple():
 @pytest.mark.parametrize(
     "layout, world",
     [(ParallelLayout(), 1), (ParallelLayout(tp=2, pp=2), 4), (ParallelLayout(ep=2), 2),
-     (ParallelLayout(ep=2, tp=2), 4), (ParallelLayout(etp=2), 2), (ParallelLayout(tp=2, ep=4, etp=1), 4)],
+     (ParallelLayout(ep=2, tp=2), 4), (ParallelLayout(etp=2), 2), (ParallelLayout(tp=2, ep=4, etp=1), 4),
+     (ParallelLayout(cp=2), 2), (ParallelLayout(tp=2, cp=2, pp=2), 8), (ParallelLayout(cp=2, ep=4), 4)],
 )
 def test_min_world_size(layout, world):
     assert layout.min_world_size() == world
+
+
+def test_context_parallel_sequences_split_into_two_chunks_a_rank():
+    from megatron_patches.sdpa_attention import chunk_positions, gathered_positions
+
+    assert ParallelLayout(tp=2, cp=2).sequence_multiple == 8 and ParallelLayout(tp=2).sequence_multiple == 2
+    assert chunk_positions(8, 2, 0).tolist() == [0, 1, 6, 7] and chunk_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert sorted(gathered_positions(12, 3).tolist()) == list(range(12))
+    with pytest.raises(ValueError, match="does not split into 2·CP = 4 equal chunks"):
+        chunk_positions(6, 2, 0)

@@ -1,0 +1,139 @@
+"""Context parallelism (parallel.cp) on 4 gloo processes: every CP layout computes what CP 1 computes.
+
+For a dense model (tiny qwen3) and an MLA + MoE one (tiny DeepSeek-V3), each layout below is built
+in turn on the same 4 ranks and must reproduce the reference layout (TP1, CP1: DP4):
+- the full-vocabulary logits of two sequences (mrl.megatron.forward, as `mrl verify` uses them);
+- compute_logprobs' log-probs and entropy of a ragged rollout batch (each rank scores it whole);
+- one update_actor step at lr 0 on that batch split over the layout's data-parallel ranks
+  (data_parallel_rows: the global token-mean): the global grad norm, the batch's pg_loss and the
+  gradient of the final norm's weight, a replicated parameter every CP rank gets a share of;
+- the first step's ppo_kl exactly 0 (log-probs and update agree bit for bit under CP too).
+A sequence-level aggregation, loss or correction is refused under CP with a message naming it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrl.layout import ParallelLayout
+from mrl.megatron.local_launch import run_local
+from mrl.megatron.parallel import from_last_stage
+
+TIMEOUT_S = 400
+WORLD = 4
+
+LAYOUTS = {
+    "qwen3": {"CP2": ParallelLayout(cp=2), "TP2×CP2": ParallelLayout(tp=2, cp=2), "PP2×CP2": ParallelLayout(pp=2, cp=2)},
+    "deepseek_v3": {"CP2": ParallelLayout(cp=2), "TP2×CP2": ParallelLayout(tp=2, cp=2),
+                    "CP2×EP2": ParallelLayout(cp=2, ep=2)},
+}
+REFERENCE = ParallelLayout()
+
+
+def _rollout_batch(vocab: int) -> dict:
+    """8 sequences: 4-token prompts and responses of 2..19 tokens, right-padded to 24 tokens."""
+    generator = torch.Generator().manual_seed(0)
+    lengths, prompt, width = [9, 18, 3, 14, 6, 19, 2, 11], 4, 24
+    tokens = torch.zeros(len(lengths), width + 1, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width)
+    for row, length in enumerate(lengths):
+        tokens[row, : prompt + length] = torch.randint(3, vocab, (prompt + length,), generator=generator)
+        mask[row, prompt - 1 : prompt - 1 + length] = 1.0
+    advantages = torch.randn(len(lengths), 1, generator=generator).expand(-1, width) * mask
+    return {"tokens": tokens, "response_mask": mask, "advantages": advantages.contiguous()}
+
+
+def _run_layout(arch_dir: str, layout: ParallelLayout) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from mrl.bridge.hf_import import load_hf_weights
+    from mrl.megatron.forward import forward_logits
+    from mrl.megatron.model import build_model
+    from mrl.megatron.parallel import destroy_layout, initialize_layout
+    from mrl.megatron.policy import compute_logprobs, data_parallel_rows, update_actor
+    from mrl.megatron.training import OptimConfig, make_trainable
+    from mrl.models.registry import model_spec_from_hf
+
+    coords = initialize_layout(layout)
+    built = build_model(model_spec_from_hf(arch_dir), layout)
+    load_hf_weights(built, coords, arch_dir)
+    trainable = make_trainable(built, OptimConfig(lr=0.0, clip_grad=0.0))
+    batch = _rollout_batch(built.spec.vocab_size)
+    logits = from_last_stage(forward_logits(built, batch["tokens"][[1, 5], :20]))
+    scored = from_last_stage(compute_logprobs(trainable, batch, layout.tp, 4, with_entropy=True))
+    mine = data_parallel_rows(batch, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    old = compute_logprobs(trainable, mine, layout.tp, 2)  # None off the last stage
+    mine["old_logprobs"] = from_last_stage(old["logprobs"] if old else None)
+    metrics = update_actor(trainable, mine, {"aggregation": "token-mean"}, 2)
+    norm_grad = None
+    for chunk in built.chunks:
+        if chunk.post_process:
+            norm_grad = chunk.decoder.final_layernorm.weight.main_grad.detach().clone()
+    result = {"logits": logits, "logprobs": scored["logprobs"], "entropy": scored["entropy"], "metrics": metrics,
+              "norm_grad": from_last_stage(norm_grad)}
+    destroy_layout()
+    return result
+
+
+def _all_layouts(rank: int, world_size: int, dirs: dict) -> dict:
+    return {(arch, name): _run_layout(dirs[arch], layout)
+            for arch, layouts in LAYOUTS.items() for name, layout in {"reference": REFERENCE, **layouts}.items()}
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def test_context_parallel_matches_cp1(tiny_model_dir):
+    dirs = {arch: str(tiny_model_dir(arch)) for arch in LAYOUTS}
+    per_rank = run_local(_all_layouts, WORLD, dirs, timeout_s=TIMEOUT_S)
+    mask = _rollout_batch(1000)["response_mask"].bool()
+    for arch, layouts in LAYOUTS.items():
+        ref = per_rank[0][(arch, "reference")]
+        for name in layouts:
+            for rank in range(WORLD):
+                got, where = per_rank[rank][(arch, name)], f"{arch} {name} rank {rank}"
+                assert got["logits"].shape == ref["logits"].shape, where
+                assert _max_diff(got["logits"], ref["logits"]) <= 1e-4, f"{where}: logits"
+                assert (got["logprobs"][mask] < 0).all(), f"{where}: log-probs"
+                # every position, prompts included (the trimmed columns past the last response are 0 in both)
+                assert _max_diff(got["logprobs"], ref["logprobs"]) <= 1e-5, f"{where}: log-probs"
+                assert _max_diff(got["entropy"], ref["entropy"]) <= 1e-5, f"{where}: entropy"
+                metrics = got["metrics"]
+                assert metrics["actor/ppo_kl"] == 0.0, f"{where}: first-step ppo_kl {metrics['actor/ppo_kl']}"
+                assert metrics["actor/grad_norm"] == pytest.approx(ref["metrics"]["actor/grad_norm"], rel=1e-4), where
+                assert _max_diff(got["norm_grad"], ref["norm_grad"]) <= 1e-5 * max(1.0, float(ref["norm_grad"].abs().max())), (
+                    f"{where}: final norm's gradient")
+            # each rank reports its DP slice's share of the batch's loss: their mean over the ranks is the batch's
+            loss, ref_loss = (sum(per_rank[r][(arch, n)]["metrics"]["actor/pg_loss"] for r in range(WORLD)) / WORLD
+                              for n in (name, "reference"))
+            assert loss == pytest.approx(ref_loss, rel=1e-4, abs=1e-7), f"{arch} {name}: pg_loss {loss} vs CP1 {ref_loss}"
+
+
+def _sequence_level_refusals(rank: int, world_size: int) -> list[str]:
+    from mrl.megatron.parallel import destroy_layout, initialize_layout
+    from mrl.megatron.policy import policy_loss_fn
+
+    initialize_layout(ParallelLayout(cp=2))
+    messages = []
+    for algo in SEQUENCE_LEVEL.values():
+        try:
+            policy_loss_fn(algo)
+            messages.append("accepted")
+        except ValueError as err:
+            messages.append(str(err))
+    destroy_layout()
+    return messages
+
+
+SEQUENCE_LEVEL = {"aggregation seq-mean-token-mean": {"aggregation": "seq-mean-token-mean"},
+                  "policy_loss gspo": {"policy_loss": "gspo", "aggregation": "token-mean"},
+                  "rollout_correction mis": {"rollout_correction": "mis"}}
+
+
+def test_sequence_level_losses_are_refused_under_cp():
+    messages = run_local(_sequence_level_refusals, 2, timeout_s=TIMEOUT_S)[0]
+    for named, message in zip(SEQUENCE_LEVEL, messages):
+        setting = named.split(" ")[-1]
+        assert setting in message and "context parallelism" in message and "parallel.cp 1" in message, (named, message)
