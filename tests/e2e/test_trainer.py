@@ -12,7 +12,8 @@ Three runs share one local Ray instance:
   4. PPO with a Megatron critic (GAE) on a tiny dense model in TP2.
   5. One GRPO step scored by a reward model (reward.name: reward_model), on one rank.
   6. GRPO started from a checkpoint written the way Megatron-LM writes one (PP2, torch_dist), in TP2.
-  7. trainer.mode one_step_off on one rank: every batch after the first a weight version behind;
+  7. GRPO on the demo's DeepSeek-V3 with context parallelism (TP2 × CP2), merged to HF.
+  8. trainer.mode one_step_off on one rank: every batch after the first a weight version behind;
      resumed from its step-2 checkpoint (which holds the batch generated for step 3), it reproduces
      steps 3 and 4 exactly.
 """
@@ -283,6 +284,27 @@ LENGTH_REWARD = """
 def score(prompt, response, ground_truth, metadata):
     return len(response) % 3 / 2.0  # varies with the response: GAE's returns are not all zero
 """
+
+
+def test_grpo_with_context_parallelism_on_mla_and_moe(tmp_path, ray_local):
+    """The demo's DeepSeek-V3 (MLA + MoE) in TP2 × CP2 (experts ETP2 × EP2): each sequence split
+    over two CP ranks, the engine synced from them and the run merged."""
+    from mrl.trainer import train
+
+    reward = tmp_path / "length_reward.py"
+    reward.write_text(textwrap.dedent(LENGTH_REWARD))
+    cfg = load_config(RECIPE, _overrides(tmp_path, tmp_path / "model", "parallel.cp=2", "trainer.total_steps=2",
+                                         f"reward.name={reward}:score", "checkpoint.export_hf=true",
+                                         "sync.parity_every=1"))
+    summary = train(cfg)
+    metrics = _metrics(tmp_path / "run")
+    first = metrics[1]
+    assert first["actor/ppo_kl"] == 0.0 and first["actor/ratio_mean"] == 1.0 and first["actor/grad_norm"] > 0, first
+    # the engine scores what the CP ranks computed, after every sync (fp32 on both sides)
+    gaps = [m["rollout/logprob_abs_diff_max"] for m in metrics.values() if "rollout/logprob_abs_diff_max" in m]
+    assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
+    assert max(m["rollout/train_logprob_abs_diff_max"] for m in metrics.values()) < 1e-4
+    assert summary["accuracy_merged_hf"] == summary["accuracy_after"]
 
 
 def test_ppo_with_a_megatron_critic(tmp_path, tiny_model_dir, ray_local):
