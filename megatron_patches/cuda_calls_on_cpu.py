@@ -11,9 +11,9 @@ shape exchange in `p2p_communication.py`, MoE router buffers, the global memory 
 Patch: in every loaded `megatron.core` module, the module-level name `torch` is replaced by a thin
 proxy of the torch module whose `cuda` namespace answers on the CPU (current_device → "cpu",
 synchronize → no-op, streams/events → no-op objects) and whose tensor factories map
-`device="cuda"` to the CPU and pin no memory. torch itself is untouched, so vLLM, transformers and mrl see the real
-module. Only megatron modules imported by `apply()` (and their imports) are covered, which is why
-`apply()` must run before models are built.
+`device="cuda"` to the CPU and pin no memory. torch itself is untouched, so vLLM, transformers
+and mrl see the real module. Only megatron modules imported by `apply()` (and their imports) are
+covered, which is why `apply()` must run before models are built.
 
 Drop when: megatron-core selects its device through an abstraction instead of literal CUDA calls
 (not the case up to 0.16.1).

@@ -5,10 +5,11 @@ The split is Megatron's load-balanced one (megatron.core.utils.get_batch_on_this
 rotary embedding's get_pos_emb_on_this_cp_rank): the sequence is cut into 2·CP equal chunks and
 CP rank r holds chunks r and 2·CP-1-r, so under a causal mask every rank has the same attention work.
 A micro-batch's per-token tensors are sliced here before the model sees them; per-token results
-(log-probs, entropy, values, logits) are gathered back into sequence order here; and core attention
-(megatron_patches/sdpa_attention.py, where the chunk positions are defined) all-gathers K and V over the CP group (the backward pass
-reduce-scatters their gradients) and masks by each query's and key's position in the whole
-sequence. Gradients of the replicated weights are reduced over DP×CP by Megatron's DDP.
+(log-probs, entropy, values, logits) are gathered back into sequence order here; and core
+attention (megatron_patches/sdpa_attention.py, where the chunk positions are defined) all-gathers
+K and V over the CP group (the backward pass reduce-scatters their gradients) and masks by each
+query's and key's position in the whole sequence. Gradients of the replicated weights are reduced
+over DP×CP by Megatron's DDP.
 
 With CP 1 every function here is the identity.
 """

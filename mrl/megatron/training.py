@@ -152,7 +152,8 @@ def lm_loss(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
     """Mean next-token cross-entropy over `batch["loss_mask"]`, vocab-parallel.
 
     `logits` [b, s, V/tp] are the model's outputs for `batch["tokens"]`; position t predicts
-    `batch["labels"][:, t]` (the caller shifts, see lm_micro_batches).
+    `batch["labels"][:, t]` (the caller shifts, see lm_micro_batches). With CP each rank means over
+    its own tokens (mrl's RL and SFT losses weigh them instead: mrl.megatron.policy).
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 

@@ -3,7 +3,8 @@
 For a dense model (tiny qwen3) and an MLA + MoE one (tiny DeepSeek-V3), each layout below is built
 in turn on the same 4 ranks and must reproduce the reference layout (TP1, CP1: DP4):
 - the full-vocabulary logits of two sequences (mrl.megatron.forward, as `mrl verify` uses them);
-- compute_logprobs' log-probs and entropy of a ragged rollout batch (each rank scores it whole);
+- compute_logprobs' log-probs and entropy of a ragged rollout batch (each rank scores it whole),
+  and a critic's values (compute_values, the model with a value head);
 - one update_actor step at lr 0 on that batch split over the layout's data-parallel ranks
   (data_parallel_rows: the global token-mean): the global grad norm, the batch's pg_loss and the
   gradient of the final norm's weight, a replicated parameter every CP rank gets a share of;
@@ -51,7 +52,7 @@ def _run_layout(arch_dir: str, layout: ParallelLayout) -> dict:
     from mrl.megatron.forward import forward_logits
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import destroy_layout, initialize_layout
-    from mrl.megatron.policy import compute_logprobs, data_parallel_rows, update_actor
+    from mrl.megatron.policy import compute_logprobs, compute_values, data_parallel_rows, update_actor
     from mrl.megatron.training import OptimConfig, make_trainable
     from mrl.models.registry import model_spec_from_hf
 
@@ -70,8 +71,11 @@ def _run_layout(arch_dir: str, layout: ParallelLayout) -> dict:
     for chunk in built.chunks:
         if chunk.post_process:
             norm_grad = chunk.decoder.final_layernorm.weight.main_grad.detach().clone()
+    critic = build_model(model_spec_from_hf(arch_dir), layout, value_head=True)  # PPO's critic: per-token values
+    load_hf_weights(critic, coords, arch_dir)
+    values = from_last_stage(compute_values(critic, batch, 4))
     result = {"logits": logits, "logprobs": scored["logprobs"], "entropy": scored["entropy"], "metrics": metrics,
-              "norm_grad": from_last_stage(norm_grad)}
+              "norm_grad": from_last_stage(norm_grad), "values": values["values"]}
     destroy_layout()
     return result
 
@@ -100,6 +104,7 @@ def test_context_parallel_matches_cp1(tiny_model_dir):
                 # every position, prompts included (the trimmed columns past the last response are 0 in both)
                 assert _max_diff(got["logprobs"], ref["logprobs"]) <= 1e-5, f"{where}: log-probs"
                 assert _max_diff(got["entropy"], ref["entropy"]) <= 1e-5, f"{where}: entropy"
+                assert _max_diff(got["values"], ref["values"]) <= 1e-5, f"{where}: a critic's values"
                 metrics = got["metrics"]
                 assert metrics["actor/ppo_kl"] == 0.0, f"{where}: first-step ppo_kl {metrics['actor/ppo_kl']}"
                 assert metrics["actor/grad_norm"] == pytest.approx(ref["metrics"]["actor/grad_norm"], rel=1e-4), where
