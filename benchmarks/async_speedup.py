@@ -22,7 +22,11 @@ held-out accuracy after the last step (greedy, --heldout prompts: cheap, but the
 answers nothing right in so few steps; it only shows every mode ran its evaluation).
 
     .venv/bin/python benchmarks/async_speedup.py [--steps 8] [--batch 8] [--n 4] [--tokens 48]
-        [--modes sync,one_step_off,fully_async:1,fully_async:2,fully_async:2:partial] [--repeats 1] [--no-pin] [--workdir DIR]
+        [--modes sync,one_step_off,fully_async:1,fully_async:2,fully_async:2:partial,fully_async:2:noahead]
+        [--reward-sleep-ms 0] [--repeats 1] [--no-pin] [--workdir DIR]
+
+--reward-sleep-ms S scores with a reward that waits S ms per sample in the reward sandbox's
+workers (a verifier that waits, not computes): `:noahead` turns async.score_ahead off, to compare.
 """
 
 from __future__ import annotations
@@ -134,12 +138,33 @@ class Pinner:
         return "; ".join(parts)
 
 
-def run_mode(mode: str, eta: int | None, partial: bool, args, model: Path, workdir: Path) -> dict:
+SLOW_REWARD = """
+import time
+
+from mrl.rewards.rule_based import exact_answer
+
+
+def score(prompt, response, ground_truth, metadata):
+    time.sleep({seconds})  # a verifier that waits (a sandbox, a remote judge): no CPU of the machine's
+    return exact_answer(prompt, response, ground_truth, metadata)
+"""
+
+
+def reward_overrides(args, workdir: Path) -> list[str]:
+    """--reward-sleep-ms: the exact-answer reward in the sandbox's workers, each sample waiting that long."""
+    if not args.reward_sleep_ms:
+        return []
+    path = workdir / "slow_reward.py"
+    path.write_text(SLOW_REWARD.format(seconds=args.reward_sleep_ms / 1000))
+    return [f"reward.name={path}:score"]
+
+
+def run_mode(mode: str, eta: int | None, partial: bool, ahead: bool, args, model: Path, workdir: Path) -> dict:
     """Train one mode; its per-step metrics and held-out accuracy."""
     from mrl.config import load_config
     from mrl.trainer import train
 
-    name = (mode if eta is None else f"{mode}_eta{eta}") + ("_partial" if partial else "")
+    name = (mode if eta is None else f"{mode}_eta{eta}") + ("_partial" if partial else "") + ("" if ahead else "_noahead")
     out = workdir / f"{name}_{time.monotonic_ns()}"
     overrides = [
         f"trainer.total_steps={args.steps}", "trainer.sft_steps=0", "trainer.eval_every=0",
@@ -150,6 +175,7 @@ def run_mode(mode: str, eta: int | None, partial: bool, args, model: Path, workd
         f"trainer.output_dir={out}", f"checkpoint.dir={out}_ckpt", f"model.path={model}", "model.tiny=null",
         "parallel.tp=1", "parallel.pp=1", "parallel.ep=1", f"optim.micro_batch_size={args.batch * args.n}",
     ] + ([f"async.max_staleness={eta}"] if eta is not None else []) + (["async.partial_rollout=true"] if partial else [])
+    overrides += [f"async.score_ahead={str(ahead).lower()}"] + reward_overrides(args, workdir)
     summary = train(load_config(RECIPE, overrides))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1 and "timing_s/step" in r]
@@ -173,6 +199,7 @@ def summarize(result: dict, sync: dict | None) -> dict:
     for key, metric in (("gen_wait_s", "gen"), ("old_log_prob_s", "old_log_prob"), ("update_actor_s", "update_actor"),
                         ("reward_s", "reward"), ("sync_s", "sync_weights")):
         row[key] = mean(later, f"timing_s/{metric}")
+    row["scored_ahead"] = mean(later, "reward/scored_ahead")  # share of steps 2..N whose rewards were ready
     if sync is not None:
         row["speedup"] = sync["wall_s"] / total
         row["steady_speedup"] = sync["steady_s"] / steady if steady else float("nan")
@@ -191,15 +218,17 @@ def balance(sync: dict) -> str:
             f"a perfect overlap of gen with the trainer's work: {bound:.2f}x")
 
 
-def parse_modes(text: str) -> list[tuple[str, int | None, bool]]:
-    """`sync`, `one_step_off`, `fully_async[:η[:partial]]` → (mode, η, partial rollout)."""
+def parse_modes(text: str) -> list[tuple[str, int | None, bool, bool]]:
+    """`sync`, `one_step_off`, `fully_async[:η[:partial][:noahead]]` → (mode, η, partial rollout,
+    async.score_ahead)."""
     modes = []
     for item in text.split(","):
         mode, _, rest = item.partition(":")
-        eta, _, partial = rest.partition(":")
-        if mode not in ("sync", "one_step_off", "fully_async") or partial not in ("", "partial"):
-            raise SystemExit(f"--modes: {item!r} is not sync, one_step_off or fully_async[:η[:partial]]")
-        modes.append((mode, int(eta) if eta else (1 if mode == "fully_async" else None), partial == "partial"))
+        eta, *flags = rest.split(":") if rest else [""]
+        if mode not in ("sync", "one_step_off", "fully_async") or set(flags) - {"partial", "noahead"}:
+            raise SystemExit(f"--modes: {item!r} is not sync, one_step_off or fully_async[:η[:partial][:noahead]]")
+        modes.append((mode, int(eta) if eta else (1 if mode == "fully_async" else None), "partial" in flags,
+                      "noahead" not in flags))
     if modes[0][0] != "sync":
         raise SystemExit("--modes must start with sync: the speedups are against it")
     return modes
@@ -215,6 +244,8 @@ def main() -> None:
     parser.add_argument("--modes", default="sync,one_step_off,fully_async:1,fully_async:2")
     parser.add_argument("--repeats", type=int, default=1, help="rounds over all modes (the table keeps each round)")
     parser.add_argument("--model", default="qwen3", help="tiny zoo architecture")
+    parser.add_argument("--reward-sleep-ms", type=float, default=0.0,
+                        help="score with exact_answer in the reward sandbox, each sample waiting this long")
     parser.add_argument("--trainer-core", type=int, default=0)
     parser.add_argument("--engine-core", type=int, default=1)
     parser.add_argument("--no-pin", action="store_true", help="leave the processes where the OS puts them")
@@ -237,13 +268,13 @@ def main() -> None:
     try:
         for round_ in range(args.repeats):
             sync = None
-            for mode, eta, partial in modes:
+            for mode, eta, partial, ahead in modes:
                 started = time.perf_counter()
                 if args.no_pin:
-                    result, pins = run_mode(mode, eta, partial, args, model, workdir), "not pinned"
+                    result, pins = run_mode(mode, eta, partial, ahead, args, model, workdir), "not pinned"
                 else:
                     with Pinner(args.trainer_core, args.engine_core) as pinner:
-                        result = run_mode(mode, eta, partial, args, model, workdir)
+                        result = run_mode(mode, eta, partial, ahead, args, model, workdir)
                     pins = pinner.report()
                 row = summarize(result, sync)
                 sync = sync or row
@@ -258,7 +289,7 @@ def main() -> None:
         if row["mode"] == "sync":
             print(balance(row))
     head = ("mode", "wall_s", "speedup", "steady_s", "steady_speedup", "trainer_idle", "rollouter_idle",
-            "staleness_max", "gen_wait_s", "update_actor_s", "accuracy")
+            "staleness_max", "gen_wait_s", "update_actor_s", "reward_s", "scored_ahead", "accuracy")
     print(" | ".join(head))
     for row in table:
         print(" | ".join(_fmt(row.get(k)) for k in head))

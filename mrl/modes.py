@@ -186,6 +186,11 @@ class BatchSource:
         """What a checkpoint taken now must save to resume exactly: generated batches not yet trained."""
         return []
 
+    def upcoming(self, step: int) -> GeneratedBatch | None:
+        """Step `step`'s batch if it is generated already and can no longer change (its rewards
+        may then be scored ahead, while an earlier step learns); None otherwise."""
+        return None
+
     def close(self) -> None:
         """The run stops (finished, failed or interrupted): abandon every generation in flight, so
         nothing is waited for on the way out and the engines are not kept busy with work nobody
@@ -391,6 +396,16 @@ class FullyAsyncSource(BatchSource):
                 metrics["async/continued_samples"] = float(self._continue_unfinished())
         self._refill()
         self.engine_seconds = self._busy_seconds(time.perf_counter())
+
+    def upcoming(self, step: int) -> GeneratedBatch | None:
+        """Step `step`'s batch once every chunk of it (and every continuation of its samples) came
+        back: collected now, so next(step) hands over this very batch."""
+        if step not in self.ready:
+            chunks = self.running.get(step)
+            if not chunks or not all(c.finished() for c in chunks):
+                return None
+            self.ready[step] = self._collect(step)
+        return self.ready[step]
 
     def in_flight(self) -> list[GeneratedBatch]:
         """Every started step's batch, waiting for the chunks in flight (a checkpoint drains)."""

@@ -32,6 +32,7 @@ from mrl.data import EpochSampler, load_splits
 from mrl.inputs import prepare_model, tokenize_samples
 from mrl.launch.cluster import Cluster, start_cluster
 from mrl.rewards import build_reward
+from mrl.rewards.ahead import ScoresAhead
 
 if TYPE_CHECKING:
     from mrl.modes import GeneratedBatch
@@ -46,7 +47,7 @@ class Run:
     train_set: list[dict]
     heldout: list[dict]
     sampler: EpochSampler
-    reward: object | None  # None for SFT only
+    reward: ScoresAhead | None  # None for SFT only
     cluster: Cluster
     start: int = 0  # the RL step resumed from (0: none)
     rl_start: str | None = None  # the policy checkpoint RL starts from (None: the HF model)
@@ -112,7 +113,7 @@ def open_run(cfg: RunConfig, sft_only: bool = False) -> Run:
     train_set, heldout = (tokenize_samples(s, tokenizer) for s in load_splits(cfg.data, cfg.trainer.seed, tokenizer))
     sampler = EpochSampler(len(train_set), cfg.data.batch_size, seed=cfg.trainer.seed)
     save_config(cfg)  # also creates the output directory
-    reward = None if sft_only else build_reward(cfg.reward)
+    reward = None if sft_only else ScoresAhead(build_reward(cfg.reward))  # async.score_ahead: the next batch's, early
     try:
         cluster = start_cluster(cfg, hf_dir, len(tokenizer), with_engine=not sft_only)
     except BaseException:

@@ -29,6 +29,7 @@ from mrl.modes import (AsyncPlan, BatchSource, GeneratedBatch, PendingBatch, con
                        overlap_metrics)
 from mrl.profiling import profiled_step
 from mrl.rewards import RewardInput, RewardResult
+from mrl.rewards.ahead import ScoresAhead
 from mrl.rollout.detokenize import Detokenizer
 from mrl.rollout.engine import Generation, SamplingSettings
 from mrl.rollout_trace import trace_rollouts
@@ -92,6 +93,8 @@ def rl_step(step: int, run: Run, source: BatchSource) -> dict:
     with timer("step", metrics):
         generated = source.next(step, metrics)
         rollout = collect(run, generated, metrics)
+        if run.cfg.async_.score_ahead:  # fully_async: the next batch's rewards while this step learns
+            score_ahead(run, source.upcoming(step + 1))
         if rollout.batch is not None:  # None: dynamic sampling left no group with a learning signal
             learn(step, run, rollout, metrics)
         source.after_update(step, rollout.batch is not None, metrics)
@@ -118,8 +121,10 @@ def collect(run: Run, generated: GeneratedBatch, metrics: dict) -> Rollout:
     metrics.update(generated.engine_metrics)  # rollout/engine{i}/...: each engine's throughput
     if generated.gen_seconds > 0:
         metrics["perf/gen_tokens_per_s"] = sum(len(g.token_ids) for gs in groups for g in gs) / generated.gen_seconds
-    with timer("reward", metrics):
-        rewards = reward_results(run.reward, prompts, groups, run.out / "reward_errors.jsonl")
+    with timer("reward", metrics):  # the wait: nothing when the batch was scored ahead
+        rewards, ahead = reward_results(run.reward, prompts, groups, run.out / "reward_errors.jsonl",
+                                        ahead_key=generated.step)
+    metrics["reward/scored_ahead"] = float(ahead)
     scores = torch.tensor([r.score for r in rewards], dtype=torch.float32)
     batch = rollout_batch(groups, scores.tolist())
     metrics.update(rollout_metrics(batch, groups, scores))
@@ -199,19 +204,32 @@ def greedy_settings(cfg: RunConfig) -> SamplingSettings:
 
 def score(reward, prompts: list[dict], groups, error_log: Path | None = None) -> torch.Tensor:
     """Scores in sample order; failed reward calls (scored 0) are appended to `error_log`."""
-    return torch.tensor([r.score for r in reward_results(reward, prompts, groups, error_log)], dtype=torch.float32)
+    return torch.tensor([r.score for r in reward_results(reward, prompts, groups, error_log)[0]], dtype=torch.float32)
 
 
-def reward_results(reward, prompts: list[dict], groups, error_log: Path | None = None) -> list[RewardResult]:
-    """Scores with their details in sample order; failed calls (scored 0) are appended to `error_log`."""
-    inputs = [RewardInput(p["prompt"], g.text, p["ground_truth"], p["metadata"])
-              for p, group in zip(prompts, groups) for g in group]
-    results = reward.score_batch(inputs)
+def reward_inputs(prompts: list[dict], groups) -> list[RewardInput]:
+    return [RewardInput(p["prompt"], g.text, p["ground_truth"], p["metadata"])
+            for p, group in zip(prompts, groups) for g in group]
+
+
+def reward_results(reward: ScoresAhead, prompts: list[dict], groups, error_log: Path | None = None,
+                   ahead_key: int | None = None) -> tuple[list[RewardResult], bool]:
+    """Scores with their details in sample order, and whether they were scored ahead (`ahead_key`:
+    the step a batch was submitted for, see score_ahead); failed calls (scored 0) are appended to
+    `error_log`."""
+    inputs = reward_inputs(prompts, groups)
+    results, ahead = reward.take(ahead_key, inputs) if ahead_key is not None else (reward.score_batch(inputs), False)
     failed = [{"prompt": i.prompt, "response": i.response, "error": r.error} for i, r in zip(inputs, results) if r.error]
     if failed and error_log is not None:
         with open(error_log, "a") as log:
             log.writelines(json.dumps(row) + "\n" for row in failed)
-    return results
+    return results, ahead
+
+
+def score_ahead(run: Run, batch: GeneratedBatch | None) -> None:
+    """Start scoring a later step's batch in the background (async.score_ahead; None: not generated yet)."""
+    if batch is not None:
+        run.reward.submit(batch.step, reward_inputs([run.train_set[i] for i in batch.prompt_indices], batch.groups))
 
 
 def shape_rewards(batch: dict, scores: torch.Tensor, cfg: RunConfig, metrics: dict) -> dict | None:

@@ -51,6 +51,9 @@ class AsyncConfig:
     # A push interrupts the generations in flight and continues them from their prefix on the new
     # weights (each token keeps its version and engine log-prob) instead of waiting for them to end
     partial_rollout: bool = False
+    # Score the next step's batch in a thread while this step learns, when it is generated already
+    # (mrl/rewards/ahead.py): a slow reward function then costs the trainer nothing
+    score_ahead: bool = True
 
 
 @dataclass

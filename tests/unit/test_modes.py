@@ -18,6 +18,7 @@ class FakeEngine:
         self.version, self.in_flight, self.events = 0, 0, []
         self.start_step, self.sampled = start_step, 0
         self.cancel_fails = False  # cancel() raises, as for an engine that died
+        self.finished = True  # generations report themselves finished (else still running)
 
     def launch(self, step: int) -> PendingBatch:
         return self.generate(step, self.sample())
@@ -33,8 +34,11 @@ class FakeEngine:
         version, engine = self.version, self
 
         class Pending:
-            seconds = 1.5
             metrics = {"rollout/engine0/gen_s": 1.5}
+
+            @property
+            def seconds(self):  # None: still generating
+                return 1.5 if engine.finished else None
 
             def result(self):
                 engine.in_flight -= 1
@@ -303,3 +307,26 @@ def test_closing_the_rollouter_cancels_every_chunk_in_flight_and_starts_nothing(
     assert [e for e in engine.events if e.startswith("gen")] == ["gen b1 v1", "gen b1 v1", "gen b2 v1", "gen b2 v1",
                                                                 "gen b3 v1", "gen b3 v1"]
     assert source.in_flight() == []
+
+
+def test_the_next_batch_is_upcoming_once_generated_and_then_handed_over_unchanged():
+    """fully_async: once the next step's chunks are all back, upcoming() gives its batch (its
+    rewards can then be scored ahead) and next() hands over that very batch; before, None. The
+    other modes never offer one."""
+    engine = FakeEngine()
+    engine.push()
+    plan = AsyncPlan(engine.sample, engine.generate, 0, 1, 1, 8, 1, 1)
+    source = make_source("fully_async", engine.launch, engine.push, engine.release, 3, None, plan)
+    engine.finished = False
+    first = source.next(1, {})
+    assert source.upcoming(2) is None and source.upcoming(3) is None  # step 2 running, step 3 not admitted
+    engine.finished = True
+    upcoming = source.upcoming(2)
+    assert upcoming is not None and upcoming.step == 2 and source.upcoming(2) is upcoming
+    source.after_update(1, True, {})
+    assert source.next(2, {}) is upcoming and first.step == 1
+    for mode in ("sync", "one_step_off"):
+        engine = FakeEngine()
+        other = make_source(mode, engine.launch, engine.push, engine.release, 3)
+        other.next(1, {})
+        assert other.upcoming(2) is None, mode

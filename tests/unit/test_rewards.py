@@ -9,7 +9,7 @@ import pytest
 
 from mrl.config.schema import RewardConfig
 from mrl.registry import UnknownNameError
-from mrl.rewards import REWARD_FUNCTIONS, RewardInput, RewardLoadError, SandboxedReward, build_reward
+from mrl.rewards import REWARD_FUNCTIONS, RewardInput, RewardLoadError, RewardResult, SandboxedReward, build_reward
 from mrl.rewards.rule_based import answers_equal, boxed_math, exact_answer, last_boxed
 
 
@@ -222,3 +222,50 @@ def test_math_verify_runs_in_sandbox_workers_and_a_pathological_answer_is_bounde
         assert reward.replaced == (1 if timeout_s < 2 else 0)
         if timeout_s > 2:  # the pool still scores
             assert [r.score for r in reward.score_batch([RewardInput("q", r"\boxed{\frac12}", "0.5")])] == [1.0]
+
+
+class _SlowScorer:
+    """Scores a sample by its response's length, slowly; records how many calls overlapped."""
+
+    def __init__(self, seconds: float = 0.05):
+        self.seconds, self.calls, self.running, self.most, self.closed = seconds, 0, 0, 0, False
+        self._lock = threading.Lock()
+
+    def score_batch(self, samples):
+        with self._lock:
+            self.calls += 1
+            self.running += 1
+            self.most = max(self.most, self.running)
+        time.sleep(self.seconds)
+        with self._lock:
+            self.running -= 1
+        return [RewardResult(float(len(s.response))) for s in samples]
+
+    def close(self):
+        self.closed = True
+
+
+def test_scores_ahead_hands_over_the_batch_scored_in_the_background():
+    from mrl.rewards.ahead import ScoresAhead
+
+    scorer = _SlowScorer()
+    rewards = ScoresAhead(scorer)
+    batch = [RewardInput("1+1=", "2"), RewardInput("1+1=", "22")]
+    rewards.submit(7, batch)
+    rewards.submit(7, batch)  # once per key
+    # the held-out evaluation scores meanwhile: never at the same time as the batch ahead
+    evaluation = threading.Thread(target=rewards.score_batch, args=([RewardInput("2+2=", "4")],))
+    evaluation.start()
+    results, ahead = rewards.take(7, batch)
+    evaluation.join()
+    assert ahead and [r.score for r in results] == [1.0, 2.0]
+    assert scorer.calls == 2 and scorer.most == 1
+    # nothing submitted for the key, or other samples than submitted: scored now
+    assert rewards.take(8, batch)[1] is False
+    rewards.submit(9, batch)
+    other = [RewardInput("1+1=", "333")]
+    results, ahead = rewards.take(9, other)
+    assert not ahead and [r.score for r in results] == [3.0]
+    rewards.submit(10, batch)
+    rewards.close()  # waits for the batch being scored, then closes the scorer
+    assert scorer.running == 0 and scorer.closed
