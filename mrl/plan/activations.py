@@ -19,7 +19,10 @@ which saved-tensor hooks cannot see, so they are not measured either).
 
 Token scopes: "sp" rows live on the sequence-parallel slice (s·b/TP tokens); "seq" rows on the
 whole sequence with TP-sharded widths; "routed" rows on the tokens this rank's experts process,
-s·b/TP·topk·ETP with balanced routing; "rope" rows on s positions (not per sequence).
+s·b/TP·topk·ETP with balanced routing; "rope" rows on s positions (not per sequence). Context
+parallelism divides each of these by CP (a rank holds s/CP of every sequence); its core attention
+adds "gathered" rows (the keys and values of the whole sequence, s·b) and a "mask" row ([s/CP, s]
+per layer).
 
 Attention: "flash" (a fused kernel: saves q, k, v, the output and the log-sum-exp; GPUs, and the
 CPU for equal q/k and v head dims) or "math" (CPU's fallback for MLA's unequal head dims: fp32
@@ -99,7 +102,7 @@ def _gqa(shape: ModelShape, layout: ParallelLayout, mb: MicroBatch, e: int, atte
     v_width = heads * d if shape.groups < shape.heads else (heads + 2 * groups) * d
     if attention == "checkpointed":  # the checkpoint keeps k and v before the repeat: v a view of qkv
         return rows + _core(heads, d, d, (heads + 2 * groups) * d, mb, e, attention, k_heads=groups)
-    return rows + _core(heads, d, d, v_width, mb, e, attention)
+    return rows + _core(heads, d, d, v_width, mb, e, attention, cp=layout.cp)
 
 
 def _mla(shape: ModelShape, layout: ParallelLayout, mb: MicroBatch, e: int, attention: str) -> list[Row]:
@@ -112,13 +115,15 @@ def _mla(shape: ModelShape, layout: ParallelLayout, mb: MicroBatch, e: int, atte
     ]
     # v is a view of the kv up-projection's output [heads·(qk_nope + v)], which stays alive whole.
     v_width = heads * (m.qk_nope + m.v_dim)
-    return rows + _core(heads, m.qk_nope + m.qk_rope, m.v_dim, v_width, mb, e, attention)
+    return rows + _core(heads, m.qk_nope + m.qk_rope, m.v_dim, v_width, mb, e, attention, cp=layout.cp)
 
 
 def _core(heads: float, qk_dim: int, v_dim: int, v_width: float, mb: MicroBatch, e: int, attention: str,
-          k_heads: float | None = None) -> list[Row]:
+          k_heads: float | None = None, cp: int = 1) -> list[Row]:
     """Core attention and the output projection's input ("checkpointed": selective recompute's
     saved inputs q, k, v and the output, whatever the kernel)."""
+    if cp > 1 and attention != "checkpointed":
+        return _core_cp(heads, qk_dim, v_dim, mb, e, attention)
     if attention == "checkpointed":
         k_heads = heads if k_heads is None else k_heads
         return [Row("attention q, k (checkpoint inputs)", "seq", (heads + k_heads) * qk_dim * e),
@@ -131,6 +136,25 @@ def _core(heads: float, qk_dim: int, v_dim: int, v_width: float, mb: MicroBatch,
     if attention == "math":
         return [Row("attention q, k (fp32)", "seq", 2 * heads * qk_dim * F32),
                 Row("attention v (fp32)", "seq", heads * v_dim * F32),
+                Row("attention probabilities (fp32)", "seq", heads * mb.seq * F32),
+                Row("output projection input", "seq", heads * v_dim * e)]
+    raise ValueError(f"attention {attention!r} is not one of {ATTENTION_KINDS}")
+
+
+def _core_cp(heads: float, qk_dim: int, v_dim: int, mb: MicroBatch, e: int, attention: str) -> list[Row]:
+    """Core attention under CP (megatron_patches/sdpa_attention.py): the kernel saves this rank's
+    queries and its outputs (s/CP tokens), the keys and values all-gathered over the CP group (the
+    whole sequence: new tensors, so v is no longer a view of the projection's output; GQA repeats
+    them to the heads after the gather), and, the flash kernel, the explicit mask [s/CP, s] that
+    replaces the built-in causal one, which SDPA converts from bool to the query's dtype."""
+    if attention == "flash":
+        return [Row("attention q", "seq", heads * qk_dim * e),
+                Row("attention k, v (gathered over CP)", "gathered", heads * (qk_dim + v_dim) * e),
+                Row("attention output", "seq", heads * v_dim * e), Row("attention log-sum-exp", "seq", heads * F32),
+                Row("attention mask (CP, query dtype)", "mask", e)]
+    if attention == "math":
+        return [Row("attention q (fp32)", "seq", heads * qk_dim * F32),
+                Row("attention k, v (fp32, gathered over CP)", "gathered", heads * (qk_dim + v_dim) * F32),
                 Row("attention probabilities (fp32)", "seq", heads * mb.seq * F32),
                 Row("output projection input", "seq", heads * v_dim * e)]
     raise ValueError(f"attention {attention!r} is not one of {ATTENTION_KINDS}")
@@ -173,16 +197,22 @@ def embedding_rows(layout: ParallelLayout) -> list[Row]:
 
 
 def tokens(scope: str, shape: ModelShape, layout: ParallelLayout, mb: MicroBatch) -> float:
-    """Tokens of a scope on one rank (balanced routing for "routed")."""
-    per_sequence = mb.seq * mb.size
+    """Tokens of a scope on one rank (balanced routing for "routed"); a CP rank holds s/CP of each
+    sequence, except the keys and values gathered over CP ("gathered": all s) and the CP attention
+    mask ("mask": s/CP queries × s keys, one per layer whatever b)."""
+    local = mb.seq * mb.size / layout.cp
     if scope == "sp":
-        return per_sequence / layout.tp
+        return local / layout.tp
     if scope == "seq":
-        return per_sequence
+        return local
     if scope == "routed":
-        return per_sequence / layout.tp * shape.moe.topk * layout.expert_tp
+        return local / layout.tp * shape.moe.topk * layout.expert_tp
     if scope == "rope":
-        return mb.seq
+        return mb.seq / layout.cp
+    if scope == "gathered":
+        return mb.seq * mb.size
+    if scope == "mask":
+        return mb.seq / layout.cp * mb.seq
     raise ValueError(f"unknown token scope {scope!r}")
 
 
@@ -266,7 +296,7 @@ def stage_activations(shape: ModelShape, layout: ParallelLayout, chunks: list[Ch
     layer's) rows again; its loss rows are gone by then (the head is back-propagated first)."""
     alive = in_flight(layout, chunks[0].stage, micro_batches)
     per_chunk = [chunk_bytes(shape, layout, c, mb, e, attention, value_head, recompute) for c in chunks]
-    boundary = mb.seq * mb.size / layout.tp * shape.hidden * e if layout.pp > 1 else 0
+    boundary = tokens("sp", shape, layout, mb) * shape.hidden * e if layout.pp > 1 else 0
     saved = sum(per_chunk[i] for i in alive)
     if recompute.granularity != "none":
         head = [rows_bytes(head_rows(shape, layout, e, value_head), shape, layout, mb) if c.head else 0 for c in chunks]

@@ -155,7 +155,7 @@ class StaticBytes:
 
 def static_bytes(bufs: list[Buffer], dp_rank: int | None = None, expert_dp_rank: int | None = None,
                  optimizer_on_gpu: float = 1.0) -> StaticBytes:
-    """Bytes of `bufs` on a rank at the given DP / expert-DP coordinates (None: the rank that keeps
+    """Bytes of `bufs` on a rank at the given DP·CP / expert-DP coordinates (None: the rank that keeps
     the most). `optimizer_on_gpu` is the fraction of the optimizer state (main copy and Adam
     moments) kept on the GPU, 1 - optim.offload_fraction: megatron-core's HybridDeviceOptimizer
     offloads that share of the elements, each with an fp32 copy, Adam's two moments and a pinned
@@ -182,12 +182,21 @@ def optimizer_bytes_per_element(param_dtype: str) -> int:
     return (4 if DTYPE_BYTES[param_dtype] < 4 else 0) + ADAM_STATE_BYTES
 
 
+def dense_group(layout: ParallelLayout, world: int) -> int:
+    """The group dense gradients are reduced over and the distributed optimizer shards them over:
+    DP·CP (Megatron's get_data_parallel_group(with_context_parallel=True)), since every CP rank
+    holds the same dense weights and computes a share of their gradient. The batch splits over DP
+    alone (world / TP·CP·PP)."""
+    return world // (layout.tp * layout.pp)
+
+
 def rank_static(shape: ModelShape, layout: ParallelLayout, world: int, stage: int, dtype: str, distributed: bool,
                 dp_rank: int | None = None, expert_dp_rank: int | None = None, value_head: bool = False,
                 optimizer_on_gpu: float = 1.0) -> StaticBytes:
     """Weights, gradient buffers and optimizer state of a rank of pipeline stage `stage` at the
-    given (expert-)data-parallel coordinates (None: the one that keeps the most)."""
-    dp, expert_dp = world // (layout.tp * layout.pp), world // (layout.expert_tp * layout.ep * layout.pp)
+    given coordinates in the dense (DP·CP, `dense_group`) and expert-DP sharding groups (None: the
+    rank that keeps the most)."""
+    dp, expert_dp = dense_group(layout, world), world // (layout.expert_tp * layout.ep * layout.pp)
     bufs = []
     for chunk in stage_chunks(shape.layers, layout, stage):
         bufs += buffers(chunk_params(shape, layout, chunk, dtype, value_head), dp, expert_dp, distributed)

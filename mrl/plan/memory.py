@@ -59,7 +59,8 @@ class Run:
 
     @property
     def dp(self) -> int:
-        return self.world // (self.layout.tp * self.layout.pp)
+        """Data-parallel ranks that split the batch (CP ranks share their sequences)."""
+        return self.world // (self.layout.tp * self.layout.cp * self.layout.pp)
 
     @property
     def expert_dp(self) -> int:
@@ -71,7 +72,7 @@ class Run:
         gpus = gpus or launch.num_nodes * launch.gpus_per_node
         if gpus < 1:
             raise PlanError("the recipe is a CPU run (launch.gpus_per_node 0): give the cluster's size with --gpus N.")
-        layout = ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp,
+        layout = ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp, cp=p.cp,
                                 first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
         separate = launch.placement == "separate"
         world = p.world_size or gpus - (launch.rollout_gpus if separate else 0)
@@ -83,11 +84,11 @@ class Run:
                             + str(exc).replace("--", "parallel.")) from None
         r = cfg.rollout
         sequences = cfg.data.batch_size * r.n_samples_per_prompt
-        dp = world // (p.tp * p.pp)
+        dp = world // (p.tp * p.cp * p.pp)
         split = () if sequences % dp == 0 else (
             f"data.batch_size × rollout.n_samples_per_prompt = {sequences} sequences do not split over DP {dp}: "
             "the update refuses the batch.",)
-        micro, count, budget = _micro_batching(cfg, p.tp, sequences // dp or 1)
+        micro, count, budget = _micro_batching(cfg, layout.sequence_multiple, sequences // dp or 1)
         return cls(
             layout=layout, world=world, gpus=gpus, dtype=WEIGHT_DTYPES[cfg.model.dtype],
             # None means "on with CUDA" (mrl.megatron.training.make_trainable): a GPU plan has CUDA.
@@ -112,11 +113,12 @@ def shape_dims(shape: ModelShape) -> ModelDims:
                      moe.experts if moe else None, moe.ffn if moe else None)
 
 
-def _micro_batching(cfg: RunConfig, tp: int, rows: int) -> tuple[MicroBatch, int, list[str]]:
+def _micro_batching(cfg: RunConfig, multiple: int, rows: int) -> tuple[MicroBatch, int, list[str]]:
     """The update's largest micro-batch (mrl.megatron.policy.micro_batches): sequences as long as
-    rollout.max_model_len allows, padded to a multiple of TP; b sequences by the token budget or
-    optim.micro_batch_size; and the micro-batch count per DP rank."""
-    seq = -(-(cfg.rollout.max_model_len - 1) // tp) * tp
+    rollout.max_model_len allows, padded to a multiple of TP·2CP (ParallelLayout.sequence_multiple);
+    b sequences by the token budget or optim.micro_batch_size; and the micro-batch count per DP rank.
+    The budget counts the whole sequence's tokens (each CP rank holds 1/CP of them)."""
+    seq = -(-(cfg.rollout.max_model_len - 1) // multiple) * multiple
     budget, problems = cfg.optim.max_tokens_per_micro_batch, []
     if budget is None:
         size = min(cfg.optim.micro_batch_size, rows)
@@ -266,10 +268,10 @@ def _stage(shape: ModelShape, run: Run, stage: int, engine: EnginePlan) -> Stage
 
 def _loss_working_set(shape: ModelShape, run: Run) -> int:
     """The last stage's transient while the policy loss runs (mrl.megatron.policy.policy_loss_fn),
-    read off the code, not measured: the logits [b, s, V/TP] in the model dtype and, for the
+    read off the code, not measured: the logits [b, s/CP, V/TP] in the model dtype and, for the
     reported entropy (computed without gradient, vocab_parallel_entropy), an fp32 copy, its
     shifted values, exp() of those and their product alive together, plus the masked copy on the
     TP rank that holds padded vocabulary rows. The cross-entropy's fp32 softmax is a saved activation."""
     padded = padded_vocab(shape.vocab, run.layout.tp)
     per_element = DTYPE_BYTES[run.dtype] + 4 * F32 + (F32 if padded > shape.vocab else 0)
-    return run.micro.seq * run.micro.size * padded // run.layout.tp * per_element
+    return run.micro.seq // run.layout.cp * run.micro.size * padded // run.layout.tp * per_element

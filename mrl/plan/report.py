@@ -49,7 +49,10 @@ def header(plan: Plan) -> list[str]:
         f"{'distributed' if run.distributed_optimizer else 'replicated'} Adam"
         + (f", {1 - run.optimizer_on_gpu:g} of it offloaded to host memory" if run.optimizer_on_gpu < 1 else "")
         + _recompute_words(run),
-        f"update micro-batch: {mb.size} × {mb.seq} tokens, {run.micro_batches} per DP rank and step; "
+        f"update micro-batch: {mb.size} × {mb.seq} tokens"
+        + (f" ({mb.seq // layout.cp} per CP rank; dense gradients and Adam over DP·CP {run.dp * layout.cp})"
+           if layout.cp > 1 else "")
+        + f", {run.micro_batches} per DP rank and step; "
         f"rollout: {'one' if run.engines == 1 else run.engines} TP{run.engine_tp} engine{'s' if run.engines > 1 else ''}, "
         f"{'colocated' if run.colocated else 'on their own GPUs' if run.engines > 1 else 'on its own GPUs'}",
         "GB per GPU (10^9 bytes); " + (("train: the update, engine asleep; generate: the engine awake beside "
@@ -147,7 +150,7 @@ def to_dict(plan: Plan) -> dict[str, Any]:
     return {
         "fits": plan.fits,
         "gpu_bytes": plan.gpu_bytes,
-        "layout": dict(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.expert_tp, vpp=layout.vpp,
+        "layout": dict(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.expert_tp, vpp=layout.vpp,
                        first_stage_layers=layout.first_stage_layers, last_stage_layers=layout.last_stage_layers,
                        dp=run.dp, expert_dp=run.expert_dp, world=run.world, gpus=run.gpus),
         "micro_batch": dict(size=run.micro.size, seq=run.micro.seq, per_step=run.micro_batches),

@@ -7,7 +7,9 @@ free memory on the tightest GPU. TP stays within a node (NVLink); a pipeline tha
 the layers evenly gives its last stage the remainder, as the DeepSeek-V3 recipe does (16+16+16+13).
 The rollout engine's TP is chosen first (it does not depend on the actor's layout): the smallest
 power of two whose engine fits, preferring one node. Not searched: VPP (the recipe's own is
-dropped), uneven first stages, micro-batch sizes, the rollout settings.
+dropped), uneven first stages, micro-batch sizes, the rollout settings, and context parallelism:
+the recipe's parallel.cp is kept in every layout (CP trades data parallelism for activation memory
+and adds an all-gather of K and V per layer, which this ranking does not weigh).
 """
 
 from __future__ import annotations
@@ -47,12 +49,12 @@ def _powers_of_two(limit: int) -> list[int]:
     return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
 
 
-def layouts(shape: ModelShape, world: int, node: int) -> list[ParallelLayout]:
-    """Every layout worth planning: TP within a node, PP up to the layer count, EP and ETP ∈ {1, TP}
-    for MoE models; sizes powers of two dividing the world."""
+def layouts(shape: ModelShape, world: int, node: int, cp: int = 1) -> list[ParallelLayout]:
+    """Every layout worth planning at context-parallel size `cp`: TP within a node, PP up to the
+    layer count, EP and ETP ∈ {1, TP} for MoE models; sizes powers of two dividing the world."""
     found = []
-    for tp in _powers_of_two(min(node, world)):
-        for pp in _powers_of_two(min(world // tp, shape.layers)):
+    for tp in _powers_of_two(min(node, world // cp)):
+        for pp in _powers_of_two(min(world // (tp * cp), shape.layers)):
             possible, split = _split(shape.layers, pp)
             if not possible:
                 continue
@@ -60,7 +62,8 @@ def layouts(shape: ModelShape, world: int, node: int) -> list[ParallelLayout]:
             if shape.moe:
                 experts = [(ep, etp) for ep in _powers_of_two(min(shape.moe.experts, world // pp))
                            for etp in sorted({1, tp}) if world % (ep * etp * pp) == 0]
-            found += [ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, last_stage_layers=split) for ep, etp in experts]
+            found += [ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, last_stage_layers=split, cp=cp)
+                      for ep, etp in experts]
     return found
 
 
@@ -73,7 +76,7 @@ def _split(layers: int, pp: int) -> tuple[bool, int | None]:
 
 
 def _with_layout(cfg: RunConfig, layout: ParallelLayout, engine_tp: int) -> RunConfig:
-    parallel = replace(cfg.parallel, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, vpp=None,
+    parallel = replace(cfg.parallel, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp, vpp=None,
                        first_stage_layers=None, last_stage_layers=layout.last_stage_layers)
     return replace(cfg, parallel=parallel, rollout=replace(cfg.rollout, tensor_parallel_size=engine_tp))
 
@@ -93,7 +96,7 @@ def search(cfg: RunConfig, shape: ModelShape, gpus: int, gpu_bytes: int) -> Sear
     engine_tp, engines = _engine_choice(cfg, shape, gpus, gpu_bytes, node)
     world = cfg.parallel.world_size or gpus - (cfg.launch.rollout_gpus if cfg.launch.placement == "separate" else 0)
     fits, rejected = [], []
-    for layout in layouts(shape, world, node):
+    for layout in layouts(shape, world, node, cfg.parallel.cp):
         try:
             p = plan(shape, Run.of(_with_layout(cfg, layout, engine_tp), shape, gpus), gpu_bytes)
         except PlanError as exc:

@@ -36,6 +36,11 @@ CASES = [
     ("qwen3_moe", ParallelLayout(tp=2, ep=2), 4, (3,)),
     ("deepseek_v3", ParallelLayout(tp=2, pp=2, ep=2, etp=1), 8, (0, 5)),
     ("deepseek_v3", ParallelLayout(ep=4, etp=1), 8, (6,)),
+    # CP: dense buffers reduced and sharded over DP·CP (the padding to lcm(DP·CP, 128) tells 6 from
+    # DP 2), experts over expert-DP (CP folded in); with TP, and with EP.
+    ("qwen2", ParallelLayout(cp=3), 6, (4,)),
+    ("llama", ParallelLayout(tp=2, cp=2), 8, (3, 6)),
+    ("deepseek_v3", ParallelLayout(cp=2, ep=2, etp=1), 4, (1, 2)),
 ]
 BUILD_TIMEOUT_S = 300
 
@@ -67,7 +72,8 @@ def build_ranks(cases: list) -> list[dict]:
             with torch.device("meta"):
                 built = build_model(spec, layout, params_dtype=torch.bfloat16, transformer_impl="local")
             params = [(n, p.numel()) for chunk in built.chunks for n, p in chunk.named_parameters()]
-            results.append(dict(arch=arch, layout=layout, world=world, rank=rank, coords=rank_coords().__dict__,
+            coords = rank_coords().__dict__ | {"dp_cp": ps.get_data_parallel_rank(with_context_parallel=True)}
+            results.append(dict(arch=arch, layout=layout, world=world, rank=rank, coords=coords,
                                 params=params, footprint=static_footprint(built)))
             ps.destroy_model_parallel()
             dist.destroy_process_group()
@@ -76,10 +82,11 @@ def build_ranks(cases: list) -> list[dict]:
 
 def planned(shape: ModelShape, layout: ParallelLayout, world: int, coords: dict, dtype: str = "bf16",
             distributed: bool = True) -> tuple[list[tuple[str, int]], tuple[int, int, int]]:
-    """The plan's parameter list and (weights, grads, optimizer) bytes for the rank at `coords`."""
+    """The plan's parameter list and (weights, grads, optimizer) bytes for the rank at `coords`
+    (its rank in the dense sharding group DP·CP, and in expert-DP)."""
     params = [(t.name, t.numel) for chunk in stage_chunks(shape.layers, layout, coords["pp"])
               for t in chunk_params(shape, layout, chunk, dtype)]
-    static = rank_static(shape, layout, world, coords["pp"], dtype, distributed, coords["dp"], coords["edp"])
+    static = rank_static(shape, layout, world, coords["pp"], dtype, distributed, coords["dp_cp"], coords["edp"])
     return params, (static.weights, static.grads, static.optimizer)
 
 
@@ -114,6 +121,10 @@ def test_parameters_and_static_bytes_equal_megatron(built_ranks):
     assert any(b["numel"] != b["numel_unpadded"] for f in footprints.values() for b in f["buffers"])
     assert any(b["expert"] and b["dp"] > 1 for b in footprints["deepseek_v3", 6]["buffers"])
     assert len(footprints["llama", 7]["buffers"]) == 2  # the last stage's bf16 and fp32 (norm) buffers
+    cp = {(r["arch"], r["layout"].describe(), r["rank"]): r for r in built_ranks if r["layout"].cp > 1}
+    assert all(b["dp"] == 6 for b in cp["qwen2", "TP1×PP1×CP3", 4]["footprint"]["buffers"])  # DP·CP, not DP 2
+    assert {b["dp"] for b in cp["deepseek_v3", "TP1×PP1×CP2×EP2×ETP1", 2]["footprint"]["buffers"]} == {4, 2}
+    assert len({r["coords"]["dp_cp"] for r in cp.values()}) > 1
 
 
 def _real_optimizer_state(rank: int, world: int, hf_dir: str, layout: ParallelLayout) -> dict:
@@ -138,7 +149,7 @@ def _real_optimizer_state(rank: int, world: int, hf_dir: str, layout: ParallelLa
                 for b in c.buffers + c.expert_parallel_buffers)
     weights = sum(p.numel() * p.element_size() for c in trainable.built.chunks for p in c.parameters())
     destroy_layout()
-    return dict(coords=vars(coords), weights=weights, grads=grads, optimizer=moments)
+    return dict(coords=vars(coords) | {"dp_cp": coords.dp}, weights=weights, grads=grads, optimizer=moments)
 
 
 def test_replicated_adam_on_a_real_cpu_build(tiny_model_dir):

@@ -18,9 +18,9 @@ from mrl.cli.plan import main as plan_main
 from mrl.config import load_config
 from mrl.layout import ParallelLayout
 from mrl.plan import PlanError, Run, model_shape, plan
-from mrl.plan.activations import in_flight
+from mrl.plan.activations import MicroBatch, in_flight, layer_rows, tokens
 from mrl.plan.report import render
-from mrl.plan.ddp import _layout, buffers, static_bytes
+from mrl.plan.ddp import _layout, buffers, dense_group, rank_static, static_bytes
 from mrl.plan.params import ParamTensor, chunk_params
 from mrl.plan.rollout import engine_parameters, engine_weight_bytes, kv_bytes_per_token
 from mrl.plan.search import bubble, search
@@ -240,3 +240,54 @@ def test_the_671b_recipe_fits(capsys):
     shape = model_shape(cfg.model.path)
     p = plan(shape, Run.of(cfg, shape), 80 * GB)
     assert p.fits and p.margin > 10 * GB and p.run.offload_actor and p.run.problems == ()
+
+
+def test_context_parallel_in_the_671b_plan(dsv3):
+    """parallel.cp=2 on the same 128 GPUs: the batch splits over DP 2 (world / TP·CP·PP), dense
+    gradients and Adam shard over DP·CP 4, as CP1's DP 4 did, so the state is unchanged; each rank
+    holds half of every sequence, padded to a multiple of TP·2CP = 32, so the micro-batches per DP
+    rank double and the activations and the loss's logits per rank shrink."""
+    _, shape = dsv3
+
+    def run(*overrides):
+        return Run.of(load_config(RECIPE, [f"model.path={FIXTURE}", *AS_WRITTEN, "optim.max_tokens_per_micro_batch=34816",
+                                           "rollout.max_model_len=34801", *overrides], check_files=False), shape)
+
+    one, two = run(), run("parallel.cp=2")
+    assert (one.dp, two.dp, one.expert_dp, two.expert_dp) == (4, 2, 1, 1)
+    assert dense_group(two.layout, two.world) == dense_group(one.layout, one.world) == 4
+    assert (one.micro, two.micro) == (MicroBatch(34800, 1), MicroBatch(34816, 1))  # TP8, TP8·2CP2 = 32
+    assert two.micro_batches == 2 * one.micro_batches and two.problems == ()
+    p1, p2 = plan(shape, one, 80 * GB), plan(shape, two, 80 * GB)
+    for a, b in zip(p1.stages, p2.stages):
+        assert a.state == b.state and b.update["activations"] < a.update["activations"]
+    loss1, loss2 = (p.stages[3].update["loss working set"] for p in (p1, p2))
+    assert loss1 // 34800 == loss2 // (34816 // 2)  # logits of s/CP tokens
+    assert "17408 per CP rank; dense gradients and Adam over DP·CP 4" in render(p2)
+
+
+def test_context_parallel_shards_dense_state_over_dp_cp():
+    """A dense model on 4 GPUs: CP2 (DP 2) shards like DP 4 (one group of 4), not like DP 2."""
+    shape = model_shape("", "llama")
+    cp2, dp4, dp2 = (rank_static(shape, layout, world, 0, "bf16", True)
+                     for layout, world in ((ParallelLayout(cp=2), 4), (ParallelLayout(), 4), (ParallelLayout(), 2)))
+    assert cp2 == dp4 and cp2.optimizer < dp2.optimizer and cp2.weights == dp2.weights
+
+
+def test_context_parallel_tokens_per_rank():
+    """A CP rank's tokens: s/CP of every sequence (then /TP on the sequence-parallel slice); the
+    keys and values gathered over CP are the whole sequence; the CP mask is [s/CP, s] per layer."""
+    shape, layout, mb = model_shape("", "llama"), ParallelLayout(tp=2, cp=2), MicroBatch(64, 3)
+    assert {scope: tokens(scope, shape, layout, mb) for scope in ("sp", "seq", "rope", "gathered", "mask")} == {
+        "sp": 48, "seq": 96, "rope": 32, "gathered": 192, "mask": 32 * 64}
+    rows = {r.what: r for r in layer_rows(shape, layout, 0, mb, 2, "flash")}
+    # the flash kernel keeps the gathered k and v of this TP rank's heads (GQA: repeated to them)
+    assert rows["attention k, v (gathered over CP)"].bytes_per_token == 4 / 2 * (32 + 32) * 2  # heads/TP · (k + v) · bf16
+
+
+def test_search_keeps_the_recipes_context_parallelism():
+    cfg = load_config(TINY, ["launch.gpus_per_node=8", "parallel.cp=2"], check_files=False)
+    result = search(cfg, model_shape("", "deepseek_v3"), 8, int(0.06 * GB))
+    tried = [p.run.layout for p in result.fits] + [r.layout for r in result.rejected]
+    assert tried and all(layout.cp == 2 for layout in tried)
+    assert all(p.run.dp == 8 // (p.run.layout.tp * 2 * p.run.layout.pp) for p in result.fits)
