@@ -2,18 +2,20 @@
 
 Tiny zoo models (bf16, Megatron's local spec as mrl builds it) run one policy-gradient step
 (mrl.megatron.policy's DAPO loss through Megatron's pipeline schedule, DDP and Adam) in several
-layouts on two local gloo processes. Activation memory is what autograd saves for backward: a
-SavedTensorMeter (mrl.megatron.footprint) counts every saved storage once, excluding parameters,
-and records the peak held at once, so a pipeline's in-flight micro-batches add up as they do on a
-GPU. The plan's estimate (mrl.plan.activations) for the same rank, micro-batch and attention
-kernel is printed beside it. With EP the routing is not balanced; the plan assumes it is, so the
-table compares the mean over the expert-parallel ranks of a stage (the balanced value) and shows
-the per-rank spread.
+layouts on two local gloo processes (four for TP2·CP2, whose grid needs them). Activation memory is
+what autograd saves for backward: a SavedTensorMeter (mrl.megatron.footprint) counts every saved
+storage once, excluding parameters, and records the peak held at once, so a pipeline's in-flight
+micro-batches add up as they do on a GPU. The plan's estimate (mrl.plan.activations) for the same
+rank, micro-batch and attention kernel is printed beside it. With EP the routing is not balanced;
+the plan assumes it is, so the table compares the mean over the expert-parallel ranks of a stage
+(the balanced value) and shows the per-rank spread.
 
 With --recompute it runs the recompute cases instead (model.recompute full and selective):
-the same measurement, the plan with the same setting.
+the same measurement, the plan with the same setting. With --cp, the context-parallel cases.
+--only MODEL... and --layout NAME... pick cases.
 
-    .venv/bin/python benchmarks/plan_activations.py [--seq 256] [--micro-batch 2] [--recompute]
+    .venv/bin/python benchmarks/plan_activations.py [--seq 256] [--micro-batch 2] [--recompute | --cp]
+        [--only llama] [--layout "CP2"]
 """
 
 from __future__ import annotations
@@ -44,6 +46,16 @@ CASES = [
     ("deepseek_v3", "PP2 (4 micro-batches)", ParallelLayout(pp=2), 4),
 ]
 
+# Context parallelism (each rank holds s/CP of every sequence; attention all-gathers K and V).
+CP_CASES = [
+    ("llama", "CP2", ParallelLayout(cp=2), 1),
+    ("llama", "TP2·CP2", ParallelLayout(tp=2, cp=2), 1),
+    ("qwen3_moe", "CP2", ParallelLayout(cp=2), 1),
+    ("deepseek_v3", "CP2", ParallelLayout(cp=2), 1),
+    ("deepseek_v3", "TP2·CP2", ParallelLayout(tp=2, cp=2), 1),
+    ("deepseek_v3", "CP2·EP2·ETP1", ParallelLayout(cp=2, ep=2, etp=1), 1),
+]
+
 FULL, CORE = Recompute("full", num_layers=1), Recompute("selective")
 # (tiny-zoo model, layout name, layout, micro-batches per step, recompute)
 RECOMPUTE_CASES = [
@@ -57,6 +69,7 @@ RECOMPUTE_CASES = [
     ("deepseek_v3", "TP1·DP2, selective core_attn", ParallelLayout(), 1, CORE),
     ("deepseek_v3", "TP2·ETP1·EP2, selective core_attn + shared_experts", ParallelLayout(tp=2, ep=2, etp=1), 1,
      Recompute("selective", ("core_attn", "shared_experts"))),
+    ("llama", "CP2, selective core_attn", ParallelLayout(cp=2), 1, CORE),
 ]
 
 
@@ -82,7 +95,8 @@ def measure(rank: int, world: int, hf_dir: str, layout: ParallelLayout, seq: int
     batch = {"tokens": torch.randint(3, spec.vocab_size, (rows, seq + 1), generator=generator),
              "response_mask": torch.ones(rows, seq), "advantages": torch.randn(rows, seq, generator=generator),
              "old_logprobs": torch.full((rows, seq), -5.0)}
-    micro_list = micro_batches(data_parallel_rows(batch, coords.dp, data_parallel_size()), layout.tp, size)
+    micro_list = micro_batches(data_parallel_rows(batch, coords.dp, data_parallel_size()), layout.sequence_multiple,
+                               size)
     assert len(micro_list) == micro, (len(micro_list), micro)
     loss = policy_loss_fn(dict(policy_loss="dapo", clip_high=0.28), spec.vocab_size)
     peak = activation_peak(built, micro_list, loss)
@@ -107,25 +121,29 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--only", nargs="*", default=None, help="run only these tiny-zoo models")
     parser.add_argument("--recompute", action="store_true", help="run the recompute cases")
+    parser.add_argument("--cp", action="store_true", help="run the context-parallel cases")
+    parser.add_argument("--layout", nargs="*", default=None, help="run only the cases with these layout names")
     args = parser.parse_args()
     from mrl.models.registry import model_spec_from_hf
     from mrl.models.tiny import write_tiny_model
     from mrl.plan.activations import cpu_attention
     from mrl.plan.shapes import ModelShape
 
-    print(f"seq {args.seq}, micro-batch {args.micro_batch}, bf16, 2 processes\n")
+    print(f"seq {args.seq}, micro-batch {args.micro_batch}, bf16, 2 processes (4 where the layout needs them)\n")
     print("| model | layout | stage | attention | measured (mean over EP ranks) | per-rank range | plan | plan / measured |")
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        cases = RECOMPUTE_CASES if args.recompute else [(*case, Recompute()) for case in CASES]
+        plain = CP_CASES if args.cp else CASES
+        cases = RECOMPUTE_CASES if args.recompute else [(*case, Recompute()) for case in plain]
         for arch, name, layout, micro, recompute in cases:
-            if args.only and arch not in args.only:
+            if (args.only and arch not in args.only) or (args.layout and name not in args.layout):
                 continue
             hf_dir = Path(tmp) / arch
             if not hf_dir.exists():
                 write_tiny_model(arch, hf_dir)
             spec = model_spec_from_hf(hf_dir)
-            results = run_local(measure, 2, str(hf_dir), layout, args.seq, args.micro_batch, micro, recompute,
+            world = max(2, layout.min_world_size())  # TP2·CP2 needs four ranks
+            results = run_local(measure, world, str(hf_dir), layout, args.seq, args.micro_batch, micro, recompute,
                                 timeout_s=900)
             for stage in sorted({r["stage"] for r in results}):
                 peaks = [r["peak"] for r in results if r["stage"] == stage]

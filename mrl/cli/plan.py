@@ -3,7 +3,7 @@
 Prints, for every pipeline stage of the actor (and critic), the bytes of weights, gradient buffers,
 optimizer state and activations in the update, and beside them a colocated rollout engine's budget
 while it generates; the engine's own weights and KV cache; a verdict per GPU. --search plans every
-TP × PP × EP × ETP layout of the recipe on the GPUs and ranks those that fit. Only the model's
+TP × PP × EP × ETP layout of the recipe on the GPUs (at its parallel.cp) and ranks those that fit. Only the model's
 config.json is read (model.path). Exit 0: fits (with --search: some layout fits) and the update
 accepts the recipe's batches; 1: it does not; 2: bad input.
 """

@@ -157,15 +157,18 @@ class _Saved:
 def activation_peak(built: BuiltModel, micro_batches: list[dict], loss_fn) -> int:
     """Peak bytes autograd holds for backward while Megatron's pipeline schedule runs one forward
     and backward pass over `micro_batches` (equal-shaped dicts with "tokens" [b, s]) with
-    `loss_fn(output, micro_batch) -> (loss, metrics)`. No optimizer step (it saves nothing for
+    `loss_fn(output, micro_batch) -> (loss, metrics)`; with CP each micro-batch is first cut to
+    this rank's positions, as train_step does. No optimizer step (it saves nothing for
     backward, and megatron-core refuses bf16 parameters on a CPU)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from mrl.megatron.context_parallel import local_positions, split_micro_batch
+
     size, seq = micro_batches[0]["tokens"].shape
-    positions = torch.arange(seq).unsqueeze(0)
+    positions = local_positions(seq).unsqueeze(0)
 
     def forward_step(iterator, model):
-        micro = next(iterator)
+        micro = split_micro_batch(next(iterator))  # CP: this rank's part of each sequence, as train_step
         return model(micro["tokens"], positions, None), lambda output: loss_fn(output, micro)
 
     chunks = built.chunks

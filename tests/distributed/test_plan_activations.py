@@ -6,7 +6,10 @@ llama in PP2 with four micro-batches (1F1B: two in flight on the first stage). T
 autograd holds for backward (mrl.megatron.footprint.activation_peak) must be within 5 % of the plan
 for every rank; EP routing is unbalanced, so MoE ranks compare their mean (the plan assumes
 balance). The same two with recomputation (selective core attention; full, one layer per block)
-must be within 5 % too. benchmarks/plan_activations.py runs more layouts; docs/plan.md has its table.
+must be within 5 % too, and so must context parallelism (CP2: each rank holds half of every
+sequence, attention gathers K and V over CP and keeps an [s/2, s] mask per layer) for the llama
+(GQA, the fused kernel) and the DeepSeek-V3 (MLA, the math kernel). benchmarks/plan_activations.py
+runs more layouts; docs/plan.md has its table.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from mrl.megatron.local_launch import run_local
 SEQ, SIZE = 128, 2
 NONE, FULL, CORE = Recompute(), Recompute("full"), Recompute("selective")
 CASES = [("deepseek_v3", ParallelLayout(tp=2, ep=2, etp=1), 1, NONE), ("llama", ParallelLayout(pp=2), 4, NONE),
-         ("deepseek_v3", ParallelLayout(tp=2, ep=2, etp=1), 1, CORE), ("llama", ParallelLayout(pp=2), 4, FULL)]
+         ("deepseek_v3", ParallelLayout(tp=2, ep=2, etp=1), 1, CORE), ("llama", ParallelLayout(pp=2), 4, FULL),
+         ("llama", ParallelLayout(cp=2), 1, NONE), ("deepseek_v3", ParallelLayout(cp=2), 1, NONE)]
 
 
 def _peaks(rank: int, world: int, dirs: dict) -> list[dict]:
@@ -42,7 +46,8 @@ def _peaks(rank: int, world: int, dirs: dict) -> list[dict]:
         batch = {"tokens": torch.randint(3, spec.vocab_size, (rows, SEQ + 1), generator=g),
                  "response_mask": torch.ones(rows, SEQ), "advantages": torch.randn(rows, SEQ, generator=g),
                  "old_logprobs": torch.full((rows, SEQ), -5.0)}
-        micro = micro_batches(data_parallel_rows(batch, coords.dp, data_parallel_size()), layout.tp, SIZE)
+        mine = data_parallel_rows(batch, coords.dp, data_parallel_size())
+        micro = micro_batches(mine, layout.sequence_multiple, SIZE)
         loss = policy_loss_fn(dict(policy_loss="dapo"), spec.vocab_size)
         results.append(dict(stage=coords.pp, peak=activation_peak(built, micro, loss)))
         destroy_layout()
