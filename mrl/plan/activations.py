@@ -50,7 +50,7 @@ ATTENTION_KINDS = ("flash", "math")
 
 @dataclass(frozen=True)
 class MicroBatch:
-    seq: int  # s: tokens per sequence, padded to a multiple of TP
+    seq: int  # s: tokens per sequence (the whole sequence under CP), padded to a multiple of TP·2CP
     size: int  # b: sequences
 
 
