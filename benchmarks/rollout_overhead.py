@@ -4,6 +4,8 @@ One vLLM engine (one per process), three ways to generate the same batch, each b
   - direct: `LLM.generate(prompts, SamplingParams)`, outputs untouched;
   - mrl: `VLLMEngine.generate(prompts, SamplingSettings)`, which also converts every output into
     `Generation` records (token ids, text, per-token logprobs);
+  - mrl stepping: the same engine as started for partial rollout (`interruptible`): one request a
+    sample, and mrl steps vLLM itself so that a weight push can interrupt it;
   - mrl via Ray: the same call on the engine in its Ray actor (what the trainer uses), which adds
     the actor round trip and the serialisation of the results (a second engine, in the actor).
 Generated tokens per second; the overhead is 1 − (mrl tokens/s ÷ direct tokens/s).
@@ -65,11 +67,20 @@ def main() -> None:
     def through_mrl() -> int:
         return sum(len(g.token_ids) for per_prompt in engine.generate(prompts, settings) for g in per_prompt)
 
-    direct(), through_mrl()  # warm-up
+    def stepping() -> int:
+        engine.interruptible = True  # only which path generate takes: the engine is the same
+        try:
+            return through_mrl()
+        finally:
+            engine.interruptible = False
+
+    direct(), through_mrl(), stepping()  # warm-up
     result = {"prompts": args.prompts, "tokens_per_prompt": args.tokens}
-    best = best_tokens_per_s({"direct": direct, "mrl": through_mrl}, args.repeats)
+    best = best_tokens_per_s({"direct": direct, "mrl": through_mrl, "mrl_stepping": stepping}, args.repeats)
     result["direct_tok_s"], result["mrl_tok_s"] = best["direct"], best["mrl"]
     result["mrl_overhead"] = 1 - result["mrl_tok_s"] / result["direct_tok_s"]
+    result["mrl_stepping_tok_s"] = best["mrl_stepping"]
+    result["mrl_stepping_overhead"] = 1 - result["mrl_stepping_tok_s"] / result["direct_tok_s"]
     if not args.no_ray:
         import ray
 

@@ -20,6 +20,7 @@ dims (not the case up to 0.16.1).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -102,7 +103,7 @@ class SDPACoreAttention(MegatronModule):
     def _whole_sequence(self, k: torch.Tensor, v: torch.Tensor, sq: int, mask_type: AttnMaskType,
                         attention_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """CP: this rank's K and V [b, n, s/CP, d] → the whole sequence's (gather order), and the
-        causal mask [s/CP, s] of this rank's queries over them (True = attend)."""
+        causal mask [s/CP, s] of this rank's queries over them (additive, `causal_mask`)."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -113,10 +114,19 @@ class SDPACoreAttention(MegatronModule):
         # all-gather along the sequence (dim 0 of [s, b, n, d]); backward: reduce-scatter
         k, v = (gather_from_sequence_parallel_region(t.permute(2, 0, 1, 3).contiguous(), True, group)
                 .permute(1, 2, 0, 3) for t in (k, v))
-        seq = sq * self.cp
-        queries = chunk_positions(seq, self.cp, ps.get_context_parallel_rank())
-        keys = gathered_positions(seq, self.cp)
-        return k, v, keys.unsqueeze(0) <= queries.unsqueeze(1)
+        return k, v, causal_mask(sq * self.cp, self.cp, ps.get_context_parallel_rank(), k.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def causal_mask(seq: int, size: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """CP rank `rank`'s queries over the gathered keys [s/CP, s]: 0 where a key is at or before the
+    query, -inf elsewhere, in the query's dtype. Additive and cached: SDPA saves the mask for
+    backward, and a boolean one it would convert anew in every layer (a [s/CP, s] copy per layer,
+    1.2 GB each at 34,816 tokens and CP2); every layer and micro-batch of a step shares this one."""
+    queries = chunk_positions(seq, size, rank)
+    keys = gathered_positions(seq, size)
+    return torch.zeros(len(queries), seq, dtype=dtype).masked_fill(keys.unsqueeze(0) > queries.unsqueeze(1),
+                                                                   float("-inf"))
 
 
 def chunk_positions(seq: int, size: int, rank: int) -> torch.Tensor:

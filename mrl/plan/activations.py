@@ -21,8 +21,8 @@ Token scopes: "sp" rows live on the sequence-parallel slice (s·b/TP tokens); "s
 whole sequence with TP-sharded widths; "routed" rows on the tokens this rank's experts process,
 s·b/TP·topk·ETP with balanced routing; "rope" rows on s positions (not per sequence). Context
 parallelism divides each of these by CP (a rank holds s/CP of every sequence); its core attention
-adds "gathered" rows (the keys and values of the whole sequence, s·b) and a "mask" row ([s/CP, s]
-per layer).
+adds "gathered" rows (the keys and values of the whole sequence, s·b) and, once per stage, the
+flash kernel's "mask" ([s/CP, s], shared by every layer and micro-batch).
 
 Attention: "flash" (a fused kernel: saves q, k, v, the output and the log-sum-exp; GPUs, and the
 CPU for equal q/k and v head dims) or "math" (CPU's fallback for MLA's unequal head dims: fp32
@@ -145,13 +145,13 @@ def _core_cp(heads: float, qk_dim: int, v_dim: int, mb: MicroBatch, e: int, atte
     """Core attention under CP (megatron_patches/sdpa_attention.py): the kernel saves this rank's
     queries and its outputs (s/CP tokens), the keys and values all-gathered over the CP group (the
     whole sequence: new tensors, so v is no longer a view of the projection's output; GQA repeats
-    them to the heads after the gather), and, the flash kernel, the explicit mask [s/CP, s] that
-    replaces the built-in causal one, which SDPA converts from bool to the query's dtype."""
+    them to the heads after the gather). The flash kernel also saves the explicit mask [s/CP, s]
+    that replaces the built-in causal one: one tensor shared by every layer and micro-batch
+    (sdpa_attention.causal_mask), counted once per stage (`_saves_cp_mask`), not here."""
     if attention == "flash":
         return [Row("attention q", "seq", heads * qk_dim * e),
                 Row("attention k, v (gathered over CP)", "gathered", heads * (qk_dim + v_dim) * e),
-                Row("attention output", "seq", heads * v_dim * e), Row("attention log-sum-exp", "seq", heads * F32),
-                Row("attention mask (CP, query dtype)", "mask", e)]
+                Row("attention output", "seq", heads * v_dim * e), Row("attention log-sum-exp", "seq", heads * F32)]
     if attention == "math":
         return [Row("attention q (fp32)", "seq", heads * qk_dim * F32),
                 Row("attention k, v (fp32, gathered over CP)", "gathered", heads * (qk_dim + v_dim) * F32),
@@ -199,7 +199,7 @@ def embedding_rows(layout: ParallelLayout) -> list[Row]:
 def tokens(scope: str, shape: ModelShape, layout: ParallelLayout, mb: MicroBatch) -> float:
     """Tokens of a scope on one rank (balanced routing for "routed"); a CP rank holds s/CP of each
     sequence, except the keys and values gathered over CP ("gathered": all s) and the CP attention
-    mask ("mask": s/CP queries × s keys, one per layer whatever b)."""
+    mask ("mask": s/CP queries × s keys, one for the whole step whatever b)."""
     local = mb.seq * mb.size / layout.cp
     if scope == "sp":
         return local / layout.tp
@@ -218,6 +218,14 @@ def tokens(scope: str, shape: ModelShape, layout: ParallelLayout, mb: MicroBatch
 
 def rows_bytes(rows: list[Row], shape: ModelShape, layout: ParallelLayout, mb: MicroBatch) -> int:
     return round(sum(r.bytes_per_token * tokens(r.scope, shape, layout, mb) for r in rows))
+
+
+def _saves_cp_mask(layout: ParallelLayout, attention: str, recompute: Recompute) -> bool:
+    """Whether the forward saves CP's causal mask (one tensor for every layer and micro-batch): the
+    flash kernel's, unless core attention is recomputed (then only the layer being recomputed
+    holds it, within the recompute working set)."""
+    recomputed = recompute.granularity == "full" or "core_attn" in selective_modules(recompute)
+    return layout.cp > 1 and attention == "flash" and not recomputed
 
 
 def selective_modules(recompute: Recompute) -> tuple[str, ...]:
@@ -302,5 +310,7 @@ def stage_activations(shape: ModelShape, layout: ParallelLayout, chunks: list[Ch
         head = [rows_bytes(head_rows(shape, layout, e, value_head), shape, layout, mb) if c.head else 0 for c in chunks]
         saved += max(max(0, recompute_bytes(shape, layout, chunks[i], mb, e, attention, recompute) - head[i])
                      for i in set(alive))
+    if _saves_cp_mask(layout, attention, recompute):
+        saved += tokens("mask", shape, layout, mb) * e
     pipeline = sum(boundary * ((not chunks[i].embedding) + (not chunks[i].head)) for i in alive)
     return StageActivations(saved, round(pipeline), len(alive))

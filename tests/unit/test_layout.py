@@ -55,3 +55,16 @@ def test_context_parallel_sequences_split_into_two_chunks_a_rank():
     assert sorted(gathered_positions(12, 3).tolist()) == list(range(12))
     with pytest.raises(ValueError, match="does not split into 2·CP = 4 equal chunks"):
         chunk_positions(6, 2, 0)
+
+
+def test_context_parallel_mask_is_one_additive_tensor_for_every_layer():
+    import torch
+
+    from megatron_patches.sdpa_attention import causal_mask
+
+    mask = causal_mask(8, 2, 1, torch.bfloat16)  # rank 1 holds positions 2, 3, 4, 5
+    assert mask.dtype == torch.bfloat16 and causal_mask(8, 2, 1, torch.bfloat16) is mask  # shared: saved once
+    allowed = (mask == 0).tolist()
+    keys = [0, 1, 6, 7, 2, 3, 4, 5]  # gather order: rank 0's chunks, then rank 1's
+    assert allowed == [[k <= q for k in keys] for q in (2, 3, 4, 5)]
+    assert torch.isinf(mask[~(mask == 0)]).all()
