@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fixtures.rollout import ragged_rollout_batch
 from mrl.layout import ParallelLayout
 from mrl.megatron.local_launch import run_local
 from mrl.megatron.parallel import from_last_stage
@@ -77,15 +78,8 @@ CASES = {
 def _rollout_batch(vocab: int) -> dict:
     """5 sequences: 4-token prompts and responses of 3..18 tokens, right-padded to 24 tokens."""
     generator = torch.Generator().manual_seed(0)
-    lengths, prompt, width = [9, 18, 3, 14, 6], 4, 24
-    tokens = torch.zeros(len(lengths), width + 1, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width)
-    for row, length in enumerate(lengths):
-        tokens[row, : prompt + length] = torch.randint(3, vocab, (prompt + length,), generator=generator)
-        mask[row, prompt - 1 : prompt - 1 + length] = 1.0
-    advantages = torch.randn(len(lengths), 1, generator=generator).expand(-1, width) * mask
-    ref = -torch.rand(len(lengths), width, generator=generator) * 8
-    return {"tokens": tokens, "response_mask": mask, "advantages": advantages.contiguous(), "ref_logprobs": ref}
+    batch = ragged_rollout_batch(vocab, [9, 18, 3, 14, 6], generator=generator)
+    return batch | {"ref_logprobs": -torch.rand(5, 24, generator=generator) * 8}
 
 
 def _first_updates(rank: int, world_size: int, dirs: dict) -> dict:
