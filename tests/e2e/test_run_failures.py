@@ -9,6 +9,8 @@
   3. `mrl train` (its own Ray) sent SIGINT mid-run → exits 130 within a bound with a one-line
      message; the Ray processes it started (gcs, raylet, workers) are gone. Its driver (in
      fully_async also the rollouter) SIGKILLed → the engine, the rank and Ray's processes go too.
+  4. `mrl train` on a cluster it joined (launch.address) sent SIGINT mid-run → exits 130, its
+     actors are gone, the cluster keeps running.
 
 One mode per failure kind (each run costs an engine start): the engine kill in fully_async (the
 rollouter's chunks queue on the killed engine), the trainer kill in one_step_off.
@@ -20,6 +22,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -229,3 +232,74 @@ def test_mrl_train_stopped_mid_run_leaves_no_ray_process(tmp_path, tiny_model_di
             time.sleep(0.5)
             left = [p for p in left if _running(p)]
         assert not left, f"left running after {within_s}s: {[(p.pid, names[p.pid][:200]) for p in left]}"
+
+
+def _cluster_processes(port: int) -> list:
+    """The processes of the Ray cluster whose GCS listens on `port` (its gcs_server, raylet and agents
+    name the port on their command lines) and their children (the workers: actors' titles do not)."""
+    found = {}
+    for process in psutil.process_iter():
+        try:
+            line = " ".join(process.cmdline())
+        except psutil.Error:
+            continue
+        if f"gcs_server_port={port}" in line or f":{port}" in line and "--gcs-address" in line:
+            found[process.pid] = process
+            for child in process.children(recursive=True):
+                found[child.pid] = child
+    return [p for p in found.values() if _running(p)]
+
+
+def test_mrl_train_on_a_joined_cluster_stops_its_own_actors_only(tmp_path, tiny_model_dir):
+    """launch.address: the Ray cluster is not the run's. Ctrl-C mid-run → `mrl train` exits 130
+    within a bound with one line; its engine and trainer actors are gone; the cluster (its GCS and
+    raylet) keeps running and takes another job."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # Ray 2.60's `ray start` turns token authentication on; a driver then needs the token (Ray's
+    # own set-up, not mrl's): both sides without it here
+    env.update(PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled")
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
+                    "--disable-usage-stats"], env=env, check=True, timeout=180, capture_output=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        command = [sys.executable, "-c", "import sys; from mrl.cli import main; sys.exit(main())", "train",
+                   str(RECIPE), *_overrides(tmp_path, tiny_model_dir("qwen3"), "trainer.mode=fully_async",
+                                            "async.max_staleness=1", f"launch.address={address}")]
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        actors = []
+
+        def interrupt():
+            actors.extend(p for p in _cluster_processes(port)
+                          if " ".join(p.cmdline()).startswith(tuple(f"ray::{n}" for n in MRL_ACTORS)))
+            os.killpg(proc.pid, signal.SIGINT)
+
+        watcher = _after_step_1(tmp_path / "run", interrupt)
+        try:
+            out, err = proc.communicate(timeout=900)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        watcher.join(timeout=5)
+        assert watcher.at is not None, f"step 1 was never logged: {err[-3000:]}"
+        took = time.monotonic() - watcher.at
+        assert proc.returncode == 130 and took < 60, (proc.returncode, took, err[-3000:])
+        assert re.search(r"^mrl train: interrupted \(Ctrl-C\)", err, re.M) and "Traceback" not in err, err[-3000:]
+        assert len(actors) == 2, [" ".join(p.cmdline())[:60] for p in actors]  # the engine and the trainer rank
+        end = time.monotonic() + 30
+        while any(_running(p) for p in actors) and time.monotonic() < end:
+            time.sleep(0.5)
+        assert not any(_running(p) for p in actors), "the run's actors outlived it on the joined cluster"
+        status = subprocess.run([ray_cli, "status", f"--address={address}"], env=env, capture_output=True, text=True,
+                                timeout=60)
+        assert status.returncode == 0, f"the joined cluster is gone: {status.stderr[-2000:]}"
+    finally:  # stop this cluster's processes only: another Ray (this session's) may be running on the machine
+        for process in _cluster_processes(port):
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
