@@ -26,7 +26,8 @@ TIMEOUT_S = 400
 WORLD = 4
 
 LAYOUTS = {
-    "qwen3": {"CP2": ParallelLayout(cp=2), "TP2×CP2": ParallelLayout(tp=2, cp=2), "PP2×CP2": ParallelLayout(pp=2, cp=2)},
+    "qwen3": {"CP2": ParallelLayout(cp=2), "TP2×CP2": ParallelLayout(tp=2, cp=2), "PP2×CP2": ParallelLayout(pp=2, cp=2),
+              "PP2×VPP2×CP2": ParallelLayout(pp=2, vpp=2, cp=2)},
     "deepseek_v3": {"CP2": ParallelLayout(cp=2), "TP2×CP2": ParallelLayout(tp=2, cp=2),
                     "CP2×EP2": ParallelLayout(cp=2, ep=2)},
 }
