@@ -261,7 +261,7 @@ def main() -> None:
     model = workdir / args.model
     if not model.exists():
         write_tiny_model(args.model, model)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     print(f"load before: {os.getloadavg()}; cores {sorted(os.sched_getaffinity(0))}; "
           f"{args.steps} steps × {args.batch} prompts × {args.n} samples, {args.tokens} new tokens, {args.model}")
     table = []

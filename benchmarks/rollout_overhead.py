@@ -86,7 +86,7 @@ def main() -> None:
 
         from mrl.launch.rollout_actor import start_rollout_actor
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         actor = start_rollout_actor(model, ENGINE)
 
         def through_ray() -> int:

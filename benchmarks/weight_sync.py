@@ -233,7 +233,7 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     hf_dir = write_model(workdir, args.size_gb)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         run(hf_dir, args.layouts.split(","), args.apply, args.transports.split(","), args.cases.split(","),
             args.repeats, [int(n) for n in args.engines.split(",")], not args.no_pipeline, args.bucket_mb,

@@ -56,7 +56,8 @@ def checkpoint_manifest(arch: str, layout: ParallelLayout, dtype: torch.dtype) -
     """Manifest fields of a model-only step-0 checkpoint (files are added by atomic_dir)."""
     return {
         "step": 0, "arch": arch, "params_dtype": str(dtype).removeprefix("torch."),
-        "layout": {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp, "vpp": layout.vpp},
+        "layout": {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp, "vpp": layout.vpp,
+                   "cp": layout.cp},
         "contents": ["model"],
     }
 

@@ -114,19 +114,20 @@ class SDPACoreAttention(MegatronModule):
         # all-gather along the sequence (dim 0 of [s, b, n, d]); backward: reduce-scatter
         k, v = (gather_from_sequence_parallel_region(t.permute(2, 0, 1, 3).contiguous(), True, group)
                 .permute(1, 2, 0, 3) for t in (k, v))
-        return k, v, causal_mask(sq * self.cp, self.cp, ps.get_context_parallel_rank(), k.dtype)
+        return k, v, causal_mask(sq * self.cp, self.cp, ps.get_context_parallel_rank(), k.dtype, k.device)
 
 
 @functools.lru_cache(maxsize=1)
-def causal_mask(seq: int, size: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+def causal_mask(seq: int, size: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """CP rank `rank`'s queries over the gathered keys [s/CP, s]: 0 where a key is at or before the
     query, -inf elsewhere, in the query's dtype. Additive and cached: SDPA saves the mask for
     backward, and a boolean one it would convert anew in every layer (a [s/CP, s] copy per layer,
-    1.2 GB each at 34,816 tokens and CP2); every layer and micro-batch of a step shares this one."""
+    1.2 GB each at 34,816 tokens and CP2); every layer and micro-batch of a pass shares this one
+    (mrl.megatron.context_parallel.release_mask drops it after the pass)."""
     queries = chunk_positions(seq, size, rank)
     keys = gathered_positions(seq, size)
-    return torch.zeros(len(queries), seq, dtype=dtype).masked_fill(keys.unsqueeze(0) > queries.unsqueeze(1),
-                                                                   float("-inf"))
+    hidden = (keys.unsqueeze(0) > queries.unsqueeze(1)).to(device)
+    return torch.zeros(len(queries), seq, dtype=dtype, device=device).masked_fill(hidden, float("-inf"))
 
 
 def chunk_positions(seq: int, size: int, rank: int) -> torch.Tensor:

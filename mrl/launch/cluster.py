@@ -204,7 +204,9 @@ def init_ray(address: str | None, num_cpus: int, num_gpus: int | None = None) ->
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
+        # "local": a new instance, even where `ray start` left a cluster (alive or dead) that a bare
+        # ray.init() would try to join (Ray's /tmp/ray/ray_current_cluster)
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
     return True
 
 

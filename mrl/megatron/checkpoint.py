@@ -97,7 +97,7 @@ def _rng_sharded(state: Any) -> Any:
 
 def _layout_dict(trainable: Trainable) -> dict:
     layout = trainable.built.layout
-    return {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp, "vpp": layout.vpp}
+    return {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp, "vpp": layout.vpp, "cp": layout.cp}
 
 
 def _broadcast_path(path: Path | None) -> Path:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_patches.sdpa_attention import chunk_positions, gathered_positions
+from megatron_patches.sdpa_attention import causal_mask, chunk_positions, gathered_positions
 
 
 def cp_size() -> int:
@@ -92,6 +92,14 @@ def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
 
     if cp_size() == 1 or not metrics:
         return metrics
-    values = torch.tensor([metrics[k] for k in metrics], dtype=torch.float64)
+    # on the GPU where there is one: the CP group is NCCL's there
+    values = torch.tensor([metrics[k] for k in metrics], dtype=torch.float64,
+                          device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(values, group=ps.get_context_parallel_group())
     return {k: float(v) / cp_size() for k, v in zip(metrics, values)}
+
+
+def release_mask() -> None:
+    """Drop CP attention's cached causal mask (after a forward or training pass: it would otherwise
+    stay allocated, e.g. while a colocated engine generates)."""
+    causal_mask.cache_clear()

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import torch
 
-from mrl.megatron.context_parallel import cp_size, gather_outputs, local_positions, split_micro_batch
+from mrl.megatron.context_parallel import cp_size, gather_outputs, local_positions, release_mask, split_micro_batch
 from mrl.megatron.model import BuiltModel
 from mrl.megatron.parallel import from_last_stage
 from mrl.megatron.training import LossFn, Trainable, attention_mask, lm_loss, train_step
@@ -365,6 +365,7 @@ def _forward_only(built: BuiltModel, micro: list[dict], score: Callable[[torch.T
             num_microbatches=len(micro), seq_length=seq, micro_batch_size=size,
             forward_only=True, collect_non_loss_data=True,
         )
+    release_mask()
     return outputs if ps.is_pipeline_last_stage(ignore_virtual=True) else None
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from mrl.config.schema import OptimConfig
-from mrl.megatron.context_parallel import local_positions, mean_over_ranks, split_micro_batch
+from mrl.megatron.context_parallel import local_positions, mean_over_ranks, release_mask, split_micro_batch
 from mrl.megatron.model import BuiltModel, transformer_engine_available
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
@@ -241,6 +241,7 @@ def train_step(trainable: Trainable, micro_batches: list[dict], loss_fn: LossFn 
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs, forward_only=False,
     )
+    release_mask()  # CP attention's mask, shared by the pass's layers and micro-batches
     updated, grad_norm, _ = trainable.optimizer.step()
     lr = trainable.optimizer.param_groups[0]["lr"]
     if updated:

@@ -42,15 +42,14 @@ class ScoresAhead:
         """The scores of `samples` and whether they were computed ahead: the submitted result for
         `key` when it scored these very samples, else scored now."""
         submitted = self._ahead.pop(key, None)
-        if submitted is not None:
-            ahead, future = submitted
-            results = future.result()  # also when unused: the scorer's error surfaces here
-            if ahead == list(samples):
-                return results, True
-        return self.score_batch(samples), False
+        if submitted is not None and submitted[0] == list(samples):
+            return submitted[1].result(), True  # the scorer's error, if it raised, surfaces here
+        return self.score_batch(samples), False  # (after a submission in flight: the lock orders them)
 
     def close(self) -> None:
-        """Wait for a batch being scored (a reward has per-call timeouts), then close the scorer."""
+        """Wait for a batch being scored, then close the scorer. The wait is bounded by the
+        scorer's own per-sample timeouts (reward.timeout_s in a SandboxedReward): a batch cannot be
+        abandoned half way without its workers respawning behind the close."""
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._ahead.clear()
         self.scorer.close()

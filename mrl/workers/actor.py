@@ -9,7 +9,7 @@ same arguments.
 
 Batches arrive whole on every rank (see mrl/experience.py for their layout); each rank keeps the
 rows of its data-parallel slice. Results come back from one rank per DP slice (the last pipeline
-stage, TP rank 0) as {"dp": dp_rank, ...}; every other rank returns None.
+stage, TP rank 0, CP rank 0) as {"dp": dp_rank, ...}; every other rank returns None.
 """
 
 from __future__ import annotations

@@ -231,7 +231,7 @@ def test_ranks_sit_where_the_layout_says(shards):
         stage = rank // (TP * DP)
         assert shard["world"] == WORLD
         assert shard["coords"] == dict(rank=rank, tp=rank % TP, pp=stage, dp=rank // TP % DP,
-                                       ep=rank % EP, etp=0, edp=0), rank
+                                       ep=rank % EP, etp=0, edp=0, cp=0), rank
         dense, moe, _ = STAGES[stage]
         first = 1 + 16 * stage  # Megatron's layer_number is global and 1-based
         assert shard["layer_numbers"] == list(range(first, first + dense + moe)), rank

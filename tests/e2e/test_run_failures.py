@@ -21,10 +21,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -262,8 +264,11 @@ def test_mrl_train_on_a_joined_cluster_stops_its_own_actors_only(tmp_path, tiny_
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # its own temp dir: `ray start` records the cluster there, where no other ray.init() looks
+    temp = tempfile.mkdtemp(prefix="mrl-ray-", dir="/tmp")
     subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
-                    "--disable-usage-stats"], env=env, check=True, timeout=180, capture_output=True)
+                    "--disable-usage-stats", f"--temp-dir={temp}"], env=env, check=True, timeout=180,
+                   capture_output=True)
     address = f"127.0.0.1:{port}"
     try:
         command = [sys.executable, "-c", "import sys; from mrl.cli import main; sys.exit(main())", "train",
@@ -303,3 +308,4 @@ def test_mrl_train_on_a_joined_cluster_stops_its_own_actors_only(tmp_path, tiny_
                 process.kill()
             except psutil.Error:
                 pass
+        shutil.rmtree(temp, ignore_errors=True)

@@ -62,8 +62,9 @@ def test_context_parallel_mask_is_one_additive_tensor_for_every_layer():
 
     from megatron_patches.sdpa_attention import causal_mask
 
-    mask = causal_mask(8, 2, 1, torch.bfloat16)  # rank 1 holds positions 2, 3, 4, 5
-    assert mask.dtype == torch.bfloat16 and causal_mask(8, 2, 1, torch.bfloat16) is mask  # shared: saved once
+    cpu = torch.device("cpu")
+    mask = causal_mask(8, 2, 1, torch.bfloat16, cpu)  # rank 1 holds positions 2, 3, 4, 5
+    assert mask.dtype == torch.bfloat16 and causal_mask(8, 2, 1, torch.bfloat16, cpu) is mask  # shared: saved once
     allowed = (mask == 0).tolist()
     keys = [0, 1, 6, 7, 2, 3, 4, 5]  # gather order: rank 0's chunks, then rank 1's
     assert allowed == [[k <= q for k in keys] for q in (2, 3, 4, 5)]
