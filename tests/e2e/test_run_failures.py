@@ -177,6 +177,29 @@ def test_a_killed_trainer_rank_stops_a_one_step_off_run_naming_it(tmp_path, tiny
     assert not _mrl_actors_alive(), _mrl_actors_alive(0)
 
 
+def _mrl_train(tmp: Path, model: Path, env: dict, *extra: str) -> subprocess.Popen:
+    """`mrl train` of a fully_async run in its own process group, as a terminal's foreground job
+    (Ctrl-C sends SIGINT to every process in it)."""
+    command = [sys.executable, "-c", "import sys; from mrl.cli import main; sys.exit(main())", "train", str(RECIPE),
+               *_overrides(tmp, model, "trainer.mode=fully_async", "async.max_staleness=1", *extra)]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _stop_after_step_1(proc: subprocess.Popen, run_dir: Path, act) -> tuple[str, float, float]:
+    """Call `act()` once step 1 is logged, wait for `proc` to end; its stderr, when `act` ran and
+    how long after it the process ended."""
+    watcher = _after_step_1(run_dir, act)
+    try:
+        _, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    watcher.join(timeout=5)
+    assert watcher.at is not None, f"step 1 was never logged: {err[-3000:]}"
+    return err, watcher.at, time.monotonic() - watcher.at
+
+
 @pytest.mark.parametrize("how", ["ctrl_c", "driver_killed"])
 def test_mrl_train_stopped_mid_run_leaves_no_ray_process(tmp_path, tiny_model_dir, how):
     """ctrl_c: SIGINT to `mrl train`'s process group (a terminal's Ctrl-C) → exit 130 within a
@@ -185,37 +208,24 @@ def test_mrl_train_stopped_mid_run_leaves_no_ray_process(tmp_path, tiny_model_di
     the trainer rank and Ray's own processes go with it (Ray's fate sharing), nothing keeps running."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = str(ROOT)
-    command = [sys.executable, "-c", "import sys; from mrl.cli import main; sys.exit(main())", "train", str(RECIPE),
-               *_overrides(tmp_path, tiny_model_dir("qwen3"), "trainer.mode=fully_async", "async.max_staleness=1",
-                           "launch.cpus_per_node=4")]
     started = time.monotonic()
-    # Its own process group, as a terminal's foreground job: Ctrl-C sends SIGINT to every process in it.
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        children, names = [], {}
+    proc = _mrl_train(tmp_path, tiny_model_dir("qwen3"), env, "launch.cpus_per_node=4")
+    children, names = [], {}
 
-        def interrupt():
-            children.extend(psutil.Process(proc.pid).children(recursive=True))  # Ray's gcs, raylet, workers
-            for child in children:
-                try:
-                    names[child.pid] = " ".join(child.cmdline())
-                except psutil.Error:
-                    names[child.pid] = "?"
-            if how == "ctrl_c":
-                os.killpg(proc.pid, signal.SIGINT)
-            else:
-                proc.kill()
-
-        watcher = _after_step_1(tmp_path / "run", interrupt)
-        out, err = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
+    def interrupt():
+        children.extend(psutil.Process(proc.pid).children(recursive=True))  # Ray's gcs, raylet, workers
+        for child in children:
+            try:
+                names[child.pid] = " ".join(child.cmdline())
+            except psutil.Error:
+                names[child.pid] = "?"
+        if how == "ctrl_c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
             proc.kill()
-    watcher.join(timeout=5)
-    assert watcher.at is not None, f"step 1 was never logged: {err[-3000:]}"
-    took = time.monotonic() - watcher.at
-    print(f"{how} {watcher.at - started:.0f}s into the run; exited {took:.1f}s later; stderr tail: {err[-300:]}")
+
+    err, at, took = _stop_after_step_1(proc, tmp_path / "run", interrupt)
+    print(f"{how} {at - started:.0f}s into the run; exited {took:.1f}s later; stderr tail: {err[-300:]}")
     for name in ("raylet", "gcs_server", "ray::RolloutServer", "ray::MegatronActor"):
         assert any(name in n for n in names.values()), (name, names)
     if how == "ctrl_c":
@@ -271,11 +281,7 @@ def test_mrl_train_on_a_joined_cluster_stops_its_own_actors_only(tmp_path, tiny_
                    capture_output=True)
     address = f"127.0.0.1:{port}"
     try:
-        command = [sys.executable, "-c", "import sys; from mrl.cli import main; sys.exit(main())", "train",
-                   str(RECIPE), *_overrides(tmp_path, tiny_model_dir("qwen3"), "trainer.mode=fully_async",
-                                            "async.max_staleness=1", f"launch.address={address}")]
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        proc = _mrl_train(tmp_path, tiny_model_dir("qwen3"), env, f"launch.address={address}")
         actors = []
 
         def interrupt():
@@ -283,15 +289,7 @@ def test_mrl_train_on_a_joined_cluster_stops_its_own_actors_only(tmp_path, tiny_
                           if " ".join(p.cmdline()).startswith(tuple(f"ray::{n}" for n in MRL_ACTORS)))
             os.killpg(proc.pid, signal.SIGINT)
 
-        watcher = _after_step_1(tmp_path / "run", interrupt)
-        try:
-            out, err = proc.communicate(timeout=900)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        watcher.join(timeout=5)
-        assert watcher.at is not None, f"step 1 was never logged: {err[-3000:]}"
-        took = time.monotonic() - watcher.at
+        err, _, took = _stop_after_step_1(proc, tmp_path / "run", interrupt)
         assert proc.returncode == 130 and took < 60, (proc.returncode, took, err[-3000:])
         assert re.search(r"^mrl train: interrupted \(Ctrl-C\)", err, re.M) and "Traceback" not in err, err[-3000:]
         assert len(actors) == 2, [" ".join(p.cmdline())[:60] for p in actors]  # the engine and the trainer rank
