@@ -68,6 +68,11 @@ class ParallelLayout:
             num_layers_in_last_pipeline_stage=self.last_stage_layers,
         )
 
+    def data_parallel_size(self, world_size: int) -> int:
+        """The ranks a batch splits over in a world of `world_size`: each TP·CP·PP group holds one
+        replica (CP ranks share their sequences)."""
+        return world_size // (self.tp * self.cp * self.pp)
+
     def min_world_size(self) -> int:
         """Smallest world that fits both the dense (tp·cp·pp) and the expert (etp·ep·pp) grid."""
         dense = self.tp * self.cp * self.pp

@@ -34,7 +34,7 @@ def actor_world_size(cfg: RunConfig) -> int:
 
 
 def data_parallel_size(cfg: RunConfig) -> int:
-    return actor_world_size(cfg) // (cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp)
+    return layout_of(cfg).data_parallel_size(actor_world_size(cfg))
 
 
 def has_critic(cfg: RunConfig) -> bool:

@@ -373,7 +373,7 @@ def _check_layout(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
     world, errors = _actor_world(cfg, layout)
     errors += _check_context_parallel(cfg)
     if world is not None and world % (p.tp * p.cp * p.pp) == 0:
-        dp, rows = world // (p.tp * p.cp * p.pp), cfg.data.batch_size * cfg.rollout.n_samples_per_prompt
+        dp, rows = layout.data_parallel_size(world), cfg.data.batch_size * cfg.rollout.n_samples_per_prompt
         if rows % dp:
             errors.append(f"data.batch_size {cfg.data.batch_size} × rollout.n_samples_per_prompt "
                           f"{cfg.rollout.n_samples_per_prompt} = {rows} sequences do not split over {dp} data-parallel "
@@ -399,8 +399,10 @@ def _check_context_parallel(cfg: RunConfig) -> list[str]:
     if a.aggregation != "token-mean":
         errors.append(f"algo.aggregation {a.aggregation} averages over whole sequences, but {why}: set "
                       "algo.aggregation: token-mean or parallel.cp: 1.")
+    from mrl.algo import WHOLE_SEQUENCE_SETTINGS
+
     for field, value in (("policy_loss", a.policy_loss), ("rollout_correction", a.rollout_correction)):
-        if value in ("gspo", "mis"):
+        if value in WHOLE_SEQUENCE_SETTINGS:
             errors.append(f"algo.{field} {value} needs each sequence's importance ratio over all its tokens, but {why}: "
                           "choose a token-level one or parallel.cp: 1.")
     if cfg.trainer.sft_pack_tokens:

@@ -260,8 +260,6 @@ def _loss_scale(micro: dict, aggregation: str) -> float:
 
 
 _FAIL_EARLY = {"loss_scale_tokens": 1.0, "loss_scale_sequences": 1.0}  # a micro-batch's weights, to check a setting
-# Settings whose math needs every token of a sequence on one rank (a sequence's importance ratio)
-_WHOLE_SEQUENCE_SETTINGS = frozenset({"gspo", "mis"})
 
 
 def _metric_scale(micro: dict, aggregation: str) -> float:
@@ -450,13 +448,13 @@ def policy_loss_fn(algo: Any, vocab_size: int | None = None) -> LossFn:
     train_step reports each as the mean over micro-batches (ratio_max included); pg_loss is
     weighted like the loss itself, so it is the batch's loss whatever the micro-batching.
     """
-    from mrl.algo import entropy_bonus, kl_loss, policy_loss
+    from mrl.algo import WHOLE_SEQUENCE_SETTINGS, entropy_bonus, kl_loss, policy_loss
 
     config = ActorLoss.of(algo)
     _loss_scale(_FAIL_EARLY | {"cp_size": cp_size()}, config.aggregation)  # fail early
     whole = [f"{field} {value}" for field, value in (("policy_loss", config.policy_loss),
                                                      ("rollout_correction", config.rollout_correction))
-             if value in _WHOLE_SEQUENCE_SETTINGS]
+             if value in WHOLE_SEQUENCE_SETTINGS]
     if whole and cp_size() > 1:
         raise ValueError(f"{', '.join(whole)} needs each sequence's log-prob ratio over all its tokens, but with "
                          f"context parallelism (CP {cp_size()}) each rank holds part of every sequence: choose a "

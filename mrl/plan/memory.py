@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mrl.config.derived import recompute_of
+from mrl.config.derived import layout_of, recompute_of
 from mrl.config.schema import Recompute, RunConfig
 from mrl.layout import LayoutError, ModelDims, ParallelLayout
 from mrl.plan.activations import F32, MicroBatch, stage_activations
@@ -60,7 +60,7 @@ class Run:
     @property
     def dp(self) -> int:
         """Data-parallel ranks that split the batch (CP ranks share their sequences)."""
-        return self.world // (self.layout.tp * self.layout.cp * self.layout.pp)
+        return self.layout.data_parallel_size(self.world)
 
     @property
     def expert_dp(self) -> int:
@@ -72,8 +72,7 @@ class Run:
         gpus = gpus or launch.num_nodes * launch.gpus_per_node
         if gpus < 1:
             raise PlanError("the recipe is a CPU run (launch.gpus_per_node 0): give the cluster's size with --gpus N.")
-        layout = ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, vpp=p.vpp, cp=p.cp,
-                                first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
+        layout = layout_of(cfg)
         separate = launch.placement == "separate"
         world = p.world_size or gpus - (launch.rollout_gpus if separate else 0)
         try:
@@ -84,7 +83,7 @@ class Run:
                             + str(exc).replace("--", "parallel.")) from None
         r = cfg.rollout
         sequences = cfg.data.batch_size * r.n_samples_per_prompt
-        dp = world // (p.tp * p.cp * p.pp)
+        dp = layout.data_parallel_size(world)
         split = () if sequences % dp == 0 else (
             f"data.batch_size × rollout.n_samples_per_prompt = {sequences} sequences do not split over DP {dp}: "
             "the update refuses the batch.",)
