@@ -44,7 +44,7 @@ def train(cfg: RunConfig) -> dict:
     try:
         summary = {"resumed_from": run.start, "output_dir": str(run.out)}
         if run.fresh and cfg.trainer.sft_steps:
-            summary["accuracy_initial"] = evaluate(run)  # the engine holds the HF weights
+            summary["accuracy_initial"] = evaluate(run)["eval/accuracy"]  # the engine holds the HF weights
             summary["sft"] = run_sft(run)
             run.save_sft()
         run.start_from_policy()
@@ -55,8 +55,8 @@ def train(cfg: RunConfig) -> dict:
                                prometheus_port=cfg.logging.prometheus_port)
         # The engine starts from the HF weights; SFT or a resume changed them. This first sync is
         # always parity-checked.
-        first = run.cluster.sync_weights()
-        first["eval/accuracy"] = summary["accuracy_before"] = summary["accuracy_after"] = evaluate(run)
+        first = run.cluster.sync_weights() | evaluate(run)
+        summary |= accuracies(first, "before") | accuracies(first, "after")
         if run.start == 0:
             logger.log(0, first)
         source = batch_source(run)  # trainer.mode: where batches come from, when weights go out
@@ -64,7 +64,8 @@ def train(cfg: RunConfig) -> dict:
             with profiled_step(run, step):  # profile.steps: torch.profiler traces (mrl/profiling.py)
                 metrics = rl_step(step, run, source)
             if step == cfg.trainer.total_steps or (cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0):
-                metrics["eval/accuracy"] = summary["accuracy_after"] = evaluate(run)
+                metrics |= evaluate(run)
+                summary |= accuracies(metrics, "after")
             logger.log(step, metrics)
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
                 run.save(step, source.in_flight())
@@ -81,7 +82,8 @@ def train(cfg: RunConfig) -> dict:
             logger.close()
         run.close()
     if cfg.logging.jsonl and (run.out / "metrics.jsonl").exists():
-        keys = ("critic/score/mean", "eval/accuracy", "response_length/mean", "actor/entropy")
+        keys = ("critic/score/mean", "eval/accuracy") + (("eval/accuracy_sampled",) if cfg.trainer.eval_samples else ()) \
+            + ("response_length/mean", "actor/entropy")
         summary["plot"] = str(plot_metrics(run.out / "metrics.jsonl", run.out / "curves.png", keys=keys))
     return summary
 
@@ -316,12 +318,30 @@ def mean_over_ranks(results: list[dict]) -> dict[str, float]:
     return {k: sum(float(r[k]) for r in results) / len(results) for k in keys}
 
 
-def evaluate(run: Run) -> float | None:
-    """Greedy accuracy on the held-out split (a score >= 1 counts as correct)."""
+def evaluate(run: Run) -> dict[str, float | None]:
+    """Held-out accuracy (a score >= 1 counts as correct): greedy (`eval/accuracy`) and, with
+    `trainer.eval_samples` N, the mean over N samples a prompt drawn as the rollout draws them
+    (`eval/accuracy_sampled`: the policy's own expected accuracy, what RL optimises; greedy decoding
+    can stay put while it moves). The sampled eval uses one seed every time, so two evaluations
+    differ by the weights, not by the draw."""
     if not run.heldout:
-        return None
-    groups, _ = run.cluster.generate([p["prompt_ids"] for p in run.heldout], greedy_settings(run.cfg))
-    return float((score(run.reward, run.heldout, groups) >= 1.0).float().mean())
+        return {"eval/accuracy": None}
+    prompts = [p["prompt_ids"] for p in run.heldout]
+    groups, _ = run.cluster.generate(prompts, greedy_settings(run.cfg))
+    metrics = {"eval/accuracy": float((score(run.reward, run.heldout, groups) >= 1.0).float().mean())}
+    if n := run.cfg.trainer.eval_samples:
+        settings = replace(sampling_for(run.cfg, step=0), n=n)
+        groups, _ = run.cluster.generate(prompts, settings)
+        metrics["eval/accuracy_sampled"] = float((score(run.reward, run.heldout, groups) >= 1.0).float().mean())
+    return metrics
+
+
+def accuracies(metrics: dict, when: str) -> dict[str, float | None]:
+    """An evaluation's accuracies for the run's summary: accuracy_<when> (greedy), accuracy_sampled_<when>."""
+    out = {f"accuracy_{when}": metrics["eval/accuracy"]}
+    if "eval/accuracy_sampled" in metrics:
+        out[f"accuracy_sampled_{when}"] = metrics["eval/accuracy_sampled"]
+    return out
 
 
 def export_and_evaluate(run: Run, out: Path) -> dict:

@@ -70,6 +70,9 @@ def headline(summary: dict) -> str:
     if summary.get("accuracy_before") is not None:
         before, after = summary["accuracy_before"], summary["accuracy_after"]
         parts.append(f"held-out accuracy before RL {before:.3f} → after RL {after:.3f} ({100 * (after - before):+.1f} points)")
+    if summary.get("accuracy_sampled_before") is not None:
+        before, after = summary["accuracy_sampled_before"], summary["accuracy_sampled_after"]
+        parts.append(f"sampled {before:.3f} → {after:.3f} ({100 * (after - before):+.1f} points)")
     if summary.get("accuracy_merged_hf") is not None:
         parts.append(f"merged HF model scored by vLLM: {summary['accuracy_merged_hf']:.3f}")
     return "; ".join(parts + [f"{summary['seconds']:.0f} s"])

@@ -25,6 +25,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.sft_lr", lambda v: v is None or v > 0, "> 0 (or null: optim.lr)"),
     ("trainer.sft_pack_tokens", lambda v: v is None or v >= 2, ">= 2 (or null: no packing)"),
     ("trainer.eval_every", lambda v: v >= 0, ">= 0"),
+    ("trainer.eval_samples", lambda v: v >= 0, ">= 0"),
     ("rollout.num_engines", lambda v: v >= 1, ">= 1"),
     ("model.recompute_num_layers", lambda v: v >= 1, ">= 1"),
     ("model.recompute_modules", lambda v: v is None or set(v) <= set(RECOMPUTE_MODULES),

@@ -1,0 +1,53 @@
+"""The held-out evaluation: greedy accuracy, and with trainer.eval_samples the sampled accuracy
+drawn as the rollout draws (same temperature, one fixed seed every time)."""
+
+from types import SimpleNamespace
+
+from mrl.config import load_config
+from mrl.rewards import RewardResult
+from mrl.rollout.engine import Generation
+from mrl.trainer import evaluate
+
+
+class FakeCluster:
+    """Answers prompt i correctly in the first `right[i]` of its samples; records the settings."""
+
+    def __init__(self, right: list[int]):
+        self.right, self.calls = right, []
+
+    def generate(self, prompts, settings):
+        self.calls.append(settings)
+        texts = lambda i: ["ok" if k < self.right[i] else "no" for k in range(settings.n)]  # noqa: E731
+        return [[Generation(p, [1], t, [0.0]) for t in texts(i)] for i, p in enumerate(prompts)], {}
+
+
+class ExactReward:
+    def score_batch(self, samples):
+        return [RewardResult(float(s.response == s.ground_truth)) for s in samples]
+
+
+def _run(eval_samples: int, right: list[int]) -> SimpleNamespace:
+    cfg = load_config("configs/tiny_cpu_grpo.yaml", [f"trainer.eval_samples={eval_samples}", "rollout.temperature=0.7", "rollout.seed=3"], check_files=False)
+    heldout = [{"prompt": f"p{i}", "prompt_ids": [i + 5], "ground_truth": "ok", "metadata": {}} for i in range(len(right))]
+    return SimpleNamespace(cfg=cfg, heldout=heldout, cluster=FakeCluster(right), reward=ExactReward())
+
+
+def test_greedy_only_by_default():
+    run = _run(0, [1, 0, 1, 1])
+    assert evaluate(run) == {"eval/accuracy": 0.75}
+    assert [s.temperature for s in run.cluster.calls] == [0.0]
+
+
+def test_sampled_accuracy_is_the_mean_over_every_sample_with_the_rollouts_temperature_and_one_seed():
+    run = _run(4, [4, 1, 0, 2])  # greedy (the first sample): 3 of 4; sampled: 7 of 16
+    first, second = evaluate(run), evaluate(run)
+    assert first == second == {"eval/accuracy": 0.75, "eval/accuracy_sampled": 7 / 16}
+    greedy, sampled, _, again = run.cluster.calls
+    assert greedy.temperature == 0.0 and greedy.n == 1
+    assert (sampled.temperature, sampled.n) == (0.7, 4)
+    assert sampled.seed == again.seed is not None  # the same draw at every evaluation
+
+
+def test_no_heldout_set_no_accuracy():
+    run = _run(4, [])
+    assert evaluate(run) == {"eval/accuracy": None}
