@@ -131,3 +131,13 @@ def test_a_megatron_lm_start_is_recorded_as_its_iteration(tmp_path):
     recorded = portable_rl_start(str(tmp_path / "mlm"), str(tmp_path / "ckpt"))
     assert recorded == str(iteration.resolve())  # outside the run's checkpoints: absolute, the tracker followed
     assert located_rl_start(recorded, str(tmp_path / "ckpt" / "iter_0000010")) == recorded
+
+
+def test_headline_gives_greedy_and_sampled_accuracy():
+    from mrl.cli.train import headline
+
+    line = headline({"accuracy_before": 0.25, "accuracy_after": 0.3, "accuracy_sampled_before": 0.2,
+                     "accuracy_sampled_after": 0.26, "seconds": 12.0})
+    assert "before RL 0.250 → after RL 0.300 (+5.0 points)" in line
+    assert "sampled 0.200 → 0.260 (+6.0 points)" in line
+    assert "sampled" not in headline({"accuracy_before": 0.25, "accuracy_after": 0.3, "seconds": 1.0})
