@@ -167,7 +167,7 @@ def run_mode(mode: str, eta: int | None, partial: bool, ahead: bool, args, model
     name = (mode if eta is None else f"{mode}_eta{eta}") + ("_partial" if partial else "") + ("" if ahead else "_noahead")
     out = workdir / f"{name}_{time.monotonic_ns()}"
     overrides = [
-        f"trainer.total_steps={args.steps}", "trainer.sft_steps=0", "trainer.eval_every=0",
+        f"trainer.total_steps={args.steps}", "trainer.sft_steps=0", "trainer.eval_every=0", "trainer.eval_samples=0",
         f"trainer.mode={mode}", f"data.batch_size={args.batch}", f"rollout.n_samples_per_prompt={args.n}",
         f"rollout.max_new_tokens={args.tokens}", f"rollout.max_model_len={args.tokens + 32}",
         f"data.arithmetic.train_size={args.steps * args.batch}", f"data.arithmetic.heldout_size={args.heldout}",

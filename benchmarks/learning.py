@@ -7,8 +7,8 @@ sync GRPO for the same trained samples) are both measured here, on the same SFT 
 One SFT warm start (the demo's) is trained once and saved; every RL run starts from it
 (checkpoint.resume=<its checkpoint>, trainer.sft_steps=0), so every recipe starts from the same
 weights and the same held-out accuracy (PPO's critic starts fresh from it). Each (recipe, seed) run
-varies `rollout.seed` (the samples drawn) and evaluates the held-out set (greedy) every --eval-every
-steps. The recipes: grpo = configs/tiny_cpu_grpo.yaml, ppo = configs/tiny_cpu_ppo.yaml,
+varies `rollout.seed` (the samples drawn) and evaluates the held-out set every --eval-every steps:
+greedy, and sampled as in training (--eval-samples a prompt, trainer.eval_samples). The recipes: grpo = configs/tiny_cpu_grpo.yaml, ppo = configs/tiny_cpu_ppo.yaml,
 fully_async = configs/tiny_cpu_async.yaml; all see 64 samples a step. `--set k=v` overrides apply to
 the SFT start and to every run (e.g. another task: data.arithmetic.max_operand=...).
 
@@ -17,7 +17,8 @@ docs/images/learning.png): held-out accuracy and the training reward against tra
 one thin line per run and the mean over seeds per recipe (--plot-only redraws it from WORKDIR).
 
     .venv/bin/python benchmarks/learning.py [--modes grpo,ppo,fully_async] [--steps 40] [--seeds 0,1,2]
-        [--eval-every 5] [--sft-steps N] [--set k=v ...] [--workdir DIR] [--plot docs/images/learning.png]
+        [--eval-every 5] [--eval-samples 8] [--sft-steps N] [--set k=v ...] [--workdir DIR]
+        [--plot docs/images/learning.png] [--late-from 1280]
 """
 
 from __future__ import annotations
@@ -136,20 +137,39 @@ def _cell(span: tuple[float, float] | None) -> str:
     return "–" if span is None else f"{span[0]:.3f} → {span[1]:.3f} ({span[1] - span[0]:+.3f})"
 
 
-def table(runs: list[dict]) -> str:
+def _late_gain(run: dict, key: str, late_from: int) -> float | None:
+    """The mean of the evaluations from `late_from` trained samples on, minus the start."""
+    late = [v for samples, v in run.get(key) or [] if samples >= late_from]
+    return sum(late) / len(late) - run[key][0][1] if late else None
+
+
+def _mean_se(values: list[float]) -> str:
+    """Points: mean ± standard error over the seeds."""
+    if not values:
+        return "–"
+    mean = sum(values) / len(values)
+    se = (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5 if len(values) > 1 else 0.0
+    return f"{100 * mean:+.1f} ± {100 * se:.1f}"
+
+
+def table(runs: list[dict], late_from: int) -> str:
     lines = ["| mode | seed | held-out greedy | held-out sampled | RL wall s | max staleness | partial ratio |",
              "|---|---|---|---|---|---|---|"]
     for r in runs:
         partial = "–" if r["partial_ratio_mean"] is None else f"{r['partial_ratio_mean']:.2f}"
         lines.append(f"| {r['mode']} | {r['seed']} | {_cell(_gain(r, 'curve'))} | {_cell(_gain(r, 'sampled'))} | "
                      f"{r['step_s']:.0f} | {r['staleness_max']:.0f} | {partial} |")
+    lines += ["", f"Gain in points, mean ± s.e. over seeds (late: the mean of the evaluations from {late_from} "
+              "trained samples on)", "",
+              "| mode | seeds | greedy, end | greedy, late | sampled, end | sampled, late |", "|---|---|---|---|---|---|"]
     for mode in RECIPES:
         mine = [r for r in runs if r["mode"] == mode]
         if mine:
-            means = [" ".join(f"{_mean([g[1] - g[0] for g in gains]):+.3f}" for gains in
-                              [[_gain(r, key) for r in mine if _gain(r, key)]] if gains) or "–"
-                     for key in ("curve", "sampled")]
-            lines.append(f"| {mode} | mean gain | {means[0]} | {means[1]} | {_mean([r['step_s'] for r in mine]):.0f} | | |")
+            cells = []
+            for key in ("curve", "sampled"):
+                cells.append(_mean_se([g[1] - g[0] for g in (_gain(r, key) for r in mine) if g]))
+                cells.append(_mean_se([v for v in (_late_gain(r, key, late_from) for r in mine) if v is not None]))
+            lines.append(f"| {mode} | {len(mine)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -165,6 +185,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "images" / "learning.png")
     parser.add_argument("--plot-only", action="store_true", help="re-read WORKDIR's finished runs and plot them")
+    parser.add_argument("--late-from", type=int, default=1280, help="trained samples from which the table's late mean counts")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="mrl-learning-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -172,7 +193,7 @@ def main() -> None:
         runs = [read_run(d, d.name.rsplit("-seed", 1)[0], int(d.name.rsplit("-seed", 1)[1]), SAMPLES_PER_STEP)
                 for d in sorted(workdir.glob("*-seed*")) if (d / "metrics.jsonl").exists()]
         plot(runs, args.plot)
-        print(table(runs))
+        print(table(runs, args.late_from))
         return
     sft = workdir / "sft" / "checkpoints" / "sft"
     if not sft.exists():
@@ -182,9 +203,9 @@ def main() -> None:
         for mode in args.modes.split(","):
             runs.append(run_rl(mode, seed, sft, args, workdir))
             (workdir / "learning.json").write_text(json.dumps(runs, indent=1))
-            print(table(runs[-1:]), flush=True)
+            print(table(runs[-1:], args.late_from), flush=True)
     plot(runs, args.plot)
-    print(table(runs))
+    print(table(runs, args.late_from))
     print(f"plot: {args.plot}; runs: {workdir}")
 
 

@@ -27,7 +27,7 @@ def run(repo: Path, workdir: Path, steps: int) -> list[dict]:
     # -c: the current directory (`repo`) comes first on sys.path, so its mrl is the one imported
     command = [sys.executable, "-c", "import sys; from mrl.cli import main; sys.exit(main(sys.argv[1:]))",
                "train", "configs/tiny_cpu_grpo.yaml",
-               f"trainer.total_steps={steps}", "trainer.sft_steps=0", "trainer.eval_every=0",
+               f"trainer.total_steps={steps}", "trainer.sft_steps=0", "trainer.eval_every=0", "trainer.eval_samples=0",
                "checkpoint.save_every=0", f"trainer.output_dir={out}", f"model.path={workdir / 'model'}",
                f"checkpoint.dir={out / 'checkpoints'}"]
     subprocess.run(command, cwd=repo, check=True, stdout=subprocess.DEVNULL)

@@ -11,7 +11,8 @@ Sinks (each optional except the console bar, which `progress=False` turns off):
 Metric names follow verl: critic/score/mean, actor/entropy, actor/ppo_kl, actor/pg_clipfrac,
 actor/grad_norm, response_length/mean, response_length/clip_ratio, timing_s/gen,
 timing_s/update_actor, timing_s/sync_weights, timing_s/step, perf/throughput, eval/accuracy,
-rollout/logprob_abs_diff_max; eval/accuracy_sampled is mrl's (trainer.eval_samples). Values are floats, ints or one-element tensors; None is skipped.
+rollout/logprob_abs_diff_max; eval/accuracy_sampled is mrl's own
+(trainer.eval_samples). Values are floats, ints or one-element tensors; None is skipped.
 
 Resuming: `MetricsLogger(..., resume_step=N)` with N the step of the checkpoint the run resumed
 from. Rows of steps after N came from the interrupted run and are logged again, so they are dropped

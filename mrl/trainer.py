@@ -31,7 +31,7 @@ from mrl.profiling import profiled_step
 from mrl.rewards import RewardInput, RewardResult
 from mrl.rewards.ahead import ScoresAhead
 from mrl.rollout.detokenize import Detokenizer
-from mrl.rollout.engine import Generation, SamplingSettings
+from mrl.rollout.engine import Generation, SamplingSettings, seeded_per_prompt
 from mrl.rollout_trace import trace_rollouts
 from mrl.run import Run, open_run
 from mrl.sft import run_sft
@@ -44,7 +44,8 @@ def train(cfg: RunConfig) -> dict:
     try:
         summary = {"resumed_from": run.start, "output_dir": str(run.out)}
         if run.fresh and cfg.trainer.sft_steps:
-            summary["accuracy_initial"] = evaluate(run)["eval/accuracy"]  # the engine holds the HF weights
+            # the engine holds the HF weights: how the model starts (greedy is enough here)
+            summary["accuracy_initial"] = evaluate(run, sampled=False)["eval/accuracy"]
             summary["sft"] = run_sft(run)
             run.save_sft()
         run.start_from_policy()
@@ -82,8 +83,9 @@ def train(cfg: RunConfig) -> dict:
             logger.close()
         run.close()
     if cfg.logging.jsonl and (run.out / "metrics.jsonl").exists():
-        keys = ("critic/score/mean", "eval/accuracy") + (("eval/accuracy_sampled",) if cfg.trainer.eval_samples else ()) \
-            + ("response_length/mean", "actor/entropy")
+        keys = ["critic/score/mean", "eval/accuracy", "response_length/mean", "actor/entropy"]
+        if cfg.trainer.eval_samples:
+            keys.insert(2, "eval/accuracy_sampled")
         summary["plot"] = str(plot_metrics(run.out / "metrics.jsonl", run.out / "curves.png", keys=keys))
     return summary
 
@@ -166,7 +168,8 @@ def batch_source(run: Run) -> BatchSource:
     cfg, cluster = run.cfg, run.cluster
 
     def generate(step: int, indices: list[int]) -> PendingBatch:
-        pending = cluster.generate_async([run.train_set[i]["prompt_ids"] for i in indices], sampling_for(cfg, step))
+        pending = cluster.generate_async([run.train_set[i]["prompt_ids"] for i in indices],
+                                         seeded_per_prompt(sampling_for(cfg, step), indices))
         return PendingBatch(step, indices, pending, run.start)
 
     a = cfg.async_
@@ -194,7 +197,8 @@ def batch_source(run: Run) -> BatchSource:
 
 
 def sampling_for(cfg: RunConfig, step: int) -> SamplingSettings:
-    """The rollout's sampling settings; seeded per step, so a resumed run samples the same."""
+    """The rollout's sampling settings; seeded per step, so a resumed run samples the same (each
+    prompt then gets a seed of its own from this one: seeded_per_prompt)."""
     r = cfg.rollout
     return SamplingSettings(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_new_tokens,
                             n=r.n_samples_per_prompt, stop=tuple(r.stop), seed=r.seed * 1_000_003 + step)
@@ -318,22 +322,25 @@ def mean_over_ranks(results: list[dict]) -> dict[str, float]:
     return {k: sum(float(r[k]) for r in results) / len(results) for k in keys}
 
 
-def evaluate(run: Run) -> dict[str, float | None]:
-    """Held-out accuracy (a score >= 1 counts as correct): greedy (`eval/accuracy`) and, with
-    `trainer.eval_samples` N, the mean over N samples a prompt drawn as the rollout draws them
+def evaluate(run: Run, sampled: bool = True) -> dict[str, float | None]:
+    """Held-out accuracy: greedy (`eval/accuracy`) and, with `trainer.eval_samples` N (and
+    `sampled`), the mean over N samples a prompt drawn as the rollout draws them
     (`eval/accuracy_sampled`: the policy's own expected accuracy, what RL optimises; greedy decoding
-    can stay put while it moves). The sampled eval uses one seed every time, so two evaluations
-    differ by the weights, not by the draw."""
+    can stay put while it moves). Every sampled evaluation draws from the same seeds, so two
+    evaluations use the same random numbers and differ by the weights."""
     if not run.heldout:
         return {"eval/accuracy": None}
-    prompts = [p["prompt_ids"] for p in run.heldout]
-    groups, _ = run.cluster.generate(prompts, greedy_settings(run.cfg))
-    metrics = {"eval/accuracy": float((score(run.reward, run.heldout, groups) >= 1.0).float().mean())}
-    if n := run.cfg.trainer.eval_samples:
-        settings = replace(sampling_for(run.cfg, step=0), n=n)
-        groups, _ = run.cluster.generate(prompts, settings)
-        metrics["eval/accuracy_sampled"] = float((score(run.reward, run.heldout, groups) >= 1.0).float().mean())
+    metrics = {"eval/accuracy": heldout_accuracy(run, greedy_settings(run.cfg))}
+    if (n := run.cfg.trainer.eval_samples) and sampled:
+        base = replace(sampling_for(run.cfg, step=0), n=n)
+        metrics["eval/accuracy_sampled"] = heldout_accuracy(run, seeded_per_prompt(base, range(len(run.heldout))))
     return metrics
+
+
+def heldout_accuracy(run: Run, sampling: SamplingSettings | list[SamplingSettings]) -> float:
+    """The share of held-out samples the reward scores >= 1 (correct)."""
+    groups, _ = run.cluster.generate([p["prompt_ids"] for p in run.heldout], sampling)
+    return float((score(run.reward, run.heldout, groups) >= 1.0).float().mean())
 
 
 def accuracies(metrics: dict, when: str) -> dict[str, float | None]:

@@ -27,7 +27,8 @@ class TrainerConfig:
     sft_pack_tokens: int | None = None  # SFT packs several sequences into rows of this many tokens (None: one per row)
     ppo_epochs: int = 1  # optimizer passes over each rollout batch
     eval_every: int = 0  # held-out evaluation every N steps (0: only before and after)
-    eval_samples: int = 0  # held-out eval also draws N samples a prompt as the rollout does (eval/accuracy_sampled; 0: greedy only)
+    # held-out eval also draws N samples a prompt as the rollout does (eval/accuracy_sampled; 0: greedy only)
+    eval_samples: int = 0
     # sync: each step generates its batch, trains, pushes the weights. one_step_off: batch k+1 is
     # generated (with the weights after step k-1) while step k trains. fully_async: the engines
     # generate ahead within the `async` section's staleness bound (mrl/modes.py).

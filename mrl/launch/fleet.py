@@ -8,7 +8,8 @@ one deadline, and hands back the results in the batch's order. An engine that di
 does not answer by the deadline fails the call with an EngineError naming the engine and its node.
 
 Sampling needs no per-engine seeding: vLLM seeds each request from SamplingSettings.seed (sample j
-of a prompt from seed + j), so a prompt's samples do not depend on which engine, or which batch,
+of a prompt from seed + j), and the trainer gives each prompt its seed from the prompt's index in
+the data (seeded_per_prompt), so a prompt's samples do not depend on which engine, or which batch,
 generates them (tests/e2e/test_fleet.py checks a 2-engine fleet against one engine token for token).
 """
 

@@ -7,7 +7,8 @@ view of the engine: the log-probability the engine assigns to each given token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, replace
 from typing import Protocol, Sequence
 
 from mrl.sync.wire import Bucket, WeightUpdateReport
@@ -36,6 +37,25 @@ def per_prompt(sampling: SamplingSettings | Sequence[SamplingSettings], prompts:
     if len(sampling) != prompts:
         raise ValueError(f"{len(sampling)} sampling settings for {prompts} prompts: give one, or one per prompt")
     return list(sampling)
+
+
+def seeded_per_prompt(sampling: SamplingSettings, keys: Sequence[int]) -> list[SamplingSettings]:
+    """One SamplingSettings per prompt, each with a seed of its own derived from `sampling.seed`
+    and the prompt's key (e.g. its index in the data); None stays None (unseeded).
+
+    vLLM gives every seeded request its own random generator, seeded with the request's seed, and
+    draws a prompt's sample i from seed + i. Prompts sharing one seed would therefore draw sample i
+    from the same noise: every prompt of a batch sampled with the same random numbers. A seed from
+    the prompt's key, not its place in the batch, keeps its samples the same whichever engine,
+    chunk or mode generates it."""
+    if sampling.seed is None:
+        return [sampling] * len(keys)
+    return [replace(sampling, seed=_mix(sampling.seed, key)) for key in keys]
+
+
+def _mix(seed: int, key: int) -> int:
+    """A 56-bit seed from (seed, key): seed + i stays far below vLLM's and torch's limits."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}|{key}".encode(), digest_size=7).digest(), "big")
 
 
 @dataclass

@@ -396,12 +396,12 @@ class VLLMEngine:
         this loop steps the engine itself so that `interrupt()` can stop it between two steps.
         An interrupted sample comes back with the tokens it has, finish_reason None (not finished:
         async.partial_rollout continues it on the next weights). An engine started without
-        `interruptible` (no partial rollout) hands one setting for all prompts to LLM.generate
-        instead: the same tokens, and measured 8-10 % more tokens/s on CPU than stepping."""
+        `interruptible` (no partial rollout) hands the settings to LLM.generate instead: the same
+        tokens, and measured 8-10 % more tokens/s on CPU than stepping (1.9 % on 2026-11-25)."""
         self.wake_up()  # whoever slept the engine (colocated training), generating wakes it
-        if not self.interruptible and isinstance(sampling, SamplingSettings):
-            return self._generate_to_end(prompts, sampling)
         settings = per_prompt(sampling, len(prompts))
+        if not self.interruptible:
+            return self._generate_to_end(prompts, settings)
         requests = {}  # request id → (prompt index, sample index)
         for p, (prompt, s) in enumerate(zip(prompts, settings)):
             for i in range(s.n):
@@ -414,9 +414,11 @@ class VLLMEngine:
             groups[p][i] = self._generation(prompts[p], outputs.get(request_id))
         return groups
 
-    def _generate_to_end(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
+    def _generate_to_end(self, prompts: Sequence[str | list[int]],
+                         settings: list[SamplingSettings]) -> list[list[Generation]]:
         """vLLM's own loop, every request run to its end (nothing to interrupt)."""
-        outputs = self.llm.generate([self._prompt(p) for p in prompts], self._params(sampling), use_tqdm=False)
+        outputs = self.llm.generate([self._prompt(p) for p in prompts], [self._params(s) for s in settings],
+                                    use_tqdm=False)
         return [[self._generation(p, out, c) for c in out.outputs] for p, out in zip(prompts, outputs)]
 
     def interrupt(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mrl.rollout.engine import SamplingSettings
+from mrl.rollout.engine import SamplingSettings, seeded_per_prompt
 
 # 1024: a long generation to interrupt; interruptible: generate steps vLLM itself (partial rollout's path),
 # which test_one_request_per_sample... compares with LLM.generate (every other engine's path)
@@ -41,6 +41,19 @@ def test_n_samples_and_seed(actor):
     assert [len(per_prompt) for per_prompt in a] == [4, 4]
     assert [[g.token_ids for g in p] for p in a] == [[g.token_ids for g in p] for p in b]  # seeded
     assert len({tuple(g.token_ids) for g in a[0]}) > 1  # n samples, not n copies
+
+
+def test_prompts_sharing_a_seed_share_their_random_numbers_so_each_prompt_gets_its_own(actor):
+    """vLLM gives each seeded request a generator of its own, seeded with the request's seed: two
+    prompts with one seed draw sample i from the same noise (one prompt twice comes back twice the
+    same), which is why the trainer seeds every prompt from its key (seeded_per_prompt)."""
+    one = SamplingSettings(max_tokens=8, ignore_eos=True, temperature=1.0, n=4, seed=3)
+    tokens = lambda group: [g.token_ids for g in group]  # noqa: E731
+    twice = actor("generate", [PROMPTS[0]] * 2, one)
+    assert tokens(twice[0]) == tokens(twice[1])
+    apart = actor("generate", [PROMPTS[0]] * 2, seeded_per_prompt(one, [0, 1]))
+    assert tokens(apart[0]) != tokens(apart[1])
+    assert actor("generate", [PROMPTS[0]], seeded_per_prompt(one, [1]))[0] == apart[1]  # by key, not by place
 
 
 def test_seeded_batch_over_the_step_token_budget(actor):

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from mrl.config import load_config
 from mrl.rewards import RewardResult
-from mrl.rollout.engine import Generation
+from mrl.rollout.engine import Generation, per_prompt
 from mrl.trainer import evaluate
 
 
@@ -15,9 +15,10 @@ class FakeCluster:
     def __init__(self, right: list[int]):
         self.right, self.calls = right, []
 
-    def generate(self, prompts, settings):
+    def generate(self, prompts, sampling):
+        settings = per_prompt(sampling, len(prompts))
         self.calls.append(settings)
-        texts = lambda i: ["ok" if k < self.right[i] else "no" for k in range(settings.n)]  # noqa: E731
+        texts = lambda i: ["ok" if k < self.right[i] else "no" for k in range(settings[i].n)]  # noqa: E731
         return [[Generation(p, [1], t, [0.0]) for t in texts(i)] for i, p in enumerate(prompts)], {}
 
 
@@ -27,25 +28,29 @@ class ExactReward:
 
 
 def _run(eval_samples: int, right: list[int]) -> SimpleNamespace:
-    cfg = load_config("configs/tiny_cpu_grpo.yaml", [f"trainer.eval_samples={eval_samples}", "rollout.temperature=0.7", "rollout.seed=3"], check_files=False)
-    heldout = [{"prompt": f"p{i}", "prompt_ids": [i + 5], "ground_truth": "ok", "metadata": {}} for i in range(len(right))]
+    overrides = [f"trainer.eval_samples={eval_samples}", "rollout.temperature=0.7", "rollout.seed=3"]
+    cfg = load_config("configs/tiny_cpu_grpo.yaml", overrides, check_files=False)
+    heldout = [{"prompt": f"p{i}", "prompt_ids": [i + 5], "ground_truth": "ok", "metadata": {}}
+               for i in range(len(right))]
     return SimpleNamespace(cfg=cfg, heldout=heldout, cluster=FakeCluster(right), reward=ExactReward())
 
 
 def test_greedy_only_by_default():
     run = _run(0, [1, 0, 1, 1])
     assert evaluate(run) == {"eval/accuracy": 0.75}
-    assert [s.temperature for s in run.cluster.calls] == [0.0]
+    assert [s.temperature for s in run.cluster.calls[0]] == [0.0] * 4 and len(run.cluster.calls) == 1
 
 
 def test_sampled_accuracy_is_the_mean_over_every_sample_with_the_rollouts_temperature_and_one_seed():
     run = _run(4, [4, 1, 0, 2])  # greedy (the first sample): 3 of 4; sampled: 7 of 16
     first, second = evaluate(run), evaluate(run)
     assert first == second == {"eval/accuracy": 0.75, "eval/accuracy_sampled": 7 / 16}
-    greedy, sampled, _, again = run.cluster.calls
+    (greedy, *_), sampled, _, again = run.cluster.calls
     assert greedy.temperature == 0.0 and greedy.n == 1
-    assert (sampled.temperature, sampled.n) == (0.7, 4)
-    assert sampled.seed == again.seed is not None  # the same draw at every evaluation
+    assert {(s.temperature, s.n) for s in sampled} == {(0.7, 4)}
+    seeds = [s.seed for s in sampled]
+    assert seeds == [s.seed for s in again] and None not in seeds  # the same draw at every evaluation
+    assert len(set(seeds)) == len(seeds)  # each prompt its own random numbers
 
 
 def test_no_heldout_set_no_accuracy():
