@@ -8,8 +8,9 @@ One SFT warm start (the demo's) is trained once and saved; every RL run starts f
 (checkpoint.resume=<its checkpoint>, trainer.sft_steps=0), so every recipe starts from the same
 weights and the same held-out accuracy (PPO's critic starts fresh from it). Each (recipe, seed) run
 varies `rollout.seed` (the samples drawn) and evaluates the held-out set every --eval-every steps:
-greedy, and sampled as in training (--eval-samples a prompt, trainer.eval_samples). The recipes: grpo = configs/tiny_cpu_grpo.yaml, ppo = configs/tiny_cpu_ppo.yaml,
-fully_async = configs/tiny_cpu_async.yaml; all see 64 samples a step. `--set k=v` overrides apply to
+greedy, and sampled as in training (--eval-samples a prompt, trainer.eval_samples). The recipes:
+grpo = configs/tiny_cpu_grpo.yaml, ppo = configs/tiny_cpu_ppo.yaml, fully_async =
+configs/tiny_cpu_async.yaml; all see 64 samples a step. `--set k=v` overrides apply to
 the SFT start and to every run (e.g. another task: data.arithmetic.max_operand=...).
 
 Writes WORKDIR/learning.json (every run's curve and wall-clock) and the plot --plot (default
