@@ -53,8 +53,9 @@ def score(prompt, response, ground_truth, metadata):
     if prompt.startswith("2"):
         time.sleep(60)
     # A random model never answers right: score something that varies within a group, so the
-    # advantages (and the first step's gradient) are not all zero.
-    return len(response) % 3 / 2.0
+    # advantages (and the first step's gradient) are not all zero. (The response's length mod 3
+    # did not always vary: a random model's responses often run to the same token budget.)
+    return sum(map(ord, response)) % 3 / 2.0
 """
 
 
