@@ -338,8 +338,13 @@ def evaluate(run: Run, sampled: bool = True) -> dict[str, float | None]:
 
 
 def heldout_accuracy(run: Run, sampling: SamplingSettings | list[SamplingSettings]) -> float:
-    """The share of held-out samples the reward scores >= 1 (correct)."""
+    """The run's engines' accuracy on the held-out split with these sampling settings."""
     groups, _ = run.cluster.generate([p["prompt_ids"] for p in run.heldout], sampling)
+    return share_correct(run, groups)
+
+
+def share_correct(run: Run, groups) -> float:
+    """The share of held-out samples the reward scores >= 1 (correct)."""
     return float((score(run.reward, run.heldout, groups) >= 1.0).float().mean())
 
 
@@ -362,5 +367,5 @@ def export_and_evaluate(run: Run, out: Path) -> dict:
     if not run.heldout:
         return {"hf_model": str(out)}
     groups = generate_once(cfg, str(out), [p["prompt_ids"] for p in run.heldout], greedy_settings(cfg))
-    accuracy = float((score(run.reward, run.heldout, groups) >= 1.0).float().mean())
+    accuracy = share_correct(run, groups)
     return {"hf_model": str(out), "accuracy_merged_hf": accuracy}
