@@ -211,7 +211,7 @@ def test_rollout_traces_hold_every_sample_of_every_second_step(dense_run):
             if r["prompt"].startswith("1"):  # the flaky reward raises on these: scored 0, error kept
                 assert r["score"] == 0.0 and "ValueError: user code failed" in r["reward_error"]
             elif r["reward_error"] is None:
-                assert r["score"] == len(r["response"]) % 3 / 2.0 == r["reward"]
+                assert r["score"] == sum(map(ord, r["response"])) % 3 / 2.0 == r["reward"]  # FLAKY_REWARD
     page = write_report(run, tmp / "report.html").read_text()
     assert page.count('"sample": ') == 32 and "config.yaml" in page  # the records and the config, inlined
 
