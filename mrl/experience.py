@@ -109,6 +109,17 @@ def select_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str,
     return {key: value[rows] for key, value in batch.items()}
 
 
+def split_rows(batch: dict[str, torch.Tensor], parts: int, multiple: int) -> list[dict[str, torch.Tensor]]:
+    """`batch` as `parts` consecutive runs of rows (PPO's mini-batches), each a multiple of
+    `multiple` rows (the data-parallel size: every rank gets its equal share), as equal as that
+    allows; an empty run is left out. A batch of whole prompt groups whose mini-batch holds a whole
+    number of groups splits between groups."""
+    rows = batch["tokens"].shape[0]
+    units = rows // multiple
+    bounds = [multiple * (units * i // parts) for i in range(parts)] + [rows]
+    return [{key: value[a:b] for key, value in batch.items()} for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
 def actor_inputs(batch: dict[str, torch.Tensor], rollout_logprobs: bool = False) -> dict[str, torch.Tensor]:
     """What the actor workers need of a batch (nothing the driver alone uses crosses to them); the
     engine's log-probs only with `rollout_logprobs` (an off-policy correction or decoupled PPO)."""

@@ -21,8 +21,8 @@ import torch
 from mrl import algo
 from mrl.config import RunConfig, config_to_dict
 from mrl.config.schema import AlgoConfig
-from mrl.config.derived import data_parallel_size
-from mrl.experience import actor_inputs, critic_inputs, rollout_batch, select_rows
+from mrl.config.derived import data_parallel_size, epochs_of, mini_batches
+from mrl.experience import actor_inputs, critic_inputs, rollout_batch, select_rows, split_rows
 from mrl.launch.cluster import generate_once
 from mrl.metrics import MetricsLogger, plot_metrics, timer
 from mrl.modes import (AsyncPlan, BatchSource, GeneratedBatch, PendingBatch, continuation_seed, make_source,
@@ -155,11 +155,13 @@ def learn(step: int, run: Run, rollout: Rollout, metrics: dict) -> None:
     if cluster.critic is not None:
         with timer("update_critic", metrics):
             critic = cluster.critic
-            metrics.update(train_epochs(cfg, lambda: critic.update_critic(
-                critic_inputs(batch), cfg.critic.cliprange_value, cfg.algo.aggregation)))
+            metrics.update(train_epochs(cfg, epochs_of(cfg, "critic"), critic_inputs(batch),
+                                        lambda part: critic.update_critic(part, cfg.critic.cliprange_value,
+                                                                          cfg.algo.aggregation)))
     with timer("update_actor", metrics):
         inputs = actor_inputs(batch, algo.uses_rollout_logprobs(cfg.algo.rollout_correction, cfg.algo.policy_loss))
-        metrics.update(train_epochs(cfg, lambda: cluster.actor.update(inputs, cfg.algo)))
+        metrics.update(train_epochs(cfg, epochs_of(cfg, "actor"), inputs,
+                                    lambda part: cluster.actor.update(part, cfg.algo)))
 
 
 def batch_source(run: Run) -> BatchSource:
@@ -266,11 +268,13 @@ def _whole_dp_slices(keep: torch.Tensor, dp: int) -> torch.Tensor:
     return keep
 
 
-def train_epochs(cfg: RunConfig, update) -> dict[str, float]:
-    """trainer.ppo_epochs optimizer steps of `update()` (one step on the same batch, each DP slice's
-    metrics); metrics averaged over DP slices, then over epochs."""
-    epochs = [mean_over_ranks(update()) for _ in range(cfg.trainer.ppo_epochs)]
-    return {k: sum(e[k] for e in epochs) / len(epochs) for k in epochs[0]}
+def train_epochs(cfg: RunConfig, epochs: int, inputs: dict, update) -> dict[str, float]:
+    """`epochs` passes over `inputs`, each one optimizer step `update(part)` per mini-batch
+    (trainer.ppo_mini_batch_size, in batch order); each step's metrics averaged over DP slices,
+    then over every step."""
+    parts = split_rows(inputs, mini_batches(cfg), data_parallel_size(cfg))
+    steps = [mean_over_ranks(update(part)) for _ in range(epochs) for part in parts]
+    return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
 
 
 def advantages(batch: dict, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:

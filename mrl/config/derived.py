@@ -41,14 +41,30 @@ def has_critic(cfg: RunConfig) -> bool:
     return cfg.algo.advantage_estimator == "gae"
 
 
+def mini_batches(cfg: RunConfig) -> int:
+    """Optimizer steps per pass over a rollout batch (trainer.ppo_mini_batch_size)."""
+    size = cfg.trainer.ppo_mini_batch_size
+    return cfg.data.batch_size // size if size else 1
+
+
+def epochs_of(cfg: RunConfig, role: Literal["actor", "critic"]) -> int:
+    """Passes over each rollout batch: trainer.ppo_epochs, or critic.ppo_epochs for the critic."""
+    return (cfg.critic.ppo_epochs or cfg.trainer.ppo_epochs) if role == "critic" else cfg.trainer.ppo_epochs
+
+
 def optim_for(cfg: RunConfig, phase: Literal["rl", "sft", "critic"] = "rl") -> OptimConfig:
     """optim with the schedule of a phase: RL over trainer.total_steps; the SFT warm start at
-    trainer.sft_lr, constant after the warmup, over trainer.sft_steps; the critic as RL at critic.lr."""
+    trainer.sft_lr, constant after the warmup, over trainer.sft_steps; the critic as RL at critic.lr.
+
+    The scheduler counts optimizer steps; an RL step takes epochs × mini-batches of them, so RL's
+    warmup and length (given in RL steps) are scaled by that: a schedule then ends with the run."""
     o = cfg.optim
-    rl = replace(o, total_steps=o.total_steps or cfg.trainer.total_steps)
     if phase == "sft":
         return replace(o, lr=cfg.trainer.sft_lr or o.lr, min_lr=0.0, schedule="constant",
                        total_steps=cfg.trainer.sft_steps)
+    per_step = epochs_of(cfg, "critic" if phase == "critic" else "actor") * mini_batches(cfg)
+    rl = replace(o, total_steps=(o.total_steps or cfg.trainer.total_steps) * per_step,
+                 warmup_steps=o.warmup_steps * per_step)
     if phase == "critic":
         lr = cfg.critic.lr or o.lr
         return replace(rl, lr=lr, min_lr=min(o.min_lr, lr))

@@ -25,7 +25,10 @@ class TrainerConfig:
     sft_steps: int = 0  # supervised warm-start steps before RL (0: none)
     sft_lr: float | None = None  # the warm start's learning rate (None: optim.lr); RL then starts its own schedule
     sft_pack_tokens: int | None = None  # SFT packs several sequences into rows of this many tokens (None: one per row)
-    ppo_epochs: int = 1  # optimizer passes over each rollout batch
+    ppo_epochs: int = 1  # passes over each rollout batch
+    # prompts (each with its n samples) per optimizer step, as verl's ppo_mini_batch_size: each pass
+    # is data.batch_size / ppo_mini_batch_size optimizer steps (None: one step on the whole batch)
+    ppo_mini_batch_size: int | None = None
     eval_every: int = 0  # held-out evaluation every N steps (0: only before and after)
     # held-out eval also draws N samples a prompt as the rollout does (eval/accuracy_sampled; 0: greedy only)
     eval_samples: int = 0
@@ -224,6 +227,7 @@ class CriticConfig:
 
     lr: float | None = None  # None: optim.lr
     cliprange_value: float = 0.5  # how far one update may move a value from the one GAE used
+    ppo_epochs: int | None = None  # the critic's optimizer steps on each batch (None: trainer.ppo_epochs)
 
 
 @dataclass

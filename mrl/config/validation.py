@@ -22,6 +22,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.total_steps", lambda v: v >= 1, ">= 1"),
     ("trainer.sft_steps", lambda v: v >= 0, ">= 0"),
     ("trainer.ppo_epochs", lambda v: v >= 1, ">= 1"),
+    ("critic.ppo_epochs", lambda v: v is None or v >= 1, ">= 1 (or null: trainer.ppo_epochs)"),
     ("trainer.sft_lr", lambda v: v is None or v > 0, "> 0 (or null: optim.lr)"),
     ("trainer.sft_pack_tokens", lambda v: v is None or v >= 2, ">= 2 (or null: no packing)"),
     ("trainer.eval_every", lambda v: v >= 0, ">= 0"),
@@ -379,6 +380,7 @@ def _check_layout(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
             errors.append(f"data.batch_size {cfg.data.batch_size} × rollout.n_samples_per_prompt "
                           f"{cfg.rollout.n_samples_per_prompt} = {rows} sequences do not split over {dp} data-parallel "
                           "ranks: make the product a multiple of the data-parallel size.")
+        errors += _check_mini_batch(cfg, dp)
     try:
         if dims is not None:
             dims, uneven_errors = _even_part(cfg, dims)
@@ -389,6 +391,21 @@ def _check_layout(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
     except LayoutError as exc:
         errors.append("parallel: " + str(exc).replace("--", "parallel."))
     return errors
+
+
+def _check_mini_batch(cfg: RunConfig, dp: int) -> list[str]:
+    """trainer.ppo_mini_batch_size splits data.batch_size into whole mini-batches of whole groups,
+    each split evenly over the data-parallel ranks."""
+    size, prompts, n = cfg.trainer.ppo_mini_batch_size, cfg.data.batch_size, cfg.rollout.n_samples_per_prompt
+    if size is None:
+        return []
+    if size < 1 or prompts % size:
+        return [f"trainer.ppo_mini_batch_size {size} does not divide data.batch_size {prompts}: choose a divisor "
+                f"of it (prompts per optimizer step), or null for one step on the whole batch."]
+    if size * n % dp:
+        return [f"trainer.ppo_mini_batch_size {size} × rollout.n_samples_per_prompt {n} = {size * n} sequences do not "
+                f"split over {dp} data-parallel ranks: make the product a multiple of the data-parallel size."]
+    return []
 
 
 def _check_context_parallel(cfg: RunConfig) -> list[str]:

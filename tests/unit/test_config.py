@@ -133,6 +133,7 @@ def test_bad_types(tmp_path):
         ("algo.advantage_estimator=grpoo", "algo.advantage_estimator: unknown advantage estimator 'grpoo' - did you mean 'grpo'?"),
         ("algo.aggregation=token_mean", "algo.aggregation: unknown loss aggregation 'token_mean' - did you mean 'token-mean'?"),
         ("critic.cliprange_value=0", "critic.cliprange_value must be > 0, got 0."),
+        ("critic.ppo_epochs=0", "critic.ppo_epochs must be >= 1 (or null: trainer.ppo_epochs), got 0."),
         ("model.recompute=selective model.recompute_modules=[attn]", "model.recompute_modules must be a list of core_attn, layernorm, mlp"),
         ("model.recompute=partial", "model.recompute: must be one of 'none', 'selective', 'full', got 'partial'"),
         ("model.recompute_modules=[mlp]", "model.recompute_modules applies to model.recompute: selective, not 'none'"),
@@ -211,6 +212,10 @@ def test_dapo_needs_token_mean():
         (["parallel.vpp=2"], "parallel: parallel.vpp 2 needs parallel.pp > 1"),
         (["data.batch_size=3", "rollout.n_samples_per_prompt=1"],
          "data.batch_size 3 × rollout.n_samples_per_prompt 1 = 3 sequences do not split over 2 data-parallel ranks"),
+        (["trainer.ppo_mini_batch_size=3"], "trainer.ppo_mini_batch_size 3 does not divide data.batch_size 8"),
+        (["trainer.ppo_mini_batch_size=1", "rollout.n_samples_per_prompt=1", "algo.advantage_estimator=gae"],
+         "trainer.ppo_mini_batch_size 1 × rollout.n_samples_per_prompt 1 = 1 sequences do not split over 2 "
+         "data-parallel ranks"),
     ],
 )
 def test_layout_arithmetic(overrides, message):
@@ -481,3 +486,19 @@ def test_fp8_refused_on_cpu_and_without_te(monkeypatch):
         "(pip install -e '.[gpu]'), or set model.fp8: null."]
     assert errors_of(TINY, "model.fp8=delayed", "model.transformer_impl=auto", check_files=False)[1:] == []  # TE is this machine's: a file check
     assert errors_of(TINY, "model.fp8=fp4")[0].startswith("model.fp8: must be one of 'delayed', 'tensorwise'")
+
+
+def test_the_rl_schedule_counts_every_optimizer_step_of_a_run():
+    """The scheduler steps once per optimizer step: with epochs × mini-batches of them per RL step,
+    warmup and length (given in RL steps) scale so the schedule still ends with the run."""
+    from mrl.config.derived import optim_for
+
+    cfg = load_config(TINY, ["trainer.total_steps=10", "optim.warmup_steps=2", "trainer.ppo_epochs=2",
+                             "trainer.ppo_mini_batch_size=2", "algo.advantage_estimator=gae",
+                             "critic.ppo_epochs=3", "critic.lr=0.01"])
+    actor, critic, sft = optim_for(cfg), optim_for(cfg, "critic"), optim_for(cfg, "sft")
+    assert (actor.total_steps, actor.warmup_steps) == (10 * 2 * 4, 2 * 2 * 4)  # 8 prompts / 2 = 4 mini-batches
+    assert (critic.total_steps, critic.warmup_steps, critic.lr) == (10 * 3 * 4, 2 * 3 * 4, 0.01)
+    assert sft.total_steps == cfg.trainer.sft_steps  # SFT's steps are optimizer steps already
+    plain = optim_for(load_config(TINY, ["trainer.total_steps=10", "optim.warmup_steps=2"]))
+    assert (plain.total_steps, plain.warmup_steps) == (10, 2)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mrl.experience import rollout_batch, select_rows, sft_batch
+from mrl.experience import rollout_batch, select_rows, sft_batch, split_rows
 from mrl.rollout.engine import Generation
 
 
@@ -48,3 +48,34 @@ def test_packed_sft_batch_keeps_sequences_apart():
     assert packed_sft_batch(prompts, targets, row_tokens=8, rows_multiple=4)["tokens"].shape == (4, 8)
     with pytest.raises(ValueError, match="raise trainer.sft_pack_tokens to at least 5"):
         packed_sft_batch(prompts, targets, row_tokens=4)
+
+
+def test_split_rows_gives_mini_batches_of_whole_data_parallel_shares_in_batch_order():
+    batch = {"tokens": torch.arange(16).unsqueeze(1), "advantages": torch.arange(16.0)}
+    parts = split_rows(batch, 4, 2)  # 8 prompts × 2 samples, mini-batches of 2 prompts, DP2
+    assert [p["tokens"].flatten().tolist() for p in parts] == [list(range(i, i + 4)) for i in (0, 4, 8, 12)]
+    assert all(torch.equal(p["advantages"], p["tokens"].flatten().float()) for p in parts)  # every key alike
+    assert split_rows(batch, 1, 2)[0]["tokens"].shape[0] == 16
+    # a batch dynamic sampling shrank (6 rows, DP2) into 4 parts: runs of whole DP shares, none empty
+    assert [p["tokens"].shape[0] for p in split_rows({"tokens": torch.zeros(6, 1)}, 4, 2)] == [2, 2, 2]
+
+
+def test_train_epochs_steps_once_per_mini_batch_and_pass():
+    from mrl.config import load_config
+    from mrl.trainer import train_epochs
+
+    recipe = "configs/tiny_cpu_grpo.yaml"  # 8 prompts × 8 samples, DP2
+    cfg = load_config(recipe, ["trainer.ppo_mini_batch_size=2"], check_files=False)
+    batch = {"tokens": torch.arange(64).unsqueeze(1)}
+    seen = []
+
+    def update(part):  # two DP ranks' answers, as a worker group returns them
+        seen.append(part["tokens"].flatten().tolist())
+        return [{"dp": 0, "loss": float(len(seen))}, {"dp": 1, "loss": float(len(seen))}]
+
+    metrics = train_epochs(cfg, 2, batch, update)
+    assert seen == [list(range(i, i + 16)) for i in (0, 16, 32, 48)] * 2  # 4 mini-batches, 2 passes
+    assert metrics == {"loss": sum(range(1, 9)) / 8}
+    seen.clear()
+    train_epochs(load_config(recipe, [], check_files=False), 1, batch, update)
+    assert seen == [list(range(64))]
