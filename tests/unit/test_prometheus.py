@@ -28,7 +28,7 @@ STEP_METRICS = PPO_ONLY | {
     "actor/ratio_max", "actor/ratio_mean", "actor/skipped", "actor/kl_loss", "actor/kept_sample_fraction",
     "critic/advantages_max", "critic/advantages_mean", "critic/advantages_min", "critic/returns_max",
     "critic/returns_mean", "critic/returns_min", "critic/score/max", "critic/score/mean", "critic/score/min",
-    "eval/accuracy", "perf/throughput", "perf/gen_tokens_per_s", "response_length/clip_ratio",
+    "eval/accuracy", "eval/accuracy_sampled", "perf/throughput", "perf/gen_tokens_per_s", "response_length/clip_ratio",
     "response_length/max", "response_length/mean", "rollout/logprob_abs_diff_max", "rollout/logprob_abs_diff_mean",
     "rollout/train_logprob_abs_diff_max", "rollout/train_logprob_abs_diff_mean", "sync/bytes", "sync/engine_load_s",
     "timing_s/gen", "timing_s/old_log_prob", "timing_s/reward", "timing_s/step", "timing_s/sync_weights",
