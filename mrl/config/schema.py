@@ -227,7 +227,7 @@ class CriticConfig:
 
     lr: float | None = None  # None: optim.lr
     cliprange_value: float = 0.5  # how far one update may move a value from the one GAE used
-    ppo_epochs: int | None = None  # the critic's optimizer steps on each batch (None: trainer.ppo_epochs)
+    ppo_epochs: int | None = None  # the critic's passes over each batch (None: trainer.ppo_epochs)
 
 
 @dataclass

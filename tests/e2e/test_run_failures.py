@@ -180,8 +180,11 @@ def test_a_killed_trainer_rank_stops_a_one_step_off_run_naming_it(tmp_path, tiny
 def _mrl_train(tmp: Path, model: Path, env: dict, *extra: str) -> subprocess.Popen:
     """`mrl train` of a fully_async run in its own process group, as a terminal's foreground job
     (Ctrl-C sends SIGINT to every process in it)."""
+    # Steps take 0.1–0.2 s here: with SMALL's 4 steps the run could end before the stop after step 1
+    # lands (it did once). 200 steps keep it running until stopped; nothing runs them all.
     command = [sys.executable, "-c", "import sys; from mrl.cli import main; sys.exit(main())", "train", str(RECIPE),
-               *_overrides(tmp, model, "trainer.mode=fully_async", "async.max_staleness=1", *extra)]
+               *_overrides(tmp, model, "trainer.mode=fully_async", "async.max_staleness=1", "trainer.total_steps=200",
+                           *extra)]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
