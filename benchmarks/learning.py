@@ -13,7 +13,8 @@ grpo = configs/tiny_cpu_grpo.yaml, ppo = configs/tiny_cpu_ppo.yaml, fully_async 
 configs/tiny_cpu_async.yaml; all see 64 samples a step. `--set k=v` overrides apply to
 the SFT start and to every run (e.g. another task: data.arithmetic.max_operand=...).
 
-Writes WORKDIR/learning.json (every run's curve and wall-clock) and the plot --plot (default
+Prints each run's gains, their mean ± s.e. per recipe and, where GRPO ran the same seeds, each
+recipe's gain minus GRPO's paired by seed. Writes WORKDIR/learning.json (every run's curve and wall-clock) and the plot --plot (default
 docs/images/learning.png): held-out accuracy and the training reward against trained samples,
 one thin line per run and the mean over seeds per recipe (--plot-only redraws it from WORKDIR).
 
@@ -171,7 +172,34 @@ def table(runs: list[dict], late_from: int) -> str:
                 cells.append(_mean_se([g[1] - g[0] for g in (_gain(r, key) for r in mine) if g]))
                 cells.append(_mean_se([v for v in (_late_gain(r, key, late_from) for r in mine) if v is not None]))
             lines.append(f"| {mode} | {len(mine)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + paired(runs, late_from))
+
+
+def paired(runs: list[dict], late_from: int) -> list[str]:
+    """Table rows: each recipe's gain minus GRPO's on the same seed (the same prompts in the same
+    order and the same eval seeds), mean ± s.e. over the seeds both ran."""
+    grpo = {r["seed"]: r for r in runs if r["mode"] == "grpo"}
+
+    def end_gain(run: dict, key: str) -> float | None:
+        span = _gain(run, key)
+        return None if span is None else span[1] - span[0]
+
+    rows = []
+    for mode in RECIPES:
+        mine = [(r, grpo[r["seed"]]) for r in runs if r["mode"] == mode != "grpo" and r["seed"] in grpo]
+        if not mine:
+            continue
+        cells = []
+        for key in ("curve", "sampled"):
+            for gain in (lambda run: end_gain(run, key), lambda run: _late_gain(run, key, late_from)):
+                pairs = [(gain(r), gain(g)) for r, g in mine]
+                cells.append(_mean_se([a - b for a, b in pairs if a is not None and b is not None]))
+        rows.append(f"| {mode} − grpo | {len(mine)} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return ["", "Paired by seed against GRPO, points, mean ± s.e.", "",
+            "| recipe | seeds | greedy, end | greedy, late | sampled, end | sampled, late |",
+            "|---|---|---|---|---|---|"] + rows
 
 
 def main() -> None:
