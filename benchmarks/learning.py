@@ -14,9 +14,10 @@ configs/tiny_cpu_async.yaml; all see 64 samples a step. `--set k=v` overrides ap
 the SFT start and to every run (e.g. another task: data.arithmetic.max_operand=...).
 
 Prints each run's gains, their mean ± s.e. per recipe and, where GRPO ran the same seeds, each
-recipe's gain minus GRPO's paired by seed. Writes WORKDIR/learning.json (every run's curve and wall-clock) and the plot --plot (default
-docs/images/learning.png): held-out accuracy and the training reward against trained samples,
-one thin line per run and the mean over seeds per recipe (--plot-only redraws it from WORKDIR).
+recipe's gain minus GRPO's paired by seed. Writes WORKDIR/learning.json (every run's curve and
+wall-clock) and the plot --plot (default docs/images/learning.png): held-out accuracy and the
+training reward against trained samples, one thin line per run and the mean over seeds per
+recipe (--plot-only redraws it from WORKDIR).
 
     .venv/bin/python benchmarks/learning.py [--modes grpo,ppo,fully_async] [--steps 40] [--seeds 0,1,2]
         [--eval-every 5] [--eval-samples 8] [--sft-steps N] [--set k=v ...] [--workdir DIR]
