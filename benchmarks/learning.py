@@ -136,6 +136,12 @@ def _gain(run: dict, key: str) -> tuple[float, float] | None:
     return (run[key][0][1], run[key][-1][1]) if run.get(key) else None
 
 
+def _end_gain(run: dict, key: str) -> float | None:
+    """The last evaluation minus the start."""
+    span = _gain(run, key)
+    return None if span is None else span[1] - span[0]
+
+
 def _cell(span: tuple[float, float] | None) -> str:
     return "–" if span is None else f"{span[0]:.3f} → {span[1]:.3f} ({span[1] - span[0]:+.3f})"
 
@@ -170,7 +176,7 @@ def table(runs: list[dict], late_from: int) -> str:
         if mine:
             cells = []
             for key in ("curve", "sampled"):
-                cells.append(_mean_se([g[1] - g[0] for g in (_gain(r, key) for r in mine) if g]))
+                cells.append(_mean_se([g for g in (_end_gain(r, key) for r in mine) if g is not None]))
                 cells.append(_mean_se([v for v in (_late_gain(r, key, late_from) for r in mine) if v is not None]))
             lines.append(f"| {mode} | {len(mine)} | " + " | ".join(cells) + " |")
     return "\n".join(lines + paired(runs, late_from))
@@ -180,11 +186,6 @@ def paired(runs: list[dict], late_from: int) -> list[str]:
     """Table rows: each recipe's gain minus GRPO's on the same seed (the same prompts in the same
     order and the same eval seeds), mean ± s.e. over the seeds both ran."""
     grpo = {r["seed"]: r for r in runs if r["mode"] == "grpo"}
-
-    def end_gain(run: dict, key: str) -> float | None:
-        span = _gain(run, key)
-        return None if span is None else span[1] - span[0]
-
     rows = []
     for mode in RECIPES:
         mine = [(r, grpo[r["seed"]]) for r in runs if r["mode"] == mode != "grpo" and r["seed"] in grpo]
@@ -192,7 +193,7 @@ def paired(runs: list[dict], late_from: int) -> list[str]:
             continue
         cells = []
         for key in ("curve", "sampled"):
-            for gain in (lambda run: end_gain(run, key), lambda run: _late_gain(run, key, late_from)):
+            for gain in (lambda run: _end_gain(run, key), lambda run: _late_gain(run, key, late_from)):
                 pairs = [(gain(r), gain(g)) for r, g in mine]
                 cells.append(_mean_se([a - b for a, b in pairs if a is not None and b is not None]))
         rows.append(f"| {mode} − grpo | {len(mine)} | " + " | ".join(cells) + " |")

@@ -15,21 +15,22 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # mrl, run from any directory
 
 
 def score_groups(workdir: Path) -> list[list[float]]:
-    """Every traced step's samples of one prompt, as lists of scores."""
-    groups = []
-    for trace in sorted(workdir.glob("*/rollouts/step_*.jsonl")):
-        by_prompt: dict[int, list[float]] = {}
-        for line in trace.read_text().splitlines():
-            record = json.loads(line)
-            by_prompt.setdefault(record["group"], []).append(float(record["score"]))
-        groups += list(by_prompt.values())
-    return groups
+    """Every traced step's samples of one prompt, as lists of scores (every run under `workdir`)."""
+    from mrl.rollout_trace import TRACE_DIR, read_traces
+
+    by_prompt: dict[tuple[str, int, int], list[float]] = {}
+    for run in sorted(d.parent for d in workdir.glob(f"*/{TRACE_DIR}")):
+        for record in read_traces(run):
+            by_prompt.setdefault((run.name, record["step"], record["group"]), []).append(float(record["score"]))
+    return list(by_prompt.values())
 
 
 def intra_class_correlation(groups: list[list[float]]) -> float:

@@ -22,6 +22,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.total_steps", lambda v: v >= 1, ">= 1"),
     ("trainer.sft_steps", lambda v: v >= 0, ">= 0"),
     ("trainer.ppo_epochs", lambda v: v >= 1, ">= 1"),
+    ("trainer.ppo_mini_batch_size", lambda v: v is None or v >= 1, ">= 1 (or null: one step on the whole batch)"),
     ("critic.ppo_epochs", lambda v: v is None or v >= 1, ">= 1 (or null: trainer.ppo_epochs)"),
     ("trainer.sft_lr", lambda v: v is None or v > 0, "> 0 (or null: optim.lr)"),
     ("trainer.sft_pack_tokens", lambda v: v is None or v >= 2, ">= 2 (or null: no packing)"),
@@ -397,9 +398,9 @@ def _check_mini_batch(cfg: RunConfig, dp: int) -> list[str]:
     """trainer.ppo_mini_batch_size splits data.batch_size into whole mini-batches of whole groups,
     each split evenly over the data-parallel ranks."""
     size, prompts, n = cfg.trainer.ppo_mini_batch_size, cfg.data.batch_size, cfg.rollout.n_samples_per_prompt
-    if size is None:
+    if size is None or size < 1:  # < 1: the range check says so
         return []
-    if size < 1 or prompts % size:
+    if prompts % size:
         return [f"trainer.ppo_mini_batch_size {size} does not divide data.batch_size {prompts}: choose a divisor "
                 f"of it (prompts per optimizer step), or null for one step on the whole batch."]
     if size * n % dp:

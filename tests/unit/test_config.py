@@ -134,6 +134,7 @@ def test_bad_types(tmp_path):
         ("algo.aggregation=token_mean", "algo.aggregation: unknown loss aggregation 'token_mean' - did you mean 'token-mean'?"),
         ("critic.cliprange_value=0", "critic.cliprange_value must be > 0, got 0."),
         ("critic.ppo_epochs=0", "critic.ppo_epochs must be >= 1 (or null: trainer.ppo_epochs), got 0."),
+        ("trainer.ppo_mini_batch_size=0", "trainer.ppo_mini_batch_size must be >= 1 (or null: one step on the whole batch), got 0."),
         ("model.recompute=selective model.recompute_modules=[attn]", "model.recompute_modules must be a list of core_attn, layernorm, mlp"),
         ("model.recompute=partial", "model.recompute: must be one of 'none', 'selective', 'full', got 'partial'"),
         ("model.recompute_modules=[mlp]", "model.recompute_modules applies to model.recompute: selective, not 'none'"),
