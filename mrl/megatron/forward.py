@@ -28,8 +28,8 @@ def forward_logits(built: BuiltModel, tokens: torch.Tensor) -> torch.Tensor | No
     batch, seq = tokens.shape
     multiple = built.sequence_multiple  # TP (sequence parallelism), more with FP8
     padded = -(-seq // multiple) * multiple
-    tokens = torch.nn.functional.pad(tokens, (0, padded - seq))
-    positions = local_positions(padded).unsqueeze(0)
+    tokens = torch.nn.functional.pad(tokens, (0, padded - seq)).to(built.device)
+    positions = local_positions(padded).unsqueeze(0).to(built.device)
     micro_batches = [tokens[i : i + 1] for i in range(batch)]
     chunks = len(built.chunks)
     # Every virtual chunk calls forward_step; each needs its own pass over the micro-batches.
@@ -59,7 +59,7 @@ def forward_logits(built: BuiltModel, tokens: torch.Tensor) -> torch.Tensor | No
         )
     if not ps.is_pipeline_last_stage():
         return None
-    return torch.cat(outputs)[:, :seq, : built.spec.vocab_size].float()
+    return torch.cat(outputs)[:, :seq, : built.spec.vocab_size].float().cpu()
 
 
 def sequence_logprobs(built: BuiltModel, sequences: list[list[int]]) -> list[list[float]] | None:

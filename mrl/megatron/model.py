@@ -38,6 +38,11 @@ class BuiltModel:
     fp8: str | None = None  # model.fp8: Transformer Engine's FP8 recipe (None: none)
 
     @property
+    def device(self) -> torch.device:
+        """Where this rank's weights live (its micro-batches go there)."""
+        return next(self.chunks[0].parameters()).device
+
+    @property
     def sequence_multiple(self) -> int:
         """What a micro-batch's sequence length is padded to: TP (sequence parallelism splits it)
         × 2·CP (context parallelism: two chunks a CP rank), and with FP8 that × 16 (× 32 for
@@ -210,4 +215,7 @@ def build_model(
         for chunk in chunks:
             if chunk.post_process:
                 chunk.output_layer = ValueHead(config.hidden_size, config.sequence_parallel, params_dtype)
+    if torch.cuda.is_available():  # initialised on the CPU (the same values in every layout), trained on the GPU
+        for chunk in chunks:
+            chunk.cuda(torch.cuda.current_device())
     return BuiltModel(chunks, spec, layout, vocab, use_te, value_head, fp8)

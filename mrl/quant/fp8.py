@@ -130,8 +130,8 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] 
     if q.dtype != FP8 or scale_inv.dtype != torch.float32:
         raise Fp8FormatError(f"dequantize needs float8_e4m3fn values and float32 scales, got {q.dtype} and {scale_inv.dtype}.")
     (rows, cols), (r0, c0), (bn, bk) = q.shape, offset, block
-    col_scale_index = torch.arange(c0, c0 + cols) // bk
-    out = torch.empty((rows, cols), dtype=dtype)
+    col_scale_index = torch.arange(c0, c0 + cols, device=q.device) // bk
+    out = torch.empty((rows, cols), dtype=dtype, device=q.device)
     start = 0
     while start < rows:
         block_row = (r0 + start) // bn

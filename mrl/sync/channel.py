@@ -22,6 +22,7 @@ class SyncEndpoint:
     port: int
     dtype: str  # the engine's parameter dtype: tensors are cast before they travel
     token: str = ""  # the engine's store holds it under IDENTITY_KEY: a sender checks it met this engine
+    device: str = "cpu"  # where the engine's parameters live: "cuda" makes the colocated transport use CUDA IPC
 
 
 IDENTITY_KEY = "mrl/engine-token"

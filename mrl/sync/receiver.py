@@ -30,7 +30,8 @@ class WeightReceiver:
         # a port first and binding it later lost a race to another process once (EADDRINUSE in CI).
         self.store = dist.TCPStore(host, 0, is_master=True, timeout=timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
-        self.endpoint = SyncEndpoint(host, self.store.port, str(engine.dtype), token=uuid.uuid4().hex)
+        self.endpoint = SyncEndpoint(host, self.store.port, str(engine.dtype), token=uuid.uuid4().hex,
+                                     device=torch.device(getattr(engine, "device", "cpu")).type)
         self.store.set(IDENTITY_KEY, self.endpoint.token)
         self._used_ids: set[str] = set()
         # Kept from the last sync that succeeded (mrl.sync.channel: reused when the sender still
@@ -131,6 +132,8 @@ class WeightReceiver:
             sent.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
             try:
                 self.engine.load_weights(bucket)
+                if "cuda_ipc" in header:  # the leader's memory may be reused once this view is dropped:
+                    torch.cuda.synchronize()  # the engine's copies out of it must be done first
             except Exception as err:  # noqa: BLE001 - reported to every sender, then raised
                 self._fail(sync_id, outcome, err, header, fanout)
         return sent
@@ -167,8 +170,8 @@ class WeightReceiver:
                 if header.get("end"):
                     break
                 flat = self._data(channel, header, f"receiving bucket {index} ({describe(header)})")
-                if "shm" in header:  # the sender unlinks the file once every engine has mapped it
-                    channel.barrier(f"telling the sender bucket {index}'s file is mapped")
+                if "shm" in header or "cuda_ipc" in header:  # the sender lets go once every engine has mapped it
+                    channel.barrier(f"telling the sender bucket {index}'s memory is mapped")
                 arrivals.put((channel_index, header, unpack(header, flat)))
                 index += 1
             arrivals.put((channel_index, header, None))
@@ -203,6 +206,10 @@ class WeightReceiver:
 
     @staticmethod
     def _data(channel: Channel, header: dict, what: str) -> torch.Tensor:
+        if "cuda_ipc" in header:
+            from mrl.sync.cuda_ipc import open_shared
+
+            return open_shared(header["cuda_ipc"])[: header["nbytes"]]
         if "shm" not in header:
             return channel.recv_bytes(header["nbytes"], what)
         path = header["shm"]

@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -51,22 +51,13 @@ class WeightSender:
 
     def __init__(self, endpoints: SyncEndpoint | list[SyncEndpoint], built: Any, coords: Any, *,
                  transport: str = "broadcast", bucket_bytes: int, timeout_s: float = 300.0, pipeline: bool = True):
-        if transport not in TRANSPORTS:
-            raise ValueError(f"unknown weight-sync transport {transport!r}; choose one of {TRANSPORTS}")
-        self.endpoints = [endpoints] if isinstance(endpoints, SyncEndpoint) else list(endpoints)
-        if not self.endpoints or len({e.dtype for e in self.endpoints}) != 1:
-            raise ValueError(f"a weight sync feeds one or more engines of one dtype; got {self.endpoints}")
-        self.endpoint = self.endpoints[0]  # the hub: its store hosts every channel's rendezvous
+        self.endpoints = _endpoints(endpoints, transport)
         self.built, self.coords = built, coords
         self.transport, self.bucket_bytes, self.timeout_s = transport, bucket_bytes, timeout_s
-        self.pipeline = pipeline
-        self.engine_dtype = dtype_named(self.endpoint.dtype)
         self.group, self.leader, self.stage = self._export_group()
         self.plan = self._export_plan()
-        # The leader's engine store connection and its channel, kept from the last push that
-        # succeeded (mrl.sync.channel: the next push reuses the channel if every engine kept it too).
-        self._store: Any = None
-        self._kept: Channel | None = None
+        self.buckets = BucketSender(self.endpoints, transport=transport, timeout_s=timeout_s, pipeline=pipeline,
+                                    who=f"rank {coords.rank} (PP stage {self.stage})", stage=self.stage)
 
     def _export_group(self) -> tuple[Any, int, int]:
         """Colocated: the whole world exports to rank 0. Broadcast: one group per pipeline stage."""
@@ -99,15 +90,48 @@ class WeightSender:
         """Export and send every tensor to every engine; returns the leader's report (None on other ranks)."""
         from mrl.bridge.export import export_hf_weights  # trainer side only: engines never load the bridge
 
-        start = time.perf_counter()
-        report = SentReport(started_at=time.time())
-        link = _Link(self, sync_id) if self.coords.rank == self.leader else None
         buckets = export_hf_weights(self.built, self.coords, bucket_bytes=self.bucket_bytes, dst=self.leader,
                                     group=self.group, timeout_s=self.timeout_s, plan=self.plan)
-        if link is None:
+        if self.coords.rank != self.leader:
             for _ in buckets:  # drives this rank's sends to its leader
                 pass
             return None
+        return self.buckets.send(sync_id, buckets)
+
+
+def _endpoints(endpoints: SyncEndpoint | list[SyncEndpoint], transport: str) -> list[SyncEndpoint]:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown weight-sync transport {transport!r}; choose one of {TRANSPORTS}")
+    endpoints = [endpoints] if isinstance(endpoints, SyncEndpoint) else list(endpoints)
+    if not endpoints or len({(e.dtype, e.device) for e in endpoints}) != 1:
+        raise ValueError(f"a weight sync feeds one or more engines of one dtype and device; got {endpoints}")
+    return endpoints
+
+
+class BucketSender:
+    """A leader's half of a sync, whatever makes its buckets: sends them to every engine of the
+    sync over one channel and hears each engine's answer. `endpoints[0]` is the hub whose store
+    every channel rendezvouses on; `stage` names this leader's channel (one per pipeline stage).
+
+    It keeps the hub's store connection and its channel from the last send that succeeded
+    (mrl.sync.channel: the next send reuses the channel if every engine kept it too)."""
+
+    def __init__(self, endpoints: SyncEndpoint | list[SyncEndpoint], *, transport: str = "broadcast",
+                 timeout_s: float = 300.0, pipeline: bool = True, who: str = "rank 0 (PP stage 0)", stage: int = 0):
+        self.endpoints = _endpoints(endpoints, transport)
+        self.endpoint = self.endpoints[0]
+        self.transport, self.timeout_s, self.pipeline = transport, timeout_s, pipeline
+        self.who, self.stage = who, stage
+        self.engine_dtype = dtype_named(self.endpoint.dtype)
+        self._store: Any = None
+        self._kept: Channel | None = None
+        self.staging = Staging()  # the pinned host buffer a GPU's bucket is packed into for the wire
+
+    def send(self, sync_id: str, buckets: Iterable[Bucket]) -> SentReport:
+        """Send every bucket (made while the previous one is sent, with `pipeline`), then the end marker."""
+        start = time.perf_counter()
+        report = SentReport(started_at=time.time())
+        link = _Link(self, sync_id)
         try:
             if self.pipeline:
                 _pipelined(buckets, lambda index, bucket: link.send(index, bucket, report), link.who, self.timeout_s)
@@ -115,8 +139,8 @@ class WeightSender:
                 for index, bucket in enumerate(buckets):
                     link.send(index, bucket, report)
             link.finish(report)
-            # Every message of this push went through: its connection and channel are reusable. A
-            # failed push gives neither back (the engine may be gone): the next one connects anew.
+            # Every message of this send went through: its connection and channel are reusable. A
+            # failed send gives neither back (the engine may be gone): the next one connects anew.
             self._store, self._kept = link.store, link.channel
         except SyncError as err:
             raise SyncError(link.diagnosed(str(err))) from err
@@ -156,6 +180,7 @@ class WeightSender:
                             f"expected {self.endpoint.token!r}): the engine was restarted; ask it for its endpoint again")
         return store
 
+
 def _engine_failed(store: Any, sync_id: str, who: str, index: int) -> bool:
     """Whether the engine posted an error for this update (a look, not a wait)."""
     try:
@@ -169,13 +194,13 @@ class _Link:
     each engine's answer. Colocated buckets travel in /dev/shm files that it unlinks exactly once:
     when every engine has mapped one, or at close() after a failure."""
 
-    def __init__(self, sender: WeightSender, sync_id: str):
+    def __init__(self, sender: BucketSender, sync_id: str):
         self.sender, self.sync_id = sender, sync_id
         engines = len(sender.endpoints)
         hub = sender.endpoint
         address = f"{hub.host}:{hub.port}"
         to = f"engine at {address}" if engines == 1 else f"{engines} engines (hub at {address})"
-        self.short = f"rank {sender.coords.rank} (PP stage {sender.stage})"
+        self.short = sender.who
         self.who = f"{self.short} → {to}"
         # Taken from the sender, which gets them back only after a push that succeeded.
         self.store, sender._store = sender._store or sender._open_store(self.who), None
@@ -199,9 +224,11 @@ class _Link:
         del bucket
         what = f"sending bucket {index} ({describe(header)})"
         self.channel.send_json(header, what)
-        if "shm" in header:
-            self.channel.barrier(f"waiting for the engines to map bucket {index}'s file")
-            self._unlink(header["shm"])
+        if "shm" in header or "cuda_ipc" in header:
+            # The engines map the memory; once all have, the file goes (their mappings stay), and the
+            # GPU buffer is dropped (torch's IPC reference count frees it when the engines drop theirs).
+            self.channel.barrier(f"waiting for the engines to map bucket {index}'s memory")
+            self._unlink(header.get("shm"))
         else:
             self.channel.send_bytes(flat, what)
         report.checksums.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
@@ -235,7 +262,9 @@ class _Link:
         for path in list(self.files):
             self._unlink(path)
 
-    def _unlink(self, path: str) -> None:
+    def _unlink(self, path: str | None) -> None:
+        if path is None:
+            return
         self.files.discard(path)
         try:
             os.unlink(path)
@@ -244,16 +273,40 @@ class _Link:
 
     def _pack(self, bucket: Bucket, index: int) -> tuple[dict, torch.Tensor]:
         dtype = self.sender.engine_dtype
-        if self.sender.transport != "colocated":
-            return pack(bucket, dtype, consume=True)
-        # Pack straight into a shared-memory file: one copy on this side, none on the engines'.
         size = sum(nbytes(n, t, dtype) for n, t in bucket)
+        on_gpu = next((t.device for _, t in bucket if t.is_cuda), None)
+        if self.sender.transport != "colocated":  # the wire (gloo) carries host memory: pinned for a GPU's tensors
+            return pack(bucket, dtype, out=self.sender.staging.take(size) if on_gpu else None, consume=True)
+        if on_gpu is not None and self.sender.endpoint.device == "cuda":
+            # GPU to GPU on one node: pack into GPU memory the engines map (CUDA IPC); no host copy
+            from mrl.sync.cuda_ipc import share
+
+            header, flat = pack(bucket, dtype, out=torch.empty(max(size, 1), dtype=torch.uint8, device=on_gpu)[:size],
+                                consume=True)
+            header["cuda_ipc"] = share(flat)
+            return header, flat
+        # Pack straight into a shared-memory file: one copy on this side, none on the engines'.
         path = os.path.join(SHM_DIR, f"mrl-sync-{self.sync_id.replace('/', '_')}-{index}-{uuid.uuid4().hex[:8]}")
         self.files.add(path)
         flat = torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)[:size]
         header, flat = pack(bucket, dtype, out=flat, consume=True)
         header["shm"] = path
         return header, flat
+
+
+class Staging:
+    """One pinned host buffer, grown as needed and reused by every bucket: a GPU's tensors are
+    packed into it for the wire. Pinning is slow (page-locking ~0.1 s a GB), so it happens once;
+    one buffer suffices because a bucket is sent before the next is packed (one sender thread)."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+
+    def take(self, size: int) -> torch.Tensor:
+        if self.buffer is None or self.buffer.numel() < size:
+            self.buffer = None  # the old one goes first: never two alive
+            self.buffer = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=True)
+        return self.buffer[:size]
 
 
 def _refuses(endpoint: SyncEndpoint) -> bool:
@@ -267,7 +320,7 @@ def _refuses(endpoint: SyncEndpoint) -> bool:
         return False
 
 
-def _pipelined(buckets: Iterator[Bucket], send: Callable[[int, Bucket], None], who: str, timeout_s: float) -> None:
+def _pipelined(buckets: Iterable[Bucket], send: Callable[[int, Bucket], None], who: str, timeout_s: float) -> None:
     """Export on the calling thread (its collectives stay there) while a thread sends the previous
     bucket. Two slots: the bucket being sent and the one being exported. The thread's first error
     is raised here, once the export has run to its end (its other ranks are sending to this one)."""

@@ -55,8 +55,21 @@ def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float]:
     sums; a handful of corrupted elements may not. It names the tensor behind a failed parity
     check; it is not a hash.
     """
+    return tuple(checksum_sums(tensor).tolist())
+
+
+def checksum_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """tensor_checksum's two sums as a tensor on the tensor's device: a GPU computes many without
+    waiting for each (`checksums_of` reads them all back at once)."""
     flat = tensor.reshape(-1)
-    return (flat[::61].sum(dtype=torch.float64).item(), flat[30::61].sum(dtype=torch.float64).item())
+    return torch.stack((flat[::61].sum(dtype=torch.float64), flat[30::61].sum(dtype=torch.float64)))
+
+
+def checksums_of(sums: list[torch.Tensor]) -> list[tuple[float, float]]:
+    """checksum_sums' results as tensor_checksum's tuples, read back in one transfer."""
+    if not sums:
+        return []
+    return [tuple(pair) for pair in torch.stack([s.to(sums[0].device) for s in sums]).tolist()]
 
 
 def checksums_match(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -98,20 +111,34 @@ def nbytes(name: str, tensor: torch.Tensor, engine_dtype: torch.dtype) -> int:
 
 def pack(bucket: Bucket, engine_dtype: torch.dtype, out: torch.Tensor | None = None,
          consume: bool = False) -> tuple[dict, torch.Tensor]:
-    """Cast and concatenate a bucket's tensors into one uint8 buffer (`out` if given); the header says
-    where. `consume` drops each tensor from `bucket` once it is copied."""
+    """Cast and concatenate a bucket's tensors into one uint8 buffer (`out` if given: host memory,
+    pinned for a GPU's tensors, or GPU memory); the header says where. `consume` drops each tensor
+    from `bucket` once it is copied."""
     entries, offset = [], 0
     for name, tensor in bucket:
         entries.append({"name": name, "shape": list(tensor.shape), "dtype": str(wire_dtype(name, engine_dtype)),
                         "offset": offset})
         offset += nbytes(name, tensor, engine_dtype)
     flat = out if out is not None else torch.empty(offset, dtype=torch.uint8)
+    sums, waiting = [], False
     for index, entry in enumerate(entries):
-        view = _view(flat, entry)
-        view.copy_(bucket[index][1])
+        view, tensor = _view(flat, entry), bucket[index][1]
+        if tensor.device != flat.device and tensor.is_cuda:
+            # GPU → host: cast on the GPU, copy without waiting (one wait for the whole bucket below)
+            tensor = tensor.to(view.dtype)
+            view.copy_(tensor, non_blocking=True)
+            sums.append(checksum_sums(tensor))
+            waiting = True
+        else:
+            view.copy_(tensor)
+            sums.append(checksum_sums(view))
+        del tensor
         if consume:  # the packed copy replaces the tensor: one bucket plus one tensor alive, not two buckets
             bucket[index] = (entry["name"], None)  # type: ignore[assignment]
-        entry["checksum"] = tensor_checksum(view)
+    if waiting:
+        torch.cuda.current_stream().synchronize()
+    for entry, checksum in zip(entries, checksums_of(sums)):
+        entry["checksum"] = checksum
     return {"tensors": entries, "nbytes": offset}, flat
 
 
