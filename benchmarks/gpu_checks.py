@@ -17,9 +17,15 @@ runs too, with the CUDA specifics skipped, to debug the script itself.
   fp8        mrl.quant.fp8's block quantize/dequantize on the GPU bitwise equal to the CPU's, and
              the GPU's quantize rate.
   megatron   tiny models (--archs) through mrl's Megatron path on one rank (NCCL on a GPU; needs
-             megatron-core): logits against transformers' on the CPU, and a bitwise HF export.
+             megatron-core): logits against transformers' on the CPU, a bitwise HF export, and a
+             colocated sync of that export (WeightSender; CUDA IPC on a GPU) checked bitwise.
+  train      one PPO-clip update of the same models on one rank: first-step ppo_kl exactly 0,
+             ratio exactly 1, every weight moved.
+  activations  what autograd saves in one bf16 DAPO step on one rank, beside `mrl plan`'s
+             estimate for the device's attention kernel (--activation-archs).
 
-    python benchmarks/gpu_checks.py [--sections bandwidth,sync,offload,fp8,megatron] [--size-gb 4] [--out DIR]
+    python benchmarks/gpu_checks.py [--sections bandwidth,fp8,offload,sync,megatron,train,activations]
+        [--size-gb 4] [--out DIR]
 
 Prints one JSON line per result and appends each to OUT/gpu_checks.jsonl as it comes.
 """
@@ -134,10 +140,9 @@ class TensorEngine:
     own parameter (what sync.apply in_place does inside vLLM) and checksums what it holds.
     `announce` is the device it declares to the sender ("cpu" sends host-staged buckets)."""
 
-    dtype = torch.bfloat16
-
-    def __init__(self, specs, device: str, announce: str):
-        self.params = {n: torch.empty(s, dtype=self.dtype, device=device) for n, s in specs}
+    def __init__(self, specs, device: str, announce: str, dtype: torch.dtype = torch.bfloat16):
+        self.dtype = dtype
+        self.params = {n: torch.empty(s, dtype=dtype, device=device) for n, s in specs}
         self.device = announce
 
     def begin_weight_update(self):
@@ -324,12 +329,55 @@ def fp8(rows: int = 7168, cols: int = 2048 + 100) -> None:
     same_d = torch.equal(d_cpu, d_gpu.cpu())
     big = torch.randn(8192, 8192, device=DEVICE).to(torch.bfloat16)
     seconds = timed(lambda: quantize(big), repeats=3)
+    differ = {"q": int((q_cpu.view(torch.uint8) != q_gpu.cpu().view(torch.uint8)).sum()),
+              "scale": int((s_cpu != s_gpu.cpu()).sum()), "dequantized": int((d_cpu != d_gpu.cpu()).sum())}
+    x = torch.rand(1 << 20, generator=torch.Generator().manual_seed(0)) * 100  # why a scalar divisor differs
+    differ["x/448 scalar"] = int(((x.to(DEVICE) / 448.0).cpu() != x / 448.0).sum())
+    differ["x/448 tensor"] = int(((x.to(DEVICE) / torch.full_like(x, 448.0, device=DEVICE)).cpu() != x / 448.0).sum())
     emit("fp8", shape=[rows, cols], q_bitwise_cpu_gpu=same_q, scale_bitwise_cpu_gpu=same_s,
-         dequantize_bitwise_cpu_gpu=same_d, quantize_gbps_bf16_in=round(big.nbytes / seconds / GB, 2),
+         dequantize_bitwise_cpu_gpu=same_d, elements_differing=differ, quantize_gbps_bf16_in=round(big.nbytes / seconds / GB, 2),
          device=str(DEVICE))
 
 
 # --- megatron --------------------------------------------------------------------------------------
+
+def _checkpoint_engine(hf_dir: str, announce: str, endpoints, results) -> None:
+    """An engine holding the checkpoint's tensors (fp32) on the device: after one sync, each must
+    equal the checkpoint bitwise (the trainer loaded it unchanged)."""
+    try:
+        from mrl.bridge.hf_checkpoint import HFCheckpoint
+        from mrl.sync import WeightReceiver
+
+        ckpt = HFCheckpoint(hf_dir)
+        engine = TensorEngine([(n, ckpt.read(n).shape) for n in ckpt.names()], str(DEVICE), announce, torch.float32)
+        receiver = WeightReceiver(engine, timeout_s=60)
+        endpoints.put(receiver.endpoint)
+        report = receiver.receive("megatron-sync", channels=1)
+        wrong = [n for n, p in engine.params.items() if not torch.equal(p.cpu(), ckpt.read(n).float())]
+        results.put({"engine_tensors": report.tensors, "mismatched": len(report.mismatched),
+                     "not_updated": report.not_updated[:5], "bitwise_wrong": wrong[:5]})
+    except BaseException:  # noqa: BLE001
+        results.put({"error": traceback.format_exc()[-2500:]})
+
+
+def _sync_from_megatron(built, coords, hf_dir: str) -> dict:
+    """mrl.sync.WeightSender's push of this rank's model (the bridge's export on the model's device)
+    to an engine process that declares the device: CUDA IPC on a GPU, /dev/shm on a CPU."""
+    from mrl.sync.sender import WeightSender
+
+    ctx = mp.get_context("spawn")
+    endpoints, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_checkpoint_engine, args=(hf_dir, DEVICE.type, endpoints, results), daemon=True)
+    proc.start()
+    try:
+        sender = WeightSender(endpoints.get(timeout=120), built, coords, transport="colocated", bucket_bytes=1 << 20,
+                              timeout_s=60)
+        sent = sender.push("megatron-sync")
+        got = results.get(timeout=120)
+        return {"sync_bytes": sent.bytes, "sync_tensors": len(sent.checksums), **got}
+    finally:
+        proc.join(30)
+
 
 def _megatron_rank(rank: int, world: int, hf_dir: str) -> dict:
     from mrl.bridge.export import iter_hf_weights
@@ -359,10 +407,20 @@ def _megatron_rank(rank: int, world: int, hf_dir: str) -> dict:
         out["export_device"] = str(next(iter(exported.values())).device)
         out["export_mismatches"] = [n for n, t in exported.items() if not torch.equal(t.cpu(), ckpt.read(n))][:5]
         out["export_names_equal"] = sorted(exported) == sorted(ckpt.names())
+        del exported
+        out["step"] = "sync"
+        out["sync"] = _sync_from_megatron(built, coords, hf_dir)
         out["step"] = "done"
     except Exception:  # noqa: BLE001 - which step failed on this device is the finding
         out["error"] = traceback.format_exc()[-2500:]
     return out
+
+
+def _tiny(arch: str, workdir: Path) -> Path:
+    from mrl.models.tiny import write_tiny_model
+
+    out = workdir / arch
+    return out if (out / "config.json").exists() else write_tiny_model(arch, out)
 
 
 def megatron(archs: list[str], workdir: Path) -> None:
@@ -370,11 +428,10 @@ def megatron(archs: list[str], workdir: Path) -> None:
     logits parity with transformers (on the CPU) and a bitwise HF export."""
     from mrl.bridge.verify import probe_tokens, reference_logits
     from mrl.megatron.local_launch import run_local
-    from mrl.models.tiny import write_tiny_model
 
     os.environ["MRL_DIST_BACKEND"] = "nccl" if CUDA else "gloo"
     for arch in archs:
-        hf_dir = write_tiny_model(arch, workdir / arch)
+        hf_dir = _tiny(arch, workdir)
         got = run_local(_megatron_rank, 1, str(hf_dir), timeout_s=300)[0]
         logits = got.pop("logits", None)
         if logits is not None:
@@ -383,15 +440,117 @@ def megatron(archs: list[str], workdir: Path) -> None:
         emit("megatron", arch=arch, **got)
 
 
+def _ragged_batch(vocab: int, lengths=(9, 18, 3, 14, 6), prompt: int = 4, width: int = 24) -> dict:
+    """Random prompts and responses of `lengths` tokens, right-padded (as the policy tests' batch)."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.zeros(len(lengths), width + 1, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width)
+    for row, length in enumerate(lengths):
+        tokens[row, : prompt + length] = torch.randint(3, vocab, (prompt + length,), generator=generator)
+        mask[row, prompt - 1 : prompt - 1 + length] = 1.0
+    advantages = torch.randn(len(lengths), 1, generator=generator).expand(-1, width) * mask
+    return {"tokens": tokens, "response_mask": mask, "advantages": advantages.contiguous()}
+
+
+def _train_rank(rank: int, world: int, hf_dir: str) -> dict:
+    from mrl.bridge.hf_import import load_hf_weights
+    from mrl.layout import ParallelLayout
+    from mrl.megatron.model import build_model
+    from mrl.megatron.parallel import initialize_layout
+    from mrl.megatron.policy import compute_logprobs, update_actor
+    from mrl.megatron.training import OptimConfig, make_trainable
+    from mrl.models.registry import model_spec_from_hf
+
+    out: dict = {"step": "build"}
+    try:
+        spec = model_spec_from_hf(hf_dir)
+        coords = initialize_layout(ParallelLayout())
+        built = build_model(spec, ParallelLayout())
+        load_hf_weights(built, coords, hf_dir)
+        out["step"] = "make_trainable"
+        trainable = make_trainable(built, OptimConfig(lr=1e-3))
+        out["optimizer"] = type(trainable.optimizer).__name__
+        batch = _ragged_batch(spec.vocab_size)
+        before = {n: p.detach().clone() for chunk in built.chunks for n, p in chunk.named_parameters()}
+        out["step"] = "compute_logprobs"
+        scored = compute_logprobs(trainable, batch, 1, 2, with_entropy=True)
+        logprobs = scored["logprobs"]
+        out["logprobs_device"] = str(logprobs.device)
+        out["step"] = "update_actor"
+        metrics = update_actor(trainable, {**batch, "old_logprobs": logprobs.cpu()}, {}, 2)
+        out["metrics"] = {k: metrics[k] for k in ("actor/ppo_kl", "actor/ratio_mean", "actor/pg_clipfrac",
+                                                   "actor/grad_norm", "actor/skipped") if k in metrics}
+        after = {n: p.detach() for chunk in built.chunks for n, p in chunk.named_parameters()}
+        out["unchanged"] = [n for n in before if torch.equal(before[n], after[n])][:5]
+        out["params"] = len(before)
+        out["step"] = "second logprobs"
+        again = compute_logprobs(trainable, batch, 1, 2)["logprobs"].cpu()
+        mask = batch["response_mask"].bool()
+        out["logprob_change_after_update"] = float((again - logprobs.cpu())[mask].abs().max())
+        out["gpu_peak_mb"] = round(torch.cuda.max_memory_allocated() / MB) if CUDA else None
+        out["step"] = "done"
+    except Exception:  # noqa: BLE001 - which step failed on this device is the finding
+        out["error"] = traceback.format_exc()[-2500:]
+    return out
+
+
+def train(archs: list[str], workdir: Path) -> None:
+    """One PPO-clip update through mrl's Megatron actor on one rank: the first step's ppo_kl must be
+    exactly 0 and its ratio exactly 1 (log-probs of the scoring forward equal the training forward's)."""
+    from mrl.megatron.local_launch import run_local
+
+    os.environ["MRL_DIST_BACKEND"] = "nccl" if CUDA else "gloo"
+    for arch in archs:
+        hf_dir = _tiny(arch, workdir)
+        emit("train", arch=arch, **run_local(_train_rank, 1, str(hf_dir), timeout_s=300)[0])
+
+
+def _activation_rank(rank: int, world: int, hf_dir: str, seq: int, size: int) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from plan_activations import measure
+
+    from mrl.layout import ParallelLayout
+
+    try:
+        return measure(rank, world, hf_dir, ParallelLayout(), seq, size, 1)
+    except Exception:  # noqa: BLE001
+        return {"error": traceback.format_exc()[-2500:]}
+
+
+def activations(archs: list[str], workdir: Path, seq: int = 256, size: int = 2) -> None:
+    """What autograd saves for backward in one DAPO step (bf16, one rank, one micro-batch), measured
+    (mrl.megatron.footprint's SavedTensorMeter) beside `mrl plan`'s estimate for the kernel the
+    device runs (a GPU's SDPA keeps no probabilities: "flash")."""
+    from mrl.layout import ParallelLayout
+    from mrl.megatron.local_launch import run_local
+    from mrl.models.registry import model_spec_from_hf
+    from mrl.plan.activations import MicroBatch, cpu_attention, stage_activations
+    from mrl.plan.shapes import ModelShape, stage_chunks
+
+    os.environ["MRL_DIST_BACKEND"] = "nccl" if CUDA else "gloo"
+    for arch in archs:
+        hf_dir = _tiny(arch, workdir)
+        got = run_local(_activation_rank, 1, str(hf_dir), seq, size, timeout_s=300)[0]
+        shape = ModelShape.of(model_spec_from_hf(str(hf_dir)))
+        kernel = "flash" if CUDA else cpu_attention(shape)
+        chunks = stage_chunks(shape.layers, ParallelLayout(), 0)
+        plan = stage_activations(shape, ParallelLayout(), chunks, MicroBatch(seq, size), 2, 1, kernel).saved
+        row = {"arch": arch, "seq": seq, "micro_batch": size, "plan_kernel": kernel, "planned_bytes": plan}
+        if "peak" in got:
+            row |= {"measured_bytes": got["peak"], "plan_over_measured": round(plan / got["peak"], 3)}
+        emit("activations", **row, **{k: v for k, v in got.items() if k not in ("peak", "stage")})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sections", default="bandwidth,fp8,offload,sync,megatron")
+    parser.add_argument("--sections", default="bandwidth,fp8,offload,sync,megatron,train,activations")
     parser.add_argument("--sync-cases", default="cuda_ipc,broadcast,shm")
     parser.add_argument("--size-gb", type=float, default=4.0)
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--archs", default="qwen3,deepseek_v3", help="the megatron section's tiny models")
+    parser.add_argument("--activation-archs", default="llama,qwen3_moe,deepseek_v3")
     parser.add_argument("--workdir", default="/tmp/mrl-gpu-checks")
     args = parser.parse_args()
     sections = args.sections.split(",")
@@ -416,6 +575,10 @@ def main() -> None:
                 fp8()
             elif section == "megatron":
                 megatron(args.archs.split(","), Path(args.workdir))
+            elif section == "train":
+                train(args.archs.split(","), Path(args.workdir))
+            elif section == "activations":
+                activations(args.activation_archs.split(","), Path(args.workdir))
         except Exception:  # noqa: BLE001 - the next section still runs
             emit(section, error=traceback.format_exc()[-3000:])
         emit("section_time", name=section, seconds=round(time.perf_counter() - start, 1))

@@ -128,6 +128,7 @@ def export_hf_weights(
     """
     tensors = local_tensors(built, coords)
     by_name = {t.name: t for t in tensors}
+    device = built.device  # messages and HF tensors live beside the weights (NCCL sends GPU memory)
     dims = SplitDims.of(built.spec)
     timeout = timedelta(seconds=timeout_s)
     plan = build_plan(tensors, coords, group) if plan is None else plan
@@ -139,10 +140,10 @@ def export_hf_weights(
             for source, shard in item.sources:
                 shards.setdefault(source, []).append((item, shard))
         if coords.rank == dst:
-            received = _receive(shards, by_name, dst, group, timeout, index, message_bytes)
-            yield [pair for item in bucket for pair in _assemble(item, received, dims)]
+            received = _receive(shards, by_name, dst, group, timeout, index, message_bytes, device)
+            yield [pair for item in bucket for pair in _assemble(item, received, dims, device)]
         elif coords.rank in shards:
-            _send(shards[coords.rank], by_name, coords.rank, dst, group, timeout, index, message_bytes)
+            _send(shards[coords.rank], by_name, coords.rank, dst, group, timeout, index, message_bytes, device)
 
 
 def _aligned(nbytes: int) -> int:
@@ -168,10 +169,10 @@ def _messages(entries: list[tuple[PlanItem, int]], cap: int) -> Iterator[tuple[l
 
 
 def _send(entries: list[tuple[PlanItem, int]], by_name: dict[str, LocalTensor], rank: int, dst: int, group: Any,
-          timeout: timedelta, index: int, cap: int) -> None:
+          timeout: timedelta, index: int, cap: int, device: torch.device) -> None:
     """Copy this rank's shards of the bucket into messages and send them to `dst`, one at a time."""
     for chunk, offsets, size in _messages(entries, cap):
-        message = torch.empty(size, dtype=torch.uint8)
+        message = torch.empty(size, dtype=torch.uint8, device=device)
         for (item, _), offset in zip(chunk, offsets):
             shard = by_name[item.name].tensor.detach().contiguous().view(-1).view(torch.uint8)
             if shard.numel() != item.shard_bytes:  # the destination would read the message wrongly
@@ -182,7 +183,7 @@ def _send(entries: list[tuple[PlanItem, int]], by_name: dict[str, LocalTensor], 
 
 
 def _receive(shards: dict[int, list[tuple[PlanItem, int]]], by_name: dict[str, LocalTensor], dst: int, group: Any,
-             timeout: timedelta, index: int, cap: int) -> dict[tuple[str, int], torch.Tensor]:
+             timeout: timedelta, index: int, cap: int, device: torch.device) -> dict[tuple[str, int], torch.Tensor]:
     """Every shard of the bucket on `dst`: its own in place, the others as views of their messages."""
     received: dict[tuple[str, int], torch.Tensor] = {}
     waits = []
@@ -191,7 +192,7 @@ def _receive(shards: dict[int, list[tuple[PlanItem, int]]], by_name: dict[str, L
             received.update(((item.name, shard), by_name[item.name].tensor.detach()) for item, shard in entries)
             continue
         for chunk, offsets, size in _messages(entries, cap):
-            message = torch.empty(size, dtype=torch.uint8)
+            message = torch.empty(size, dtype=torch.uint8, device=device)
             waits.append((dist.irecv(message, src=source, group=group), source, chunk))
             for (item, shard), offset in zip(chunk, offsets):
                 view = message[offset : offset + item.shard_bytes].view(item.dtype)
@@ -214,11 +215,11 @@ def _wait(work: Any, rank: int, peer: int, entries: list[tuple[PlanItem, int]], 
 
 
 def _assemble(
-    item: PlanItem, received: dict[tuple[str, int], torch.Tensor], dims: SplitDims
+    item: PlanItem, received: dict[tuple[str, int], torch.Tensor], dims: SplitDims, device: torch.device
 ) -> list[tuple[str, torch.Tensor]]:
     """Write each shard's segments into fresh HF tensors, freeing shards as they are consumed."""
     out = {
-        name: torch.empty(shape, dtype=item.dtype)
+        name: torch.empty(shape, dtype=item.dtype, device=device)
         for name, shape in hf_shapes(item.split, item.hf_names, item.global_shape, item.shards, dims).items()
     }
     for _, shard in item.sources:

@@ -66,7 +66,7 @@ def _worker(rank: int, world_size: int, hf_dir: str, layout: ParallelLayout, imp
                 continue
             original = ckpt.read(name)
             compared += 1
-            if tensor.shape != original.shape or not torch.equal(tensor.to(original.dtype), original):
+            if tensor.shape != original.shape or not torch.equal(tensor.to("cpu", original.dtype), original):
                 mismatches.append(name)
     if rank == 0:
         missing = sorted(n for n in ckpt.names() if n not in seen and not ignorable(n, spec))

@@ -39,11 +39,14 @@ def local_positions(seq: int) -> torch.Tensor:
     return chunk_positions(seq, cp_size(), cp_rank()) if cp_size() > 1 else torch.arange(seq)
 
 
-def split_micro_batch(micro: dict) -> dict:
-    """This CP rank's share of a micro-batch: every [b, s] tensor sliced to its positions along the
-    sequence (scalars and the row index untouched), its token-mean loss weight rescaled to its tokens
-    and "cp_size" set. A sequence-level mean cannot be taken over part of a sequence: the loss
-    functions refuse one under CP (mrl.megatron.policy). The identity without CP."""
+def split_micro_batch(micro: dict, device: torch.device | None = None) -> dict:
+    """This CP rank's share of a micro-batch, on `device` (the model's: batches are made in host
+    memory): every [b, s] tensor sliced to its positions along the sequence (scalars and the row
+    index untouched), its token-mean loss weight rescaled to its tokens and "cp_size" set. A
+    sequence-level mean cannot be taken over part of a sequence: the loss functions refuse one
+    under CP (mrl.megatron.policy). Without CP only the device changes."""
+    if device is not None:
+        micro = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in micro.items()}
     size = cp_size()
     if size == 1:
         return micro

@@ -165,10 +165,10 @@ def activation_peak(built: BuiltModel, micro_batches: list[dict], loss_fn) -> in
     from mrl.megatron.context_parallel import local_positions, split_micro_batch
 
     size, seq = micro_batches[0]["tokens"].shape
-    positions = local_positions(seq).unsqueeze(0)
+    positions = local_positions(seq).unsqueeze(0).to(built.device)
 
     def forward_step(iterator, model):
-        micro = split_micro_batch(next(iterator))  # CP: this rank's part of each sequence, as train_step
+        micro = split_micro_batch(next(iterator), built.device)  # CP: this rank's part of each sequence, as train_step
         return model(micro["tokens"], positions, None), lambda output: loss_fn(output, micro)
 
     chunks = built.chunks

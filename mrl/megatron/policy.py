@@ -70,7 +70,7 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int | None) -> torch.Ten
     first = ps.get_tensor_model_parallel_rank() * local
     if vocab_size is None or first + local <= vocab_size:
         return logits
-    padded = torch.arange(first, first + local) >= vocab_size
+    padded = torch.arange(first, first + local, device=logits.device) >= vocab_size
     return logits.masked_fill(padded, _PADDED_LOGIT)
 
 
@@ -182,9 +182,10 @@ def data_parallel_rows(batch: dict, dp_rank: int, dp_size: int) -> dict:
 def restore_order(per_micro_batch: list[torch.Tensor], micro: list[dict], count: int, length: int) -> torch.Tensor:
     """Put per-micro-batch results [b, s] back in the batch's row order: [count, length].
 
-    Filler rows (index -1) are dropped; trimmed and TP-padding columns come back as 0.
+    Filler rows (index -1) are dropped; trimmed and TP-padding columns come back as 0. The result
+    is in host memory, as a rollout batch is.
     """
-    values = torch.cat(per_micro_batch)[:, : micro[0]["label_columns"]]
+    values = torch.cat(per_micro_batch)[:, : micro[0]["label_columns"]].cpu()
     values = torch.nn.functional.pad(values, (0, length - values.shape[1]))
     index = torch.cat([m["index"] for m in micro])
     real = index >= 0
@@ -338,10 +339,10 @@ def _forward_only(built: BuiltModel, micro: list[dict], score: Callable[[torch.T
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     size, seq = micro[0]["tokens"].shape
-    positions = local_positions(seq).unsqueeze(0)
+    positions = local_positions(seq).unsqueeze(0).to(built.device)
 
     def forward_step(data_iterator, model):
-        mb = split_micro_batch(next(data_iterator))  # CP: this rank's part of each sequence
+        mb = split_micro_batch(next(data_iterator), built.device)  # CP: this rank's part of each sequence
         output = model(mb["tokens"], positions, attention_mask(mb, built.use_te))
         return output, lambda out, non_loss_data=True: gather_outputs(score(out, mb))
 

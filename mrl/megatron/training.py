@@ -193,7 +193,7 @@ def attention_mask(micro_batch: dict, use_te: bool) -> torch.Tensor | None:
                          "Engine's causal attention ignores the segment mask; set model.transformer_impl: local "
                          "or trainer.sft_pack_tokens: null")
     seq = segments.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril()
     same = segments[:, :, None] == segments[:, None, :]
     return ~(same & causal).unsqueeze(1)
 
@@ -215,10 +215,11 @@ def train_step(trainable: Trainable, micro_batches: list[dict], loss_fn: LossFn 
     if seq % multiple:
         raise ValueError(f"sequence length {seq} is not a multiple of TP·2CP = {multiple} "
                          f"({trainable.built.layout.describe()}): pad it")
-    positions = local_positions(seq).unsqueeze(0)
+    device = trainable.built.device
+    positions = local_positions(seq).unsqueeze(0).to(device)
 
     def forward_step(data_iterator, model):
-        micro_batch = split_micro_batch(next(data_iterator))  # CP: this rank's part of each sequence
+        micro_batch = split_micro_batch(next(data_iterator), device)  # CP: this rank's part of each sequence
         output = model(micro_batch["tokens"], positions, attention_mask(micro_batch, trainable.built.use_te))
 
         def loss_func(out):

@@ -110,7 +110,11 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK, name: str = "
     # Zero padding to whole blocks leaves every block's amax unchanged (amax ≥ 0).
     padded = torch.nn.functional.pad(w, (0, grid_c * bk - cols, 0, grid_r * bn - rows))
     blocks = padded.view(grid_r, bn, grid_c, bk)
-    scale_inv = blocks.abs().amax(dim=(1, 3)) / E4M3_MAX
+    amax = blocks.abs().amax(dim=(1, 3))
+    # Divided by a tensor, not the number: CUDA divides a tensor by a scalar as a multiplication by
+    # its reciprocal, which rounds differently from the division (measured on an H200: scales off by
+    # an ulp against the CPU's); elementwise division is correctly rounded on both.
+    scale_inv = amax / torch.full_like(amax, E4M3_MAX)
     # An all-zero block (or one whose amax / 448 underflows) gets scale 1, transformers' choice:
     # its values quantise to 0 under any scale, and a zero scale would divide 0 by 0.
     scale_inv = torch.where(scale_inv > 0, scale_inv, torch.ones_like(scale_inv))

@@ -1,0 +1,88 @@
+"""mrl.sync without Megatron: BucketSender → WeightReceiver in one process (the receiver on a
+thread), the engine's declared device in its endpoint, the checksums read back in one transfer, and
+the CUDA IPC handle's error when the engine cannot see the GPU. The CUDA paths themselves (CUDA IPC,
+pinned staging) run in benchmarks/gpu_checks.py on a GPU (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import threading
+
+import pytest
+import torch
+
+from mrl.sync import SyncEndpoint, WeightReceiver
+from mrl.sync.sender import BucketSender
+from mrl.sync.wire import WeightUpdateReport, checksum_sums, checksums_of, tensor_checksum
+
+
+class HoldingEngine:
+    """Copies each received tensor into its own parameter, as sync.apply in_place does."""
+
+    dtype = torch.float32
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], device: str | None = None):
+        self.params = {name: torch.zeros(shape) for name, shape in shapes.items()}
+        if device is not None:
+            self.device = device
+
+    def begin_weight_update(self):
+        self.report = WeightUpdateReport()
+
+    def load_weights(self, bucket):
+        for name, tensor in bucket:
+            self.params[name].copy_(tensor)
+            self.report.checksums[name] = tensor_checksum(self.params[name])
+            self.report.tensors += 1
+
+    def finish_weight_update(self):
+        return self.report
+
+
+def _model() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {f"layers.{i}.weight": torch.randn(64, 32 + i, generator=generator) for i in range(6)}
+
+
+@pytest.mark.parametrize("transport", ["colocated", "broadcast"])
+def test_buckets_of_any_origin_arrive_bitwise(transport):
+    model = _model()
+    engine = HoldingEngine({n: t.shape for n, t in model.items()})
+    receiver = WeightReceiver(engine, timeout_s=30)
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.update(report=receiver.receive("s1", channels=1)))
+    thread.start()
+    names = list(model)
+    buckets = [[(n, model[n]) for n in names[i : i + 2]] for i in range(0, len(names), 2)]  # three buckets
+    sent = BucketSender(receiver.endpoint, transport=transport, timeout_s=30).send("s1", buckets)
+    thread.join(30)
+    report = outcome["report"]
+    assert report.tensors == len(model) and report.mismatched == []
+    assert sent.bytes == sum(t.nbytes for t in model.values()) and list(sent.checksums) == names
+    assert all(torch.equal(engine.params[n], model[n]) for n in names)
+
+
+def test_the_engine_declares_its_device_and_one_sync_feeds_one_device():
+    assert WeightReceiver(HoldingEngine({}), timeout_s=5).endpoint.device == "cpu"  # no attribute: host memory
+    assert WeightReceiver(HoldingEngine({}, device="cuda:0"), timeout_s=5).endpoint.device == "cuda"
+    host = SyncEndpoint("127.0.0.1", 1, "torch.float32")
+    gpu = SyncEndpoint("127.0.0.1", 2, "torch.float32", device="cuda")
+    with pytest.raises(ValueError, match="one dtype and device"):
+        BucketSender([host, gpu], transport="broadcast")
+    with pytest.raises(ValueError, match="unknown weight-sync transport 'nccl'"):
+        BucketSender(host, transport="nccl")
+
+
+def test_checksums_read_back_at_once_equal_one_by_one():
+    tensors = [torch.randn(7, 300), torch.arange(10.0), torch.randn(1).to(torch.bfloat16)]
+    assert checksums_of([checksum_sums(t) for t in tensors]) == [tensor_checksum(t) for t in tensors]
+    assert checksums_of([]) == []
+
+
+def test_a_cuda_ipc_handle_for_a_gpu_the_engine_cannot_see_names_the_fix():
+    from mrl.sync.cuda_ipc import open_shared
+
+    handle = {"handle": base64.b64encode(pickle.dumps([None] * 15)).decode(), "gpu": "GPU-0000-not-here"}
+    with pytest.raises(RuntimeError, match="GPU-0000-not-here.*sync.transport: broadcast"):
+        open_shared(handle)
