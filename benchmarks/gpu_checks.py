@@ -21,10 +21,13 @@ runs too, with the CUDA specifics skipped, to debug the script itself.
              colocated sync of that export (WeightSender; CUDA IPC on a GPU) checked bitwise.
   train      one PPO-clip update of the same models on one rank: first-step ppo_kl exactly 0,
              ratio exactly 1, every weight moved.
+  actor_offload  a tiny qwen3_moe actor's weights, gradient buffers and optimizer state offloaded
+             and back between two PPO updates (trainer.offload_actor_during_rollout): the second
+             update's loss, grad norm and weights against the same updates without the round trip.
   activations  what autograd saves in one bf16 DAPO step on one rank, beside `mrl plan`'s
              estimate for the device's attention kernel (--activation-archs).
 
-    python benchmarks/gpu_checks.py [--sections bandwidth,fp8,offload,sync,megatron,train,activations]
+    python benchmarks/gpu_checks.py [--sections bandwidth,fp8,offload,sync,megatron,train,actor_offload,activations]
         [--size-gb 4] [--out DIR]
 
 Prints one JSON line per result and appends each to OUT/gpu_checks.jsonl as it comes.
@@ -185,6 +188,7 @@ def _engine(specs, announce: str, versions: list[int], endpoints, results) -> No
             if CUDA:
                 torch.cuda.reset_peak_memory_stats()
             report = receiver.receive(f"{announce}-v{version}", channels=1)
+            peak = torch.cuda.max_memory_allocated() if CUDA else 0  # before the check's own copy below
             expected = values(specs, version, DEVICE)
             wrong = [n for n, p in engine.params.items() if not torch.equal(p, expected[n])]
             del expected
@@ -192,7 +196,7 @@ def _engine(specs, announce: str, versions: list[int], endpoints, results) -> No
                          "finish_s": round(report.finish_seconds, 3), "engine_tensors": report.tensors,
                          "mismatched": len(report.mismatched), "not_updated": len(report.not_updated),
                          "bitwise_wrong": wrong[:3], "bitwise_wrong_count": len(wrong),
-                         "engine_extra_gpu_mb": round((torch.cuda.max_memory_allocated() - held) / MB) if CUDA else None})
+                         "engine_extra_gpu_mb": round((peak - held) / MB) if CUDA else None})
     except BaseException:  # noqa: BLE001 - the trainer reports it
         results.put({"error": traceback.format_exc()})
 
@@ -494,6 +498,65 @@ def _train_rank(rank: int, world: int, hf_dir: str) -> dict:
     return out
 
 
+def _actor_offload_rank(rank: int, world: int, hf_dir: str) -> dict:
+    """Two PPO updates of a Megatron actor, with and without an offload round trip of its weights,
+    gradient buffers and optimizer state between them (trainer.offload_actor_during_rollout's
+    StateOffloader over mrl.megatron.offload.trainable_tensors)."""
+    from mrl.bridge.hf_import import load_hf_weights
+    from mrl.layout import ParallelLayout
+    from mrl.megatron.model import build_model
+    from mrl.megatron.offload import StateOffloader, trainable_tensors
+    from mrl.megatron.parallel import destroy_layout, initialize_layout
+    from mrl.megatron.policy import compute_logprobs, update_actor
+    from mrl.megatron.training import OptimConfig, make_trainable
+    from mrl.models.registry import model_spec_from_hf
+
+    out: dict = {}
+    try:
+        finals = []
+        for offload in (False, True):
+            coords = initialize_layout(ParallelLayout())
+            spec = model_spec_from_hf(hf_dir)
+            built = build_model(spec, ParallelLayout())
+            load_hf_weights(built, coords, hf_dir)
+            trainable = make_trainable(built, OptimConfig(lr=1e-3))
+            batch = _ragged_batch(spec.vocab_size)
+
+            def update():
+                logprobs = compute_logprobs(trainable, batch, 1, 2)["logprobs"]
+                return update_actor(trainable, {**batch, "old_logprobs": logprobs}, {}, 2)
+
+            update()
+            if offload:
+                offloader = StateOffloader(lambda part: trainable_tensors(trainable, None, part),
+                                           move_host_tensors=not CUDA)
+                sync_device()
+                allocated = torch.cuda.memory_allocated() if CUDA else 0
+                away = offloader.offload(["weights", "grads", "optimizer"])
+                freed = allocated - torch.cuda.memory_allocated() if CUDA else 0
+                back = offloader.onload()
+                out |= {"bytes": away["bytes"], "by_part": away["by_part"], "moved": away["moved"],
+                        "gpu_allocated_freed": freed, "offload_s": round(away["seconds"], 4),
+                        "onload_s": round(back["seconds"], 4)}
+            metrics = update()
+            weights = [p.detach().cpu().clone() for chunk in built.chunks for p in chunk.parameters()]
+            finals.append((metrics["actor/pg_loss"], metrics["actor/grad_norm"], weights))
+            destroy_layout()
+        (loss_a, norm_a, w_a), (loss_b, norm_b, w_b) = finals
+        out |= {"second_update_without": [loss_a, norm_a], "second_update_after_round_trip": [loss_b, norm_b],
+                "weights_bitwise_equal": all(torch.equal(a, b) for a, b in zip(w_a, w_b))}
+    except Exception:  # noqa: BLE001
+        out["error"] = traceback.format_exc()[-2500:]
+    return out
+
+
+def actor_offload(arch: str, workdir: Path) -> None:
+    from mrl.megatron.local_launch import run_local
+
+    os.environ["MRL_DIST_BACKEND"] = "nccl" if CUDA else "gloo"
+    emit("actor_offload", arch=arch, **run_local(_actor_offload_rank, 1, str(_tiny(arch, workdir)), timeout_s=300)[0])
+
+
 def train(archs: list[str], workdir: Path) -> None:
     """One PPO-clip update through mrl's Megatron actor on one rank: the first step's ppo_kl must be
     exactly 0 and its ratio exactly 1 (log-probs of the scoring forward equal the training forward's)."""
@@ -543,7 +606,7 @@ def activations(archs: list[str], workdir: Path, seq: int = 256, size: int = 2) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sections", default="bandwidth,fp8,offload,sync,megatron,train,activations")
+    parser.add_argument("--sections", default="bandwidth,fp8,offload,sync,megatron,train,actor_offload,activations")
     parser.add_argument("--sync-cases", default="cuda_ipc,broadcast,shm")
     parser.add_argument("--size-gb", type=float, default=4.0)
     parser.add_argument("--bucket-mb", type=int, default=512)
@@ -575,6 +638,8 @@ def main() -> None:
                 fp8()
             elif section == "megatron":
                 megatron(args.archs.split(","), Path(args.workdir))
+            elif section == "actor_offload":
+                actor_offload("qwen3_moe", Path(args.workdir))
             elif section == "train":
                 train(args.archs.split(","), Path(args.workdir))
             elif section == "activations":
