@@ -8,7 +8,8 @@ runs too, with the CUDA specifics skipped, to debug the script itself.
              mrl.sync (BucketSender → WeightReceiver, pipelined, --bucket-mb buckets), three ways:
              colocated over CUDA IPC (the engine maps the trainer's GPU buckets), colocated over
              /dev/shm (host staging: what an engine that declares no CUDA device gets), broadcast
-             over gloo from a pinned host buffer. The engine copies each tensor into its own
+             over gloo from a pinned host buffer; `_fp8` cases: the engine holds DeepSeek's block FP8
+             and the sender quantises each bucket on the way. The engine copies each tensor into its own
              parameter (sync.apply in_place's work, without vLLM) and checks every tensor bitwise
              against the values the trainer sent. Timed from the send's start to the engine holding
              the weights; the trainer's tensors exist beforehand (the export is not timed).
@@ -107,11 +108,11 @@ def bandwidth(nbytes: int = 1 << 30) -> dict:
 # --- sync ------------------------------------------------------------------------------------------
 
 def model_specs(size_gb: float) -> list[tuple[str, tuple[int, ...]]]:
-    """A transformer-like mix of tensor sizes (bf16): per layer four 4096² projections, eight
-    1536×4096 expert matrices and two norms (~224 MB a layer)."""
-    per_layer = [("q", (4096, 4096)), ("k", (4096, 4096)), ("v", (4096, 4096)), ("o", (4096, 4096))]
-    per_layer += [(f"experts.{e}.{w}", (1536, 4096)) for e in range(4) for w in ("up", "down")]
-    per_layer += [("input_norm", (4096,)), ("post_norm", (4096,))]
+    """A transformer-like mix of tensor sizes (bf16), with HF names (FP8 quantises the projections):
+    per layer four 4096² projections, eight 1536×4096 expert matrices and two norms (~224 MB)."""
+    per_layer = [(f"self_attn.{w}_proj", (4096, 4096)) for w in "qkvo"]
+    per_layer += [(f"mlp.experts.{e}.{w}_proj", (1536, 4096)) for e in range(4) for w in ("up", "down")]
+    per_layer += [("input_layernorm", (4096,)), ("post_attention_layernorm", (4096,))]
     layer_bytes = sum(2 * torch.Size(s).numel() for _, s in per_layer)
     layers = max(1, round(size_gb * GB / layer_bytes))
     return [(f"model.layers.{i}.{n}.weight", s) for i in range(layers) for n, s in per_layer]
@@ -141,12 +142,21 @@ def buckets(tensors: dict[str, torch.Tensor], bucket_bytes: int):
 class TensorEngine:
     """An engine holding the model's parameters on `device`; it copies each received tensor into its
     own parameter (what sync.apply in_place does inside vLLM) and checksums what it holds.
-    `announce` is the device it declares to the sender ("cpu" sends host-staged buckets)."""
+    `announce` is the device it declares to the sender ("cpu" sends host-staged buckets);
+    `quantization` "fp8": it holds DeepSeek's block FP8 (weights and scales), as the sender makes them."""
 
-    def __init__(self, specs, device: str, announce: str, dtype: torch.dtype = torch.bfloat16):
-        self.dtype = dtype
-        self.params = {n: torch.empty(s, dtype=dtype, device=device) for n, s in specs}
-        self.device = announce
+    def __init__(self, specs, device: str, announce: str, dtype: torch.dtype = torch.bfloat16,
+                 quantization: str | None = None):
+        from mrl.quant.fp8 import FP8, QUANTIZED_WEIGHT, SCALE_SUFFIX, scale_grid
+
+        self.dtype, self.device, self.quantization = dtype, announce, quantization
+        self.params = {}
+        for name, shape in specs:
+            if quantization == "fp8" and QUANTIZED_WEIGHT.match(name):
+                self.params[name] = torch.empty(shape, dtype=FP8, device=device)
+                self.params[name + SCALE_SUFFIX] = torch.empty(scale_grid(shape), dtype=torch.float32, device=device)
+            else:
+                self.params[name] = torch.empty(shape, dtype=dtype, device=device)
 
     def begin_weight_update(self):
         from mrl.sync.wire import WeightUpdateReport
@@ -176,11 +186,12 @@ class TensorEngine:
         return self.report
 
 
-def _engine(specs, announce: str, versions: list[int], endpoints, results) -> None:
+def _engine(specs, announce: str, versions: list[int], endpoints, results, quantization=None) -> None:
     try:
+        from mrl.quant.fp8 import quantize_pairs
         from mrl.sync import WeightReceiver
 
-        engine = TensorEngine(specs, str(DEVICE), announce)
+        engine = TensorEngine(specs, str(DEVICE), announce, quantization=quantization)
         receiver = WeightReceiver(engine, timeout_s=60)
         endpoints.put(receiver.endpoint)
         held = sum(p.nbytes for p in engine.params.values())
@@ -190,7 +201,10 @@ def _engine(specs, announce: str, versions: list[int], endpoints, results) -> No
             report = receiver.receive(f"{announce}-v{version}", channels=1)
             peak = torch.cuda.max_memory_allocated() if CUDA else 0  # before the check's own copy below
             expected = values(specs, version, DEVICE)
-            wrong = [n for n, p in engine.params.items() if not torch.equal(p, expected[n])]
+            if quantization == "fp8":  # quantised here as the sender does (bitwise the CPU's on a GPU too)
+                expected = dict(quantize_pairs(expected.items()))
+            wrong = [n for n, p in engine.params.items()
+                     if not torch.equal(p.view(torch.uint8), expected[n].view(torch.uint8))]
             del expected
             results.put({"finished_at": report.finished_at, "load_s": round(report.load_seconds, 3),
                          "finish_s": round(report.finish_seconds, 3), "engine_tensors": report.tensors,
@@ -201,13 +215,15 @@ def _engine(specs, announce: str, versions: list[int], endpoints, results) -> No
         results.put({"error": traceback.format_exc()})
 
 
-def sync_case(specs, transport: str, announce: str, repeats: int, bucket_bytes: int, d2d: float) -> None:
+def sync_case(specs, transport: str, announce: str, repeats: int, bucket_bytes: int, d2d: float,
+              quantization: str | None = None) -> None:
     from mrl.sync.sender import BucketSender
 
     ctx = mp.get_context("spawn")
     endpoints, results = ctx.Queue(), ctx.Queue()
     versions = list(range(1, repeats + 1))
-    proc = ctx.Process(target=_engine, args=(specs, announce, versions, endpoints, results), daemon=True)
+    proc = ctx.Process(target=_engine, args=(specs, announce, versions, endpoints, results, quantization),
+                       daemon=True)
     proc.start()
     try:
         endpoint = endpoints.get(timeout=180)
@@ -225,7 +241,8 @@ def sync_case(specs, transport: str, announce: str, repeats: int, bucket_bytes: 
             if "error" in got:
                 raise RuntimeError(got["error"])
             seconds = got.pop("finished_at") - sent.started_at
-            emit("sync", transport=transport, engine_declares=announce, version=version, bytes=sent.bytes,
+            emit("sync", transport=transport, engine_declares=announce, quantization=quantization,
+                 version=version, bytes=sent.bytes,
                  tensors=len(sent.checksums), seconds=round(seconds, 4), gbps=round(total / seconds / GB, 2),
                  ratio_to_d2d_copy=round(total / seconds / GB / d2d, 3), trainer_extra_gpu_mb=trainer_extra,
                  bucket_mb=bucket_bytes // MB, **got)
@@ -241,9 +258,11 @@ def sync_case(specs, transport: str, announce: str, repeats: int, bucket_bytes: 
 def sync(size_gb: float, repeats: int, bucket_mb: int, d2d: float, cases: list[str]) -> None:
     specs = model_specs(size_gb)
     emit("sync_model", tensors=len(specs), gb=round(sum(2 * torch.Size(s).numel() for _, s in specs) / GB, 3))
-    table = {"cuda_ipc": ("colocated", "cuda"), "shm": ("colocated", "cpu"), "broadcast": ("broadcast", "cpu")}
+    table = {"cuda_ipc": ("colocated", "cuda", None), "shm": ("colocated", "cpu", None),
+             "broadcast": ("broadcast", "cpu", None), "cuda_ipc_fp8": ("colocated", "cuda", "fp8"),
+             "shm_fp8": ("colocated", "cpu", "fp8")}
     for case in cases:
-        transport, announce = table[case]
+        transport, announce, quantization = table[case]
         if announce == "cuda" and not CUDA:
             emit("sync", transport=transport, engine_declares=announce, skipped="no CUDA")
             continue
@@ -252,7 +271,7 @@ def sync(size_gb: float, repeats: int, bucket_mb: int, d2d: float, cases: list[s
             emit("sync", transport=transport, engine_declares=announce, skipped=f"/dev/shm has {free // MB} MB free")
             continue
         try:
-            sync_case(specs, transport, announce, repeats, bucket_mb * MB, d2d)
+            sync_case(specs, transport, announce, repeats, bucket_mb * MB, d2d, quantization)
         except Exception:  # noqa: BLE001 - the next case still runs
             emit("sync", transport=transport, engine_declares=announce, error=traceback.format_exc()[-3000:])
 

@@ -312,6 +312,16 @@ def _repack_tied_lm_head(model: torch.nn.Module) -> None:
         method.process_weights_after_loading(head)
 
 
+def _quantization_of(model: str) -> str | None:
+    """"fp8" for a local DeepSeek-style FP8 checkpoint, None for an unquantised one (or a hub id)."""
+    from mrl.quant.fp8 import block_fp8_of
+
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None
+    return "fp8" if block_fp8_of(json.loads(config.read_text())) else None
+
+
 class VLLMEngine:
     """A vLLM `LLM` behind mrl's RolloutEngine protocol."""
 
@@ -360,6 +370,12 @@ class VLLMEngine:
         if weight_apply not in ("load_weights", "in_place"):
             raise ValueError(f"weight_apply={weight_apply!r}: use 'load_weights' or 'in_place'")
         self.model_path, self.weight_apply = model, weight_apply
+        # A DeepSeek-style FP8 checkpoint makes vLLM hold block-FP8 weights: declared to the sender
+        # (mrl.sync), which then quantises each bucket. The in-place plan has no FP8 parameters.
+        self.quantization = _quantization_of(model)
+        if self.quantization and weight_apply == "in_place":
+            raise ValueError(f"{model} holds FP8 weights, which sync.apply in_place cannot plan (weights and block "
+                             "scales); use sync.apply: load_weights")
         self._param_sources: dict[str, set[str]] | None = None  # in_place: engine param → its HF tensors
         self.llm = LLM(**kwargs)
         self.dtype = self.llm.llm_engine.model_config.dtype
@@ -520,7 +536,7 @@ class VLLMEngine:
                 self._param_sources.setdefault(c.param, set()).add(c.hf_name)
 
     def load_weights(self, bucket: Bucket) -> None:
-        bucket = [(name, t.to(wire_dtype(name, self.dtype))) for name, t in bucket]  # no-op when sent cast
+        bucket = [(name, t.to(wire_dtype(name, self.dtype, t.dtype))) for name, t in bucket]  # no-op when sent cast
         for name, tensor in bucket:
             self._report.checksums[name] = tensor_checksum(tensor)
             self._report.bytes += tensor.numel() * tensor.element_size()

@@ -23,6 +23,7 @@ class SyncEndpoint:
     dtype: str  # the engine's parameter dtype: tensors are cast before they travel
     token: str = ""  # the engine's store holds it under IDENTITY_KEY: a sender checks it met this engine
     device: str = "cpu"  # where the engine's parameters live: "cuda" makes the colocated transport use CUDA IPC
+    quantization: str | None = None  # "fp8": the engine holds DeepSeek's block FP8; the sender quantises each bucket
 
 
 IDENTITY_KEY = "mrl/engine-token"

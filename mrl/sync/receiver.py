@@ -31,7 +31,8 @@ class WeightReceiver:
         self.store = dist.TCPStore(host, 0, is_master=True, timeout=timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
         self.endpoint = SyncEndpoint(host, self.store.port, str(engine.dtype), token=uuid.uuid4().hex,
-                                     device=torch.device(getattr(engine, "device", "cpu")).type)
+                                     device=torch.device(getattr(engine, "device", "cpu")).type,
+                                     quantization=getattr(engine, "quantization", None))
         self.store.set(IDENTITY_KEY, self.endpoint.token)
         self._used_ids: set[str] = set()
         # Kept from the last sync that succeeded (mrl.sync.channel: reused when the sender still

@@ -20,6 +20,7 @@ from mrl.sync.channel import IDENTITY_KEY, Channel, SyncEndpoint, channel_count,
 from mrl.sync.wire import Bucket, SyncError, describe, describe_failure, dtype_named, error_key, nbytes, pack
 
 TRANSPORTS = ("colocated", "broadcast")
+QUANTIZATIONS = (None, "fp8")  # what the sender can produce for an engine: as is, or DeepSeek's block FP8
 SHM_DIR = "/dev/shm"
 # TCPStore retries an unreachable port for its timeout, and its last try (plus a back-off) may
 # start just before that ends (measured: ~9.5 s with a 3 s timeout): wait 2 × timeout + this.
@@ -103,8 +104,12 @@ def _endpoints(endpoints: SyncEndpoint | list[SyncEndpoint], transport: str) -> 
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown weight-sync transport {transport!r}; choose one of {TRANSPORTS}")
     endpoints = [endpoints] if isinstance(endpoints, SyncEndpoint) else list(endpoints)
-    if not endpoints or len({(e.dtype, e.device) for e in endpoints}) != 1:
-        raise ValueError(f"a weight sync feeds one or more engines of one dtype and device; got {endpoints}")
+    if not endpoints or len({(e.dtype, e.device, e.quantization) for e in endpoints}) != 1:
+        raise ValueError(f"a weight sync feeds one or more engines of one dtype, device and quantization; got {endpoints}")
+    if endpoints[0].quantization not in QUANTIZATIONS:
+        raise ValueError(f"the engine holds {endpoints[0].quantization!r}-quantised weights; the weight sync produces "
+                         "unquantised or block-FP8 ('fp8') weights only: start the engine from an unquantised or a "
+                         "DeepSeek-style FP8 checkpoint")
     return endpoints
 
 
@@ -131,6 +136,10 @@ class BucketSender:
         """Send every bucket (made while the previous one is sent, with `pipeline`), then the end marker."""
         start = time.perf_counter()
         report = SentReport(started_at=time.time())
+        if self.endpoint.quantization == "fp8":  # each bucket quantised where it was made (a GPU's: on the GPU)
+            from mrl.quant.fp8 import quantize_pairs
+
+            buckets = (list(quantize_pairs(bucket)) for bucket in buckets)
         link = _Link(self, sync_id)
         try:
             if self.pipeline:

@@ -1,8 +1,9 @@
 """The wire format of a weight sync: what travels from a trainer leader to an engine, and the
 checksums both sides compute on it.
 
-A bucket is a list of (HF name, full tensor) pairs. pack() casts them to the engine's dtype and
-concatenates them into one uint8 buffer; its JSON header gives each tensor's name, shape, dtype,
+A bucket is a list of (HF name, full tensor) pairs. pack() casts them to the engine's dtype (FP8
+weights and their float32 block scales, for an engine that holds DeepSeek's FP8 format, travel as
+they are) and concatenates them into one uint8 buffer; its JSON header gives each tensor's name, shape, dtype,
 byte offset and checksum. unpack() gives views into the received buffer (no copy).
 """
 
@@ -14,8 +15,9 @@ import torch
 
 Bucket = list[tuple[str, torch.Tensor]]  # (HF name, full tensor) pairs
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
-_KEEP_FP32 = ("e_score_correction_bias",)  # DeepSeek-V3's routing bias is fp32 in every engine
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn)}
+# fp32 in every engine: DeepSeek-V3's routing bias, and the block scales of FP8 weights
+_KEEP_FP32 = ("e_score_correction_bias", "_scale_inv")
 
 
 class SyncError(RuntimeError):
@@ -62,6 +64,8 @@ def checksum_sums(tensor: torch.Tensor) -> torch.Tensor:
     """tensor_checksum's two sums as a tensor on the tensor's device: a GPU computes many without
     waiting for each (`checksums_of` reads them all back at once)."""
     flat = tensor.reshape(-1)
+    if flat.dtype == torch.float8_e4m3fn:  # no sum of FP8 in torch: its bytes, as numbers, stand for it
+        flat = flat.view(torch.uint8)
     return torch.stack((flat[::61].sum(dtype=torch.float64), flat[30::61].sum(dtype=torch.float64)))
 
 
@@ -100,13 +104,15 @@ def dtype_named(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def wire_dtype(name: str, engine_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a tensor travels and lives in on the engine."""
+def wire_dtype(name: str, engine_dtype: torch.dtype, dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype a tensor (of `dtype`) travels and lives in on the engine: FP8 stays FP8."""
+    if dtype == torch.float8_e4m3fn:
+        return dtype
     return torch.float32 if name.endswith(_KEEP_FP32) else engine_dtype
 
 
 def nbytes(name: str, tensor: torch.Tensor, engine_dtype: torch.dtype) -> int:
-    return tensor.numel() * torch.empty((), dtype=wire_dtype(name, engine_dtype)).element_size()
+    return tensor.numel() * torch.empty((), dtype=wire_dtype(name, engine_dtype, tensor.dtype)).element_size()
 
 
 def pack(bucket: Bucket, engine_dtype: torch.dtype, out: torch.Tensor | None = None,
@@ -116,7 +122,7 @@ def pack(bucket: Bucket, engine_dtype: torch.dtype, out: torch.Tensor | None = N
     from `bucket` once it is copied."""
     entries, offset = [], 0
     for name, tensor in bucket:
-        entries.append({"name": name, "shape": list(tensor.shape), "dtype": str(wire_dtype(name, engine_dtype)),
+        entries.append({"name": name, "shape": list(tensor.shape), "dtype": str(wire_dtype(name, engine_dtype, tensor.dtype)),
                         "offset": offset})
         offset += nbytes(name, tensor, engine_dtype)
     flat = out if out is not None else torch.empty(offset, dtype=torch.uint8)

@@ -30,8 +30,10 @@ class RecordingEngine:
 
     dtype = torch.float32
 
-    def __init__(self, holds: str = "same", die_at: int | None = None, fail_on: str | None = None):
+    def __init__(self, holds: str = "same", die_at: int | None = None, fail_on: str | None = None,
+                 quantization: str | None = None):
         self.holds, self.die_at, self.fail_on, self.buckets = holds, die_at, fail_on, 0
+        self.quantization = quantization  # declared to the sender: "fp8" asks for DeepSeek's block FP8
         self.digests: dict[str, str] = {}  # every byte received, per tensor
 
     def begin_weight_update(self):
@@ -118,6 +120,29 @@ def test_engine_receives_every_tensor_intact(tiny_model_dir, transport, layout):
     assert set(held) == set(sent_all) == set(ckpt.names())  # tied/padded rows never travel twice
     for name in ckpt.names():  # what arrived is the checkpoint, bit for bit
         assert held[name] == tensor_checksum(ckpt.read(name).float()), name
+
+
+def test_an_fp8_engine_receives_block_fp8_of_the_weights(tiny_model_dir):
+    """An engine that holds DeepSeek's FP8 format gets each bucket quantised on the way (TP2: the
+    export assembles whole tensors first): FP8 weights and float32 block scales, bit for bit those
+    of quantising the checkpoint, and every other tensor as before."""
+    from mrl.bridge.hf_checkpoint import HFCheckpoint
+    from mrl.quant.fp8 import FP8, SCALE_SUFFIX, quantize_pairs
+
+    hf_dir = tiny_model_dir("deepseek_v3")
+    proc, endpoint, results = _start_engine(quantization="fp8")
+    assert endpoint.quantization == "fp8"
+    run_local(_push, 2, str(hf_dir), ParallelLayout(tp=2), endpoint, "colocated", 60)
+    status, tensors, mismatched, held, digests = results.get(timeout=60)
+    proc.join(timeout=10)
+    assert status == "ok" and not mismatched
+    ckpt = HFCheckpoint(hf_dir)
+    expected = dict(quantize_pairs((n, ckpt.read(n).float()) for n in ckpt.names()))
+    fp8 = [n for n, t in expected.items() if t.dtype == FP8]
+    assert fp8 and all(n + SCALE_SUFFIX in digests for n in fp8)  # the linear projections, with their scales
+    assert set(digests) == set(expected)
+    for name, tensor in expected.items():
+        assert digests[name] == hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(), name
 
 
 def _push_until_error(rank, world, hf_dir, layout, endpoint, transport, timeout_s, sync_id="sync0"):
