@@ -463,16 +463,12 @@ def megatron(archs: list[str], workdir: Path) -> None:
         emit("megatron", arch=arch, **got)
 
 
-def _ragged_batch(vocab: int, lengths=(9, 18, 3, 14, 6), prompt: int = 4, width: int = 24) -> dict:
-    """Random prompts and responses of `lengths` tokens, right-padded (as the policy tests' batch)."""
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.zeros(len(lengths), width + 1, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width)
-    for row, length in enumerate(lengths):
-        tokens[row, : prompt + length] = torch.randint(3, vocab, (prompt + length,), generator=generator)
-        mask[row, prompt - 1 : prompt - 1 + length] = 1.0
-    advantages = torch.randn(len(lengths), 1, generator=generator).expand(-1, width) * mask
-    return {"tokens": tokens, "response_mask": mask, "advantages": advantages.contiguous()}
+def _ragged_batch(vocab: int) -> dict:
+    """The policy tests' batch: 5 prompts of 4 tokens, responses of 3..18 tokens, right-padded."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from fixtures.rollout import ragged_rollout_batch
+
+    return ragged_rollout_batch(vocab, [9, 18, 3, 14, 6])
 
 
 def _train_rank(rank: int, world: int, hf_dir: str) -> dict:

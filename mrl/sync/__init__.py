@@ -3,7 +3,9 @@
 Every trainer rank calls `WeightSender.push` (sender.py); the engine's process calls
 `WeightReceiver.receive` (receiver.py); the driver runs both and the parity gate (driver.py,
 parity.py). Modules: wire (buckets, pack/unpack, checksums), channel (the transport), sender,
-receiver, parity, driver, plan (sync.apply in_place: where each HF slice lands in the engine). The input is the bridge's export; nothing here knows Megatron's layout.
+receiver, cuda_ipc, parity, driver, plan (sync.apply in_place: where each HF slice lands in the
+engine). The input is the bridge's export (or any buckets: sender.BucketSender); nothing here knows
+Megatron's layout.
 
 The bridge's export (mrl/bridge/export.py) assembles HF tensors bucket by bucket on a leader rank,
 which hands each bucket to the engines over a *channel*: a gloo group of 1 + N members (the leader
@@ -15,9 +17,14 @@ offsets, checksums) and then the bytes to all engines at once:
 - "broadcast": the bytes go through the channel itself, and every pipeline stage has its own
   leader and channel, so stages export and send in parallel (the engines may sit on other nodes);
 - "colocated": one leader (global rank 0) for the whole model; the bytes are written once into a
-  shared-memory file that every engine maps (same node; on GPUs this is the place of CUDA IPC);
-  the leader unlinks each file once every engine has mapped it (a barrier), or at the end after a
-  failure: exactly once either way.
+  shared-memory file that every engine maps (same node); the leader unlinks each file once every
+  engine has mapped it (a barrier), or at the end after a failure: exactly once either way. When
+  the engines declare a CUDA device and the export's buckets are on a GPU, the bucket is packed in
+  GPU memory instead and each engine maps it through a CUDA IPC handle (cuda_ipc.py): no host copy.
+
+A GPU's buckets go on the broadcast wire from one pinned host buffer (sender.Staging). An engine
+that declares `quantization: "fp8"` (DeepSeek's block FP8) gets each bucket quantised where it was
+made (mrl.quant.fp8.quantize_pairs): FP8 weights and float32 scales travel as they are.
 
 The leader pipelines: its calling thread exports bucket k + 1 (the export's collectives) while a
 sender thread packs and sends bucket k (at most two buckets, plus the tensor being packed, alive);

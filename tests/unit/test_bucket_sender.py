@@ -63,7 +63,7 @@ def test_buckets_of_any_origin_arrive_bitwise(transport):
     assert all(torch.equal(engine.params[n], model[n]) for n in names)
 
 
-def test_the_engine_declares_its_device_and_one_sync_feeds_one_device():
+def test_the_engine_declares_its_device_and_one_sync_feeds_one_kind_of_engine():
     assert WeightReceiver(HoldingEngine({}), timeout_s=5).endpoint.device == "cpu"  # no attribute: host memory
     assert WeightReceiver(HoldingEngine({}, device="cuda:0"), timeout_s=5).endpoint.device == "cuda"
     host = SyncEndpoint("127.0.0.1", 1, "torch.float32")
@@ -72,6 +72,11 @@ def test_the_engine_declares_its_device_and_one_sync_feeds_one_device():
         BucketSender([host, gpu], transport="broadcast")
     with pytest.raises(ValueError, match="unknown weight-sync transport 'nccl'"):
         BucketSender(host, transport="nccl")
+    fp8 = SyncEndpoint("127.0.0.1", 3, "torch.bfloat16", quantization="fp8")
+    with pytest.raises(ValueError, match="one dtype, device and quantization"):
+        BucketSender([fp8, SyncEndpoint("127.0.0.1", 4, "torch.bfloat16")], transport="broadcast")
+    with pytest.raises(ValueError, match="'awq'-quantised weights; the weight sync produces unquantised or block-FP8"):
+        BucketSender(SyncEndpoint("127.0.0.1", 5, "torch.bfloat16", quantization="awq"), transport="broadcast")
 
 
 def test_checksums_read_back_at_once_equal_one_by_one():
