@@ -68,7 +68,7 @@ def test_the_engine_declares_its_device_and_one_sync_feeds_one_kind_of_engine():
     assert WeightReceiver(HoldingEngine({}, device="cuda:0"), timeout_s=5).endpoint.device == "cuda"
     host = SyncEndpoint("127.0.0.1", 1, "torch.float32")
     gpu = SyncEndpoint("127.0.0.1", 2, "torch.float32", device="cuda")
-    with pytest.raises(ValueError, match="one dtype and device"):
+    with pytest.raises(ValueError, match="one dtype, device and quantization"):
         BucketSender([host, gpu], transport="broadcast")
     with pytest.raises(ValueError, match="unknown weight-sync transport 'nccl'"):
         BucketSender(host, transport="nccl")
