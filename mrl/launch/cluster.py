@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Iterator
 
 import ray
@@ -170,7 +171,8 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
     fleet, groups = None, []
     try:
         if with_engine:
-            fleet = EngineFleet.start(hf_dir, engine_options(cfg), engines, num_cpus=1, num_gpus=engine_gpus,
+            fleet = EngineFleet.start(engine_checkpoint(cfg, hf_dir), engine_options(cfg), engines, num_cpus=1,
+                                      num_gpus=engine_gpus,
                                       sync_timeout_s=cfg.sync.timeout_s, timeout_s=cfg.sync.timeout_s)
         setup = ActorSetup(hf_dir=hf_dir, layout=layout_of(cfg), params_dtype=cfg.model.dtype,
                            transformer_impl=cfg.model.transformer_impl, recompute=recompute_of(cfg), fp8=cfg.model.fp8,
@@ -221,9 +223,21 @@ def local_ray(num_cpus: int) -> Iterator[None]:
             ray.shutdown()
 
 
+def engine_checkpoint(cfg: RunConfig, hf_dir: str) -> str:
+    """The directory the engines load: `hf_dir`, or for rollout.quantization fp8 its block-FP8 twin,
+    written under trainer.output_dir at every start (an FP8 `hf_dir` is loaded as it is)."""
+    from mrl.bridge.dequantize import write_quantized
+    from mrl.bridge.hf_checkpoint import HFCheckpoint
+
+    if cfg.rollout.quantization != "fp8" or HFCheckpoint(hf_dir).fp8 is not None:
+        return hf_dir
+    return write_quantized(hf_dir, Path(cfg.trainer.output_dir) / "rollout_fp8", force=True)["out"]
+
+
 def generate_once(cfg: RunConfig, hf_dir: str, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list:
     """Generate with a one-off engine on `hf_dir` in its own actor (vLLM runs one engine per process)."""
-    engine = EngineHandle(start_rollout_actor(hf_dir, engine_options(cfg)), cfg.sync.timeout_s)
+    engine = EngineHandle(start_rollout_actor(engine_checkpoint(cfg, hf_dir), engine_options(cfg)),
+                          cfg.sync.timeout_s)
     try:
         return engine.generate(prompt_ids, sampling)
     finally:

@@ -94,7 +94,7 @@ class Run:
             distributed_optimizer=cfg.optim.use_distributed_optimizer is not False,
             micro=micro, micro_batches=count, critic=cfg.algo.advantage_estimator == "gae",
             reference=cfg.algo.kl_coef > 0, colocated=not separate, engine_tp=r.tensor_parallel_size,
-            engine_dtype=r.dtype, quantization=getattr(r, "quantization", None),
+            engine_dtype=r.dtype, quantization=r.quantization,
             gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=r.max_model_len, sequences=sequences,
             transformer_impl=cfg.model.transformer_impl, split_problems=split, budget_problems=tuple(budget),
             optimizer_on_gpu=1.0 - cfg.optim.offload_fraction, recompute=recompute_of(cfg),
@@ -210,10 +210,9 @@ class Plan:
 
 
 def engine_plan(shape: ModelShape, cfg: RunConfig, tp: int, gpu_bytes: int) -> EnginePlan:
-    """The rollout engine of `cfg` at tensor-parallel size `tp` (rollout.quantization when the
-    schema has it: fp8 weights)."""
+    """The rollout engine of `cfg` at tensor-parallel size `tp` (rollout.quantization fp8: FP8 weights)."""
     r = cfg.rollout
-    return _engine(shape, tp, r.dtype, getattr(r, "quantization", None), r.gpu_memory_utilization, r.max_model_len,
+    return _engine(shape, tp, r.dtype, r.quantization, r.gpu_memory_utilization, r.max_model_len,
                    cfg.data.batch_size * r.n_samples_per_prompt, gpu_bytes)
 
 

