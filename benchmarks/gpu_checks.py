@@ -54,13 +54,11 @@ GB = 1e9
 MB = 1 << 20
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-RESULTS: list[dict] = []
 
 
 def emit(section: str, **row) -> None:
     """Print a result and append it to OUT/gpu_checks.jsonl at once (a run cut short keeps what it had)."""
     row = {"section": section, **row}
-    RESULTS.append(row)
     print(json.dumps(row), flush=True)
     if OUT is not None:
         with open(OUT / "gpu_checks.jsonl", "a") as f:
