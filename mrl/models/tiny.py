@@ -242,14 +242,33 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, force: bool 
 
 
 def write_fp8_twin(src_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
-    """Write the FP8 twin of the unquantised HF directory src_dir to out_dir and return its path
-    (mrl.bridge.dequantize.write_quantized: DeepSeek-V3's block FP8, its `quantization_config`)."""
-    from mrl.bridge.dequantize import write_quantized
+    """Write the FP8 twin of the unquantised HF directory src_dir to out_dir and return its path.
 
-    config = json.loads((Path(src_dir) / "config.json").read_text())
+    For the tiny zoo: holds the model in memory and writes one model.safetensors. Non-weight files
+    are copied; config.json gains DeepSeek-V3's `quantization_config`. (`mrl convert hf-to-fp8`,
+    mrl.bridge.dequantize.write_quantized, does the same shard by shard for any checkpoint; the zoo
+    sits below mrl.bridge, so it keeps this small copy.)
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from mrl.checkpoint_dir import copy_hf_metadata
+    from mrl.quant.fp8 import QUANTIZATION_CONFIG, quantize_pairs
+
+    src, out = Path(src_dir), Path(out_dir)
+    config = json.loads((src / "config.json").read_text())
     if config.get("quantization_config"):
-        raise ValueError(f"{src_dir} is already quantised (config.json has quantization_config): pass an unquantised model.")
-    return Path(write_quantized(src_dir, out_dir, force=force)["out"])
+        raise ValueError(f"{src} is already quantised (config.json has quantization_config): pass an unquantised model.")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            tensors.update(quantize_pairs((name, f.get_tensor(name)) for name in f.keys()))
+    with _staged(out, force) as staging:
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        copy_hf_metadata(src, staging)
+        config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
 
 
 @contextlib.contextmanager

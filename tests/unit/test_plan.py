@@ -178,8 +178,14 @@ def test_cli(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "short by" in out and "verdict: does not fit" in out and "does not fit: its weights exceed" in out
     assert plan_main([RECIPE, f"model.path={FIXTURE}", *AS_WRITTEN, "--json", "--gpu-memory-gb", "1000",
-                      "optim.max_tokens_per_micro_batch=34816", "rollout.quantization=fp8"]) == 2  # no such key yet
-    assert "unknown key 'rollout.quantization'" in capsys.readouterr().err
+                      "optim.max_tokens_per_micro_batch=34816", "rollout.quantization=fp8"]) == 2  # in_place: refused
+    assert "rollout.quantization 'fp8' needs sync.apply: load_weights" in capsys.readouterr().err
+    # FP8 engines: the setting reaches the plan (half the bf16 weights at TP16)
+    assert plan_main([RECIPE, f"model.path={FIXTURE}", *AS_WRITTEN, "--json", "--gpu-memory-gb", "1000",
+                      "optim.max_tokens_per_micro_batch=34816", "rollout.quantization=fp8",
+                      "sync.apply=load_weights"]) == 0
+    engine = json.loads(capsys.readouterr().out)["engine"]
+    assert engine["quantization"] == "fp8" and 0.66e12 / 16 < engine["weights"] < 0.7e12 / 16, engine
     assert plan_main([RECIPE, f"model.path={FIXTURE}", *AS_WRITTEN, "--json", "--gpu-memory-gb", "1000",
                       "optim.max_tokens_per_micro_batch=34816"]) == 0
     result = json.loads(capsys.readouterr().out)
