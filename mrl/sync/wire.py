@@ -57,16 +57,21 @@ def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float]:
     sums; a handful of corrupted elements may not. It names the tensor behind a failed parity
     check; it is not a hash.
     """
-    return tuple(checksum_sums(tensor).tolist())
+    first, second = _sums(tensor)
+    return first.item(), second.item()  # no stack: the engine checksums every copied region twice
 
 
 def checksum_sums(tensor: torch.Tensor) -> torch.Tensor:
     """tensor_checksum's two sums as a tensor on the tensor's device: a GPU computes many without
     waiting for each (`checksums_of` reads them all back at once)."""
+    return torch.stack(_sums(tensor))
+
+
+def _sums(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     flat = tensor.reshape(-1)
     if flat.dtype == torch.float8_e4m3fn:  # no sum of FP8 in torch: its bytes, as numbers, stand for it
         flat = flat.view(torch.uint8)
-    return torch.stack((flat[::61].sum(dtype=torch.float64), flat[30::61].sum(dtype=torch.float64)))
+    return flat[::61].sum(dtype=torch.float64), flat[30::61].sum(dtype=torch.float64)
 
 
 def checksums_of(sums: list[torch.Tensor]) -> list[tuple[float, float]]:
