@@ -105,13 +105,17 @@ def bandwidth(nbytes: int = 1 << 30) -> dict:
 
 # --- sync ------------------------------------------------------------------------------------------
 
+def bf16_bytes(specs) -> int:
+    return sum(2 * torch.Size(shape).numel() for _, shape in specs)
+
+
 def model_specs(size_gb: float) -> list[tuple[str, tuple[int, ...]]]:
     """A transformer-like mix of tensor sizes (bf16), with HF names (FP8 quantises the projections):
     per layer four 4096² projections, eight 1536×4096 expert matrices and two norms (~224 MB)."""
     per_layer = [(f"self_attn.{w}_proj", (4096, 4096)) for w in "qkvo"]
     per_layer += [(f"mlp.experts.{e}.{w}_proj", (1536, 4096)) for e in range(4) for w in ("up", "down")]
     per_layer += [("input_layernorm", (4096,)), ("post_attention_layernorm", (4096,))]
-    layer_bytes = sum(2 * torch.Size(s).numel() for _, s in per_layer)
+    layer_bytes = bf16_bytes(per_layer)
     layers = max(1, round(size_gb * GB / layer_bytes))
     return [(f"model.layers.{i}.{n}.weight", s) for i in range(layers) for n, s in per_layer]
 
@@ -226,7 +230,7 @@ def sync_case(specs, transport: str, announce: str, repeats: int, bucket_bytes: 
     try:
         endpoint = endpoints.get(timeout=180)
         sender = BucketSender(endpoint, transport=transport, timeout_s=60, who=f"trainer ({transport}, {announce})")
-        total = sum(2 * torch.Size(s).numel() for _, s in specs)
+        total = bf16_bytes(specs)
         for version in versions:
             tensors = values(specs, version, DEVICE)
             sync_device()
@@ -255,7 +259,7 @@ def sync_case(specs, transport: str, announce: str, repeats: int, bucket_bytes: 
 
 def sync(size_gb: float, repeats: int, bucket_mb: int, d2d: float, cases: list[str]) -> None:
     specs = model_specs(size_gb)
-    emit("sync_model", tensors=len(specs), gb=round(sum(2 * torch.Size(s).numel() for _, s in specs) / GB, 3))
+    emit("sync_model", tensors=len(specs), gb=round(bf16_bytes(specs) / GB, 3))
     table = {"cuda_ipc": ("colocated", "cuda", None), "shm": ("colocated", "cpu", None),
              "broadcast": ("broadcast", "cpu", None), "cuda_ipc_fp8": ("colocated", "cuda", "fp8"),
              "shm_fp8": ("colocated", "cpu", "fp8")}
@@ -400,26 +404,35 @@ def _sync_from_megatron(built, coords, hf_dir: str) -> dict:
         proc.join(30)
 
 
-def _megatron_rank(rank: int, world: int, hf_dir: str) -> dict:
-    from mrl.bridge.export import iter_hf_weights
-    from mrl.bridge.hf_checkpoint import HFCheckpoint
+def _one_rank_model(hf_dir: str, out: dict) -> tuple:
+    """(spec, coords, built): the HF model on one Megatron rank, on this device. `out["step"]` names
+    the stage reached (a failure's report says which one broke), `out["device"]` the weights' device."""
     from mrl.bridge.hf_import import load_hf_weights
-    from mrl.bridge.verify import probe_tokens
     from mrl.layout import ParallelLayout
-    from mrl.megatron.forward import forward_logits
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import initialize_layout
     from mrl.models.registry import model_spec_from_hf
 
-    out: dict = {"step": "initialize_layout"}
+    out["step"] = "initialize_layout"
+    spec = model_spec_from_hf(hf_dir)
+    coords = initialize_layout(ParallelLayout())
+    out["step"] = "build_model"
+    built = build_model(spec, ParallelLayout())
+    out["device"] = str(built.device)
+    out["step"] = "load_hf_weights"
+    load_hf_weights(built, coords, hf_dir)
+    return spec, coords, built
+
+
+def _megatron_rank(rank: int, world: int, hf_dir: str) -> dict:
+    from mrl.bridge.export import iter_hf_weights
+    from mrl.bridge.hf_checkpoint import HFCheckpoint
+    from mrl.bridge.verify import probe_tokens
+    from mrl.megatron.forward import forward_logits
+
+    out: dict = {}
     try:
-        spec = model_spec_from_hf(hf_dir)
-        coords = initialize_layout(ParallelLayout())
-        out["step"] = "build_model"
-        built = build_model(spec, ParallelLayout())
-        out["device"] = str(built.device)
-        out["step"] = "load_hf_weights"
-        load_hf_weights(built, coords, hf_dir)
+        spec, coords, built = _one_rank_model(hf_dir, out)
         out["step"] = "forward_logits"
         out["logits"] = forward_logits(built, probe_tokens(spec.vocab_size))
         out["step"] = "export"
@@ -470,20 +483,12 @@ def _ragged_batch(vocab: int) -> dict:
 
 
 def _train_rank(rank: int, world: int, hf_dir: str) -> dict:
-    from mrl.bridge.hf_import import load_hf_weights
-    from mrl.layout import ParallelLayout
-    from mrl.megatron.model import build_model
-    from mrl.megatron.parallel import initialize_layout
     from mrl.megatron.policy import compute_logprobs, update_actor
     from mrl.megatron.training import OptimConfig, make_trainable
-    from mrl.models.registry import model_spec_from_hf
 
-    out: dict = {"step": "build"}
+    out: dict = {}
     try:
-        spec = model_spec_from_hf(hf_dir)
-        coords = initialize_layout(ParallelLayout())
-        built = build_model(spec, ParallelLayout())
-        load_hf_weights(built, coords, hf_dir)
+        spec, _, built = _one_rank_model(hf_dir, out)
         out["step"] = "make_trainable"
         trainable = make_trainable(built, OptimConfig(lr=1e-3))
         out["optimizer"] = type(trainable.optimizer).__name__
@@ -515,23 +520,16 @@ def _actor_offload_rank(rank: int, world: int, hf_dir: str) -> dict:
     """Two PPO updates of a Megatron actor, with and without an offload round trip of its weights,
     gradient buffers and optimizer state between them (trainer.offload_actor_during_rollout's
     StateOffloader over mrl.megatron.offload.trainable_tensors)."""
-    from mrl.bridge.hf_import import load_hf_weights
-    from mrl.layout import ParallelLayout
-    from mrl.megatron.model import build_model
     from mrl.megatron.offload import StateOffloader, trainable_tensors
-    from mrl.megatron.parallel import destroy_layout, initialize_layout
+    from mrl.megatron.parallel import destroy_layout
     from mrl.megatron.policy import compute_logprobs, update_actor
     from mrl.megatron.training import OptimConfig, make_trainable
-    from mrl.models.registry import model_spec_from_hf
 
     out: dict = {}
     try:
         finals = []
         for offload in (False, True):
-            coords = initialize_layout(ParallelLayout())
-            spec = model_spec_from_hf(hf_dir)
-            built = build_model(spec, ParallelLayout())
-            load_hf_weights(built, coords, hf_dir)
+            spec, _, built = _one_rank_model(hf_dir, {})
             trainable = make_trainable(built, OptimConfig(lr=1e-3))
             batch = _ragged_batch(spec.vocab_size)
 

@@ -52,12 +52,12 @@ class WeightSender:
 
     def __init__(self, endpoints: SyncEndpoint | list[SyncEndpoint], built: Any, coords: Any, *,
                  transport: str = "broadcast", bucket_bytes: int, timeout_s: float = 300.0, pipeline: bool = True):
-        self.endpoints = _endpoints(endpoints, transport)
+        endpoints = _endpoints(endpoints, transport)  # refused on every rank before any collective
         self.built, self.coords = built, coords
         self.transport, self.bucket_bytes, self.timeout_s = transport, bucket_bytes, timeout_s
         self.group, self.leader, self.stage = self._export_group()
         self.plan = self._export_plan()
-        self.buckets = BucketSender(self.endpoints, transport=transport, timeout_s=timeout_s, pipeline=pipeline,
+        self.buckets = BucketSender(endpoints, transport=transport, timeout_s=timeout_s, pipeline=pipeline,
                                     who=f"rank {coords.rank} (PP stage {self.stage})", stage=self.stage)
 
     def _export_group(self) -> tuple[Any, int, int]:
