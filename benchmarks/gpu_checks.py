@@ -163,27 +163,25 @@ class TensorEngine:
     def begin_weight_update(self):
         from mrl.sync.wire import WeightUpdateReport
 
-        self.report, self.sums, self.load = WeightUpdateReport(), {}, 0.0
+        self.report, self.held, self.load = WeightUpdateReport(), {}, 0.0
 
     def load_weights(self, bucket):
-        from mrl.sync.wire import checksum_sums
-
         start = time.perf_counter()
         for name, tensor in bucket:
             param = self.params[name]
             param.copy_(tensor, non_blocking=True)
-            self.sums[name] = checksum_sums(param)
+            self.held[name] = param
             self.report.tensors += 1
             self.report.bytes += param.nbytes
         self.report.load_seconds += time.perf_counter() - start
 
     def finish_weight_update(self):
-        from mrl.sync.wire import checksums_of
+        from mrl.sync.wire import checksums
 
         start = time.perf_counter()
         sync_device()
-        self.report.checksums = dict(zip(self.sums, checksums_of(list(self.sums.values()))))
-        self.report.not_updated = [n for n in self.params if n not in self.sums]
+        self.report.checksums = dict(zip(self.held, checksums(list(self.held.values()))))
+        self.report.not_updated = [n for n in self.params if n not in self.held]
         self.report.finish_seconds = time.perf_counter() - start
         return self.report
 

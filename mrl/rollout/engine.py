@@ -98,7 +98,10 @@ class RolloutEngine(Protocol):
 
     def begin_weight_update(self) -> None: ...
 
-    def load_weights(self, bucket: Bucket) -> None: ...
+    def load_weights(self, bucket: Bucket) -> None:
+        """One bucket. An engine that loads in other processes may also offer
+        `load_shared(header, flat)`: the receiver then hands it buckets left in shared memory as
+        their header (mrl.sync.wire.shared_bytes maps them in any process) and its own view."""
 
     def finish_weight_update(self) -> WeightUpdateReport:
         """Post-load processing (e.g. MLA's derived matrices), prefix-cache reset, the report; the

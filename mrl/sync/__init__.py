@@ -18,9 +18,12 @@ offsets, checksums) and then the bytes to all engines at once:
   leader and channel, so stages export and send in parallel (the engines may sit on other nodes);
 - "colocated": one leader (global rank 0) for the whole model; the bytes are written once into a
   shared-memory file that every engine maps (same node); the leader unlinks each file once every
-  engine has mapped it (a barrier), or at the end after a failure: exactly once either way. When
+  engine has loaded it (a barrier), or at the end after a failure: exactly once either way. When
   the engines declare a CUDA device and the export's buckets are on a GPU, the bucket is packed in
   GPU memory instead and each engine maps it through a CUDA IPC handle (cuda_ipc.py): no host copy.
+  An engine that loads in other processes (vLLM's workers: `load_shared`) is handed the header and
+  its workers map the bytes themselves: nothing is pickled into a message to them, and each worker
+  of a TP engine reads only the slices its sync plan copies.
 
 A GPU's buckets go on the broadcast wire from one pinned host buffer (sender.Staging). An engine
 that declares `quantization: "fp8"` (DeepSeek's block FP8) gets each bucket quantised where it was

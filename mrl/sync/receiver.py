@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from mrl.sync.channel import IDENTITY_KEY, Channel, SyncEndpoint, accept_kept
-from mrl.sync.wire import SyncError, WeightUpdateReport, checksums_match, describe, describe_failure, error_key, unpack
+from mrl.sync.wire import (SyncError, WeightUpdateReport, checksums_match, describe, describe_failure, error_key,
+                           shared_bytes, unpack)
 
 
 
@@ -65,6 +66,8 @@ class WeightReceiver:
         peers: list[dict] = []  # the other engines' errors, heard in their answers to the end marker
         outcome: dict[str, Any] = {}  # {"error": ..., "tensor": ...} once the update failed
         # At most one bucket per channel waits here while the engine loads another: bounded memory.
+        # A bucket in shared memory stays the sender's until this engine has loaded it (the channel
+        # waits for `done` before telling the sender).
         arrivals: queue.Queue = queue.Queue(maxsize=channels)
         loaded = threading.Event()  # set once the update is finished or failed: the channels answer
         threads = [threading.Thread(target=self._serve, args=(sync_id, c, arrivals, loaded, outcome, fanout, peers),
@@ -117,27 +120,39 @@ class WeightReceiver:
             # Every channel wait inside _serve has its own timeout and reports here; this one only
             # guards against a receiving thread that stopped without a word.
             try:
-                channel_index, header, bucket = arrivals.get(timeout=self.timeout_s * 2)
+                channel_index, header, flat, done = arrivals.get(timeout=self.timeout_s * 2)
             except queue.Empty:
                 raise SyncError(f"engine: no bucket from any of {open_channels} open channel(s) "
                                 f"within {self.timeout_s * 2:.0f}s (sync {sync_id!r})") from None
-            if bucket is None or isinstance(bucket, BaseException):  # that channel is done
+            if flat is None or isinstance(flat, BaseException):  # that channel is done
                 open_channels -= 1
-                if bucket is not None and not outcome:
-                    self._fail(sync_id, outcome, bucket, None, fanout)
-                elif bucket is None and header.get("abort") and not outcome:
+                if flat is not None and not outcome:
+                    self._fail(sync_id, outcome, flat, None, fanout)
+                elif flat is None and header.get("abort") and not outcome:
                     outcome.update(header["abort"])  # another engine failed: this update is void too
                 continue
-            if outcome:
-                continue
-            sent.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
             try:
-                self.engine.load_weights(bucket)
-                if "cuda_ipc" in header:  # the leader's memory may be reused once this view is dropped:
-                    torch.cuda.synchronize()  # the engine's copies out of it must be done first
+                if not outcome:
+                    sent.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
+                    self._load(header, flat)
             except Exception as err:  # noqa: BLE001 - reported to every sender, then raised
                 self._fail(sync_id, outcome, err, header, fanout)
+            finally:
+                del flat
+                done.set()  # its channel may now tell the sender
         return sent
+
+    def _load(self, header: dict, flat: torch.Tensor) -> None:
+        """One bucket into the engine. An engine that loads in other processes (vLLM's workers) is
+        handed a bucket in shared memory as the header, which its processes map themselves: the
+        bytes are never copied into a message to them."""
+        load_shared = getattr(self.engine, "load_shared", None)
+        if load_shared is not None and ("shm" in header or "cuda_ipc" in header):
+            load_shared(header, flat)
+        else:
+            self.engine.load_weights(unpack(header, flat))
+        if "cuda_ipc" in header:  # the leader's memory may be reused once the sender hears of this load:
+            torch.cuda.synchronize()  # the engine's copies out of it must be done first
 
     def _fail(self, sync_id: str, outcome: dict, err: BaseException, header: dict | None, fanout: _Fanout) -> None:
         """Record the update's first error and post it in the store, where every sender looks for
@@ -165,17 +180,21 @@ class WeightReceiver:
             who = "engine" if engines == 1 else f"engine {engine_index} of {engines}"
             who = f"{who} ← PP stage {channel_index}"
             channel, key = self._open(sync_id, channel_index, fanout, who)
-            index = 0
+            index, unreleased = 0, None
             while True:
                 header = channel.recv_json(f"waiting for bucket {index}")
                 if header.get("end"):
                     break
                 flat = self._data(channel, header, f"receiving bucket {index} ({describe(header)})")
-                if "shm" in header or "cuda_ipc" in header:  # the sender lets go once every engine has mapped it
-                    channel.barrier(f"telling the sender bucket {index}'s memory is mapped")
-                arrivals.put((channel_index, header, unpack(header, flat)))
+                done = threading.Event()
+                arrivals.put((channel_index, header, flat, done))
+                del flat
+                if "shm" in header or "cuda_ipc" in header:  # the sender's memory: given back once loaded
+                    self._release(channel, unreleased, who)
+                    unreleased = index, done
                 index += 1
-            arrivals.put((channel_index, header, None))
+            self._release(channel, unreleased, who)
+            arrivals.put((channel_index, header, None, None))
             if not loaded.wait(self.timeout_s):
                 raise SyncError(f"{who}: the engine did not finish loading within {self.timeout_s:.0f}s")
             answers = channel.answers(dict(outcome) or {"ok": True}, "answering the end marker")
@@ -183,7 +202,19 @@ class WeightReceiver:
             self._kept[key] = channel  # every message of this sync went through: reusable
         except BaseException as err:  # noqa: BLE001 - surfaced by receive()
             self._connections.pop((fanout.hub.host, fanout.hub.port, channel_index), None)  # the hub may be gone
-            arrivals.put((channel_index, None, err))
+            arrivals.put((channel_index, None, err, None))
+
+    def _release(self, channel: Channel, unreleased: tuple[int, threading.Event] | None, who: str) -> None:
+        """Tell the sender (a barrier with every engine) that the shared-memory bucket before the
+        one just received is loaded: its memory may go. One bucket behind, so that the sender packs
+        bucket k + 1 while the engine loads bucket k, and the end marker does not wait for the last
+        load (mrl.sync.sender._Link.send)."""
+        if unreleased is None:
+            return
+        index, done = unreleased
+        if not done.wait(self.timeout_s):
+            raise SyncError(f"{who}: the engine did not load bucket {index} within {self.timeout_s:.0f}s")
+        channel.barrier(f"telling the sender bucket {index} is loaded (its memory may go)")
 
     def _open(self, sync_id: str, channel_index: int, fanout: _Fanout, who: str) -> tuple[Channel, tuple]:
         """This sync's channel: the one kept from the last sync if the sender still holds it too,
@@ -207,15 +238,8 @@ class WeightReceiver:
 
     @staticmethod
     def _data(channel: Channel, header: dict, what: str) -> torch.Tensor:
-        if "cuda_ipc" in header:
-            from mrl.sync.cuda_ipc import open_shared
-
-            return open_shared(header["cuda_ipc"])[: header["nbytes"]]
-        if "shm" not in header:
-            return channel.recv_bytes(header["nbytes"], what)
-        path = header["shm"]
-        flat = torch.from_file(path, shared=True, size=max(header["nbytes"], 1), dtype=torch.uint8)
-        return flat[: header["nbytes"]]  # the sender unlinks the file; the mapping stays valid
+        flat = shared_bytes(header)
+        return channel.recv_bytes(header["nbytes"], what) if flat is None else flat
 
 
 @dataclass(frozen=True)

@@ -201,7 +201,7 @@ def _engine_failed(store: Any, sync_id: str, who: str, index: int) -> bool:
 class _Link:
     """A leader's channel to every engine of this sync: sends buckets, the end marker, and hears
     each engine's answer. Colocated buckets travel in /dev/shm files that it unlinks exactly once:
-    when every engine has mapped one, or at close() after a failure."""
+    when every engine has loaded one, or at close() after a failure."""
 
     def __init__(self, sender: BucketSender, sync_id: str):
         self.sender, self.sync_id = sender, sync_id
@@ -222,26 +222,42 @@ class _Link:
                                    members=engines + 1)
         self.failed = False  # an engine posted an error: nothing more travels
         self.files: set[str] = set()  # shared-memory files not yet unlinked
+        self.unreleased: tuple[int, str | None, torch.Tensor] | None = None  # sent, not yet loaded by every engine
 
-    def send(self, index: int, bucket: Bucket, report: SentReport) -> None:
+    def send(self, index: int, bucket: Bucket, report: SentReport) -> int:
         """Pack and send one bucket (or drop it once an engine has failed: the export still runs to
-        its end, since its other ranks are sending shards to this one)."""
+        its end, since its other ranks are sending shards to this one). Returns how many buckets'
+        memory this let go: a bucket in shared memory goes once the engines loaded it, which they
+        say after the next header (or the end marker), so the engines load bucket k while this
+        packs bucket k + 1, and at most two are held."""
         self.failed = self.failed or _engine_failed(self.store, self.sync_id, self.who, index)
         if self.failed:
-            return
+            return 1
         header, flat = self._pack(bucket, index)
         del bucket
         what = f"sending bucket {index} ({describe(header)})"
         self.channel.send_json(header, what)
-        if "shm" in header or "cuda_ipc" in header:
-            # The engines map the memory; once all have, the file goes (their mappings stay), and the
-            # GPU buffer is dropped (torch's IPC reference count frees it when the engines drop theirs).
-            self.channel.barrier(f"waiting for the engines to map bucket {index}'s memory")
-            self._unlink(header.get("shm"))
-        else:
-            self.channel.send_bytes(flat, what)
         report.checksums.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
         report.bytes += header["nbytes"]
+        if "shm" not in header and "cuda_ipc" not in header:
+            self.channel.send_bytes(flat, what)
+            return 1
+        # Every process of every engine maps the memory itself (vLLM's workers too).
+        freed = self._release()
+        self.unreleased = index, header.get("shm"), flat
+        return freed
+
+    def _release(self) -> int:
+        """Once every engine has loaded the bucket sent before the last header (a barrier), its file
+        goes and its GPU buffer is dropped (torch's IPC reference count frees it when the engines
+        drop theirs); how many buckets that freed."""
+        if self.unreleased is None:
+            return 0
+        index, path, _ = self.unreleased
+        self.channel.barrier(f"waiting for the engines to load bucket {index}")
+        self.unreleased = None
+        self._unlink(path)
+        return 1
 
     def finish(self, report: SentReport) -> None:
         """Send the end marker (with the posted error, after a failure) and raise the first engine's error."""
@@ -249,6 +265,7 @@ class _Link:
         if self.failed:
             marker["abort"] = json.loads(self.store.get(error_key(self.sync_id)))
         self.channel.send_json(marker, "sending the end marker")
+        self._release()
         for answer in self.channel.answers(None, "waiting for the engine to finish loading"):
             if "error" in answer:
                 raise SyncError(f"{self.short}: {describe_failure(answer)}")
@@ -329,10 +346,12 @@ def _refuses(endpoint: SyncEndpoint) -> bool:
         return False
 
 
-def _pipelined(buckets: Iterable[Bucket], send: Callable[[int, Bucket], None], who: str, timeout_s: float) -> None:
+def _pipelined(buckets: Iterable[Bucket], send: Callable[[int, Bucket], int], who: str, timeout_s: float) -> None:
     """Export on the calling thread (its collectives stay there) while a thread sends the previous
-    bucket. Two slots: the bucket being sent and the one being exported. The thread's first error
-    is raised here, once the export has run to its end (its other ranks are sending to this one)."""
+    bucket. Two slots, each given back when a bucket's memory goes (`send` says how many went: a
+    bucket in shared memory goes when the engines have loaded it, after the next one is sent). The
+    thread's first error is raised here, once the export has run to its end (its other ranks are
+    sending to this one)."""
     slots = threading.Semaphore(2)
     handoff: queue.Queue = queue.Queue(maxsize=1)
     errors: list[BaseException] = []
@@ -350,14 +369,16 @@ def _pipelined(buckets: Iterable[Bucket], send: Callable[[int, Bucket], None], w
                 return
             index, bucket = item
             del item
+            freed = 1
             try:
                 if not errors:
-                    send(index, bucket)
+                    freed = send(index, bucket)
             except BaseException as err:  # noqa: BLE001 - raised on the calling thread
                 errors.append(err)
             finally:
                 del bucket
-                slots.release()
+                if freed:
+                    slots.release(freed)
             index += 1
 
     thread = threading.Thread(target=sending, name="mrl-sync-sender", daemon=True)
@@ -365,8 +386,8 @@ def _pipelined(buckets: Iterable[Bucket], send: Callable[[int, Bucket], None], w
     iterator, index = iter(buckets), 0
     while True:
         if not slots.acquire(timeout=timeout_s):
-            raise SyncError(f"{who}: the sender thread did not finish sending bucket {index - 2} within "
-                            f"{timeout_s:.0f}s (the export waited to assemble bucket {index})")
+            raise SyncError(f"{who}: bucket {index - 2} was not sent (or, in shared memory, loaded by the engines) "
+                            f"within {timeout_s:.0f}s (the export waited to assemble bucket {index})")
         bucket = next(iterator, None)
         if bucket is None:
             break

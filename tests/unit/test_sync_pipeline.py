@@ -33,6 +33,7 @@ def test_export_of_the_next_bucket_overlaps_sending_and_two_buckets_at_most():
             time.sleep(0.2)  # room for the export to (wrongly) start bucket 2
             seen_during_send.append(list(started))
         sent.append(index)
+        return 1  # this bucket's memory went with the send (the wire)
 
     _pipelined(_export(4, started), send, "rank 0", timeout_s=10)
     assert seen_during_send == [[0, 1]]  # bucket 1 exported while 0 was sent; bucket 2 waited
@@ -45,6 +46,7 @@ def test_a_sender_thread_error_surfaces_with_its_message_after_the_export_ends()
     def send(index, bucket):
         if index == 1:
             raise SyncError("rank 0: sending bucket 1 failed: the engine is gone")
+        return 1
 
     with pytest.raises(SyncError, match="sending bucket 1 failed: the engine is gone"):
         _pipelined(_export(5, started), send, "rank 0", timeout_s=10)
@@ -56,9 +58,27 @@ def test_a_stuck_sender_thread_is_an_error_naming_who_waited():
 
     def send(index, bucket):
         release.wait(10)
+        return 1
 
     try:
-        with pytest.raises(SyncError, match=r"rank 0: the sender thread did not finish sending bucket 0 within 1s"):
+        with pytest.raises(SyncError, match=r"rank 0: bucket 0 was not sent \(or, in shared memory, loaded by the "
+                                            r"engines\) within 1s \(the export waited to assemble bucket 2\)"):
             _pipelined(_export(3, []), send, "rank 0", timeout_s=1)
     finally:
         release.set()
+
+
+def test_a_shared_memory_bucket_holds_its_slot_until_the_engines_loaded_it():
+    """Shared memory (colocated): bucket k goes when the engines have loaded it, which the sender
+    hears while sending bucket k + 1 (send returns 0 for the first bucket, then 1). Bucket 2's
+    export waits for bucket 0 to go: two buckets at most, one packed while the other loads."""
+    started: list[int] = []
+    seen: list[list[int]] = []
+
+    def send(index, bucket):
+        time.sleep(0.1)  # room for the export to (wrongly) run ahead
+        seen.append(list(started))
+        return 0 if index == 0 else 1
+
+    _pipelined(_export(4, started), send, "rank 0", timeout_s=10)
+    assert seen == [[0, 1], [0, 1], [0, 1, 2], [0, 1, 2, 3]]  # the wire would show [0, 1, 2] in the second
