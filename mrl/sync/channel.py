@@ -27,6 +27,7 @@ class SyncEndpoint:
 
 
 IDENTITY_KEY = "mrl/engine-token"
+SHM_DIR = "/dev/shm"  # where colocated buckets (and a loading engine's received ones) are files
 
 
 def channel_count(transport: str, pipeline_stages: int) -> int:
@@ -79,8 +80,12 @@ class Channel:
 
     def recv_bytes(self, nbytes: int, what: str) -> torch.Tensor:
         flat = torch.empty(nbytes, dtype=torch.uint8)
-        self._broadcast(flat, what, 0)
+        self.recv_into(flat, what)
         return flat
+
+    def recv_into(self, flat: torch.Tensor, what: str) -> None:
+        """The sender's bytes into `flat` (uint8, the sent length): e.g. a shared-memory file."""
+        self._broadcast(flat, what, 0)
 
     def answers(self, mine: dict | None, what: str) -> list[dict]:
         """Every engine's answer, engine 0 first (`mine` is this engine's; the sender passes None)."""

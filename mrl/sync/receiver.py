@@ -5,6 +5,7 @@ it), receives every channel in parallel and loads the buckets into the engine as
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mrl.sync.channel import IDENTITY_KEY, Channel, SyncEndpoint, accept_kept
+from mrl.sync.channel import IDENTITY_KEY, SHM_DIR, Channel, SyncEndpoint, accept_kept
 from mrl.sync.wire import (SyncError, WeightUpdateReport, checksums_match, describe, describe_failure, error_key,
                            shared_bytes, unpack)
 
@@ -139,6 +140,8 @@ class WeightReceiver:
                 self._fail(sync_id, outcome, err, header, fanout)
             finally:
                 del flat
+                if header.get("local"):  # received into this engine's own file: loaded, or never will be
+                    _unlink(header["shm"])
                 done.set()  # its channel may now tell the sender
         return sent
 
@@ -185,11 +188,12 @@ class WeightReceiver:
                 header = channel.recv_json(f"waiting for bucket {index}")
                 if header.get("end"):
                     break
-                flat = self._data(channel, header, f"receiving bucket {index} ({describe(header)})")
+                shared = "shm" in header or "cuda_ipc" in header  # the sender's memory: given back once loaded
+                flat, header = self._data(channel, header, f"receiving bucket {index} ({describe(header)})")
                 done = threading.Event()
                 arrivals.put((channel_index, header, flat, done))
                 del flat
-                if "shm" in header or "cuda_ipc" in header:  # the sender's memory: given back once loaded
+                if shared:
                     self._release(channel, unreleased, who)
                     unreleased = index, done
                 index += 1
@@ -236,10 +240,24 @@ class WeightReceiver:
                           members=fanout.engines + 1)
         return channel, key
 
-    @staticmethod
-    def _data(channel: Channel, header: dict, what: str) -> torch.Tensor:
+    def _data(self, channel: Channel, header: dict, what: str) -> tuple[torch.Tensor, dict]:
+        """A bucket's bytes and the header to load it by. Bytes on the wire, for an engine that
+        loads in other processes (`load_shared`), are received straight into a shared-memory file
+        of this engine's own ("local" in the header: unlinked once loaded), which its workers map
+        as they map a colocated sender's: no pickled copy to them either."""
         flat = shared_bytes(header)
-        return channel.recv_bytes(header["nbytes"], what) if flat is None else flat
+        if flat is not None:
+            return flat, header
+        if getattr(self.engine, "load_shared", None) is None:
+            return channel.recv_bytes(header["nbytes"], what), header
+        path = os.path.join(SHM_DIR, f"mrl-recv-{self.endpoint.port}-{uuid.uuid4().hex[:12]}")
+        try:
+            flat = torch.from_file(path, shared=True, size=max(header["nbytes"], 1), dtype=torch.uint8)
+            channel.recv_into(flat[: header["nbytes"]], what)
+        except BaseException:
+            _unlink(path)
+            raise
+        return flat[: header["nbytes"]], {**header, "shm": path, "local": True}
 
 
 @dataclass(frozen=True)
@@ -252,6 +270,13 @@ class _Fanout:
     index: int
     engines: int
     hub: SyncEndpoint
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _pending(arrivals: queue.Queue) -> list:

@@ -16,12 +16,11 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from mrl.sync.channel import IDENTITY_KEY, Channel, SyncEndpoint, channel_count, offer_kept
+from mrl.sync.channel import IDENTITY_KEY, SHM_DIR, Channel, SyncEndpoint, channel_count, offer_kept
 from mrl.sync.wire import Bucket, SyncError, describe, describe_failure, dtype_named, error_key, nbytes, pack
 
 TRANSPORTS = ("colocated", "broadcast")
 QUANTIZATIONS = (None, "fp8")  # what the sender can produce for an engine: as is, or DeepSeek's block FP8
-SHM_DIR = "/dev/shm"
 # TCPStore retries an unreachable port for its timeout, and its last try (plus a back-off) may
 # start just before that ends (measured: ~9.5 s with a 3 s timeout): wait 2 × timeout + this.
 CONNECT_GRACE_S = 5.0

@@ -55,8 +55,18 @@ class RecordingEngine:
         return self.report
 
 
+class MappingEngine(RecordingEngine):
+    """Loads as vLLM's workers do (VLLMEngine.load_shared): each bucket mapped anew from its header
+    by path or handle, as another process would, not from the receiver's view."""
+
+    def load_shared(self, header, flat):
+        from mrl.sync.wire import shared_bytes, unpack
+
+        self.load_weights(unpack(header, shared_bytes(header)))
+
+
 def _engine_process(endpoints, results, engine_kwargs, channels, delay_s, fanout=(1, 0, None), sync_id="sync0"):
-    engine = RecordingEngine(**engine_kwargs)
+    engine = (MappingEngine if engine_kwargs.pop("maps", False) else RecordingEngine)(**engine_kwargs)
     receiver = WeightReceiver(engine, timeout_s=60)
     endpoints.put(receiver.endpoint)
     time.sleep(delay_s)
@@ -254,19 +264,25 @@ def test_store_of_another_engine_is_refused(tiny_model_dir):
 
 # --- fan-out: one export, two engines ----------------------------------------------------------
 
-FANOUT_CASES = [(t, layout) for t in ("colocated", "broadcast") for layout in (ParallelLayout(tp=2), ParallelLayout(pp=2))]
+FANOUT_CASES = [(t, layout, False) for t in ("colocated", "broadcast") for layout in (ParallelLayout(tp=2), ParallelLayout(pp=2))]
+# Engines whose loading processes map each bucket themselves (vLLM's workers): the sender's file
+# must outlive their mapping (colocated), and bytes off the wire go into a file of the engine's own.
+FANOUT_CASES += [("colocated", ParallelLayout(tp=2), True), ("broadcast", ParallelLayout(pp=2), True)]
 
 
-@pytest.mark.parametrize("transport,layout", FANOUT_CASES, ids=lambda c: getattr(c, "describe", lambda: c)())
-def test_two_engines_receive_identical_bytes_from_one_export(tiny_model_dir, transport, layout):
+@pytest.mark.parametrize("transport,layout,maps", FANOUT_CASES,
+                         ids=lambda c: getattr(c, "describe", lambda: {True: "maps", False: "views"}.get(c, c))())
+def test_two_engines_receive_identical_bytes_from_one_export(tiny_model_dir, transport, layout, maps):
     """One push, two engines: each holds the checkpoint bit for bit (the same SHA-256 per tensor on
     both), and no shared-memory file is left behind."""
     from mrl.bridge.hf_checkpoint import HFCheckpoint
     from mrl.sync.channel import channel_count
 
     hf_dir = tiny_model_dir("qwen3")
-    sync_id = f"fanout-{transport}-{layout.describe()}-{os.getpid()}"
-    engines = _start_engines(2, channel_count(transport, layout.pp), sync_id)
+    sync_id = f"fanout-{transport}-{layout.describe()}-{maps}-{os.getpid()}"
+    before = set(glob.glob("/dev/shm/mrl-recv-*"))
+    each = {"maps": maps}
+    engines = _start_engines(2, channel_count(transport, layout.pp), sync_id, e0=each, e1=each)
     endpoints = [e[1] for e in engines]
     sent = run_local(_push, layout.min_world_size(), str(hf_dir), layout, endpoints, transport, 60, sync_id)
     outcomes = [results.get(timeout=60) for _, _, results in engines]
@@ -281,6 +297,7 @@ def test_two_engines_receive_identical_bytes_from_one_export(tiny_model_dir, tra
             assert held[name] == tensor_checksum(ckpt.read(name).float()), name
     assert outcomes[0][4] == outcomes[1][4]  # identical bytes in both engines
     assert not glob.glob(f"/dev/shm/mrl-sync-{sync_id}-*")  # every bucket's file unlinked
+    assert set(glob.glob("/dev/shm/mrl-recv-*")) <= before  # and every engine's own
 
 
 def test_error_in_engine_1_reaches_every_sender_naming_it(tiny_model_dir):
