@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import ray
 
-from mrl.launch.proxies import EngineError, EngineHandle, engine_died, engine_silent
+from mrl.launch.proxies import EngineError, EngineHandle, close_engines, engine_died, engine_silent
 from mrl.launch.rollout_actor import RolloutServer, launch_rollout_actor
 from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
 
@@ -128,14 +128,7 @@ class EngineFleet:
 
     def close(self) -> None:
         """Stop every engine, whatever fails on the way (the first error is raised at the end)."""
-        errors = []
-        for handle in self.handles:
-            try:
-                handle.close()
-            except Exception as err:  # noqa: BLE001 - the other engines must stop too
-                errors.append(err)
-        if errors:
-            raise errors[0]
+        close_engines(self.handles)
 
     # --- waiting ------------------------------------------------------------------------------
 

@@ -23,6 +23,8 @@ from mrl.sync.channel import SyncEndpoint
 from mrl.sync.wire import WeightUpdateReport
 from mrl.workers.actor import ActorSetup, MegatronActor
 
+SHUTDOWN_S = 10.0  # how long closing an engine waits for it to stop its worker processes before the kill
+
 
 def _checked(method: Callable, *args: Any, **kwargs: Any) -> str:
     """`method`'s name, once its signature accepts these arguments (self excluded)."""
@@ -222,4 +224,19 @@ class EngineHandle:
         return PendingReport(getattr(self.actor, name).remote(*args), self.timeout_s, self.name)
 
     def close(self) -> None:
-        ray.kill(self.actor)
+        close_engines([self])
+
+
+def close_engines(handles: Sequence[EngineHandle]) -> None:
+    """Stop every engine (its worker processes and their shared memory, all at once), then its
+    actor. A dead or unresponsive engine is killed all the same, after at most SHUTDOWN_S."""
+    stopping = [handle.submit(RolloutServer.shutdown) for handle in handles]
+    ray.wait(stopping, num_returns=len(stopping), timeout=SHUTDOWN_S)  # what failed to stop is killed anyway
+    errors = []
+    for handle in handles:
+        try:
+            ray.kill(handle.actor)
+        except Exception as err:  # noqa: BLE001 - the other engines must stop too; the first error is raised
+            errors.append(err)
+    if errors:
+        raise errors[0]

@@ -2,7 +2,8 @@
 
 The actor runs one call at a time (generate, score, a weight receipt), in order, except
 `interrupt`, which has a concurrency group of its own ("control") so that it reaches the engine
-while a generate runs: it only sets the engine's interrupt flag, never touches vLLM."""
+while a generate runs: it only sets the engine's interrupt flag, never touches vLLM; and
+`shutdown`, which stops the engine before the actor is killed, whatever it was doing."""
 
 from __future__ import annotations
 
@@ -55,6 +56,12 @@ class RolloutServer:
     def sleep(self) -> None:
         """Free accelerator memory until the next generate, score or weight update (which wake it)."""
         self.engine.sleep()
+
+    @ray.method(concurrency_group="control")
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes before the actor is killed: a killed actor leaves
+        vLLM's message queues behind in /dev/shm (measured: two files an engine, never freed)."""
+        self.engine.shutdown()
 
 
 def launch_rollout_actor(model: str, engine_options: dict[str, Any], *, num_cpus: float = 1,

@@ -609,6 +609,10 @@ class VLLMEngine:
             self.llm.sleep(level=1)
             self._sleeping = True
 
+    def shutdown(self) -> None:
+        """Stop vLLM's worker processes and free their message queues (shared memory)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def wake_up(self) -> None:
         if self._sleeping:
             self.llm.wake_up()

@@ -4,13 +4,15 @@
      for the same batch and sampling settings (the determinism the async modes' "η = 0 reproduces
      sync" rests on), and both engines had work.
   2. A hung engine (SIGSTOP) fails generate at the deadline, a killed one (SIGKILL) at once; both
-     errors name the engine and its node.
+     errors name the engine and its node. Closing the fleet then stops the live engine's workers,
+     whose shared memory goes with them.
   3. `mrl train` for two steps with rollout.num_engines=2: both engines generate each step and the
      parity gate passes on each after every sync.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
@@ -24,7 +26,7 @@ from mrl.rollout.engine import SamplingSettings
 
 ray = pytest.importorskip("ray")
 from mrl.launch.fleet import EngineError, EngineFleet  # noqa: E402
-from mrl.launch.proxies import EngineHandle  # noqa: E402
+from mrl.launch.proxies import SHUTDOWN_S, EngineHandle  # noqa: E402
 
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20)
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu_grpo.yaml"
@@ -35,9 +37,10 @@ SAMPLING = SamplingSettings(temperature=1.0, max_tokens=8, n=3, seed=11, ignore_
 
 @pytest.fixture(scope="module")
 def fleet(ray_local, tiny_model_dir):
-    start = time.monotonic()
+    start, shm = time.monotonic(), _shm()
     fleet = EngineFleet.start(str(tiny_model_dir("qwen3")), ENGINE, 2, timeout_s=60.0)
     print(f"2-engine fleet started in {time.monotonic() - start:.1f}s")
+    fleet.shm = _shm() - shm  # vLLM's message queues of both engines
     yield fleet
     fleet.close()
 
@@ -78,7 +81,16 @@ def test_a_killed_engine_fails_generate_at_once_naming_it(fleet):
     with pytest.raises(EngineError, match=rf"generate: rollout engine 1 of 2 \(node {fleet.nodes[1]}\) died"):
         fleet.generate(PROMPTS, SAMPLING)
     assert time.monotonic() - start < 30  # its deadline is 4 × 60 s
+    start = time.monotonic()
     fleet.close()  # frees the engines' memory and CPUs for the training run below
+    assert time.monotonic() - start < SHUTDOWN_S  # the dead engine does not hold up the live one's shutdown
+    # The live engine stopped its workers, which freed their shared memory: only the killed one's
+    # stays (a killed process frees nothing; before close() stopped engines first, both stayed).
+    assert len(fleet.shm) == 4 and len(fleet.shm & _shm()) == 2, (fleet.shm, _shm())
+
+
+def _shm() -> set[str]:
+    return set(glob.glob("/dev/shm/psm_*"))
 
 
 def test_train_with_two_engines_uses_both_and_gates_parity_on_each(tmp_path, tiny_model_dir, ray_local):
