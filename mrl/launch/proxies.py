@@ -230,9 +230,13 @@ class EngineHandle:
 def close_engines(handles: Sequence[EngineHandle]) -> None:
     """Stop every engine (its worker processes and their shared memory, all at once), then its
     actor. A dead or unresponsive engine is killed all the same, after at most SHUTDOWN_S."""
-    stopping = [handle.submit(RolloutServer.shutdown) for handle in handles]
+    stopping, errors = [], []
+    for handle in handles:
+        try:
+            stopping.append(handle.submit(RolloutServer.shutdown))
+        except Exception as err:  # noqa: BLE001 - every engine is killed below all the same
+            errors.append(err)
     ray.wait(stopping, num_returns=len(stopping), timeout=SHUTDOWN_S)  # what failed to stop is killed anyway
-    errors = []
     for handle in handles:
         try:
             ray.kill(handle.actor)

@@ -189,6 +189,11 @@ def _load_shared(worker: Any, header: dict, apply: str) -> list[str] | dict:
     """A bucket the sender left in shared memory (mrl.sync.wire.shared_bytes), mapped by this worker
     itself: _copy_in_place (apply "in_place") or _load, on views of the mapping."""
     bucket = unpack(header, shared_bytes(header))
+    if apply != "in_place" and "cuda_ipc" in header:
+        # The layer-wise reload keeps a layer's tensors until its last one arrives, possibly in a
+        # later bucket, and the sender's GPU memory is reused once this bucket is loaded: copies.
+        # (A file's mapping stays valid after the sender unlinks it: its views need no copy.)
+        bucket = [(name, tensor.clone()) for name, tensor in bucket]
     loaded = (_copy_in_place if apply == "in_place" else _load)(worker, bucket)
     if "cuda_ipc" in header:  # the sender frees the memory once the engine reports this bucket loaded
         torch.cuda.synchronize()

@@ -1,9 +1,11 @@
 """The colocated transport on GPUs: the leader packs a bucket into GPU memory and hands every
 engine a CUDA IPC handle to it; each engine maps the same memory (no host copy on either side).
 
-The handle is torch's own (torch.multiprocessing.reductions): it carries a reference count that
-keeps the memory alive after the leader drops the bucket, until every engine has dropped its view
-too, and an event that orders the engine's reads after the leader's packing. It travels in the
+The handle is torch's own (torch.multiprocessing.reductions), with an event that orders the
+engine's reads after the leader's packing. Its reference count is one per share, not per process
+that opens it (the engine's process and its workers may each open it): so the leader keeps each
+bucket until every engine has said it loaded it (mrl.sync.sender), and an engine copies what it
+keeps. It travels in the
 bucket's JSON header, with the GPU's UUID: the engine's process may number the same GPU differently
 (another CUDA_VISIBLE_DEVICES), so it is found by UUID, never by index.
 """

@@ -89,7 +89,11 @@ class WeightReceiver:
         loaded.set()
         for t in threads:
             t.join(self.timeout_s)
-        late = [item[2] for item in _pending(arrivals) if isinstance(item[2], BaseException)]
+        pending = _pending(arrivals)
+        for _, header, _, _ in pending:  # never loaded (the update failed): this engine's own files go
+            if header and header.get("local"):
+                _unlink(header["shm"])
+        late = [item[2] for item in pending if isinstance(item[2], BaseException)]
         if outcome or peers or late:  # the senders drop their channels after a failed update: so does this engine
             self._kept.clear()
         if outcome:
@@ -211,8 +215,8 @@ class WeightReceiver:
     def _release(self, channel: Channel, unreleased: tuple[int, threading.Event] | None, who: str) -> None:
         """Tell the sender (a barrier with every engine) that the shared-memory bucket before the
         one just received is loaded: its memory may go. One bucket behind, so that the sender packs
-        bucket k + 1 while the engine loads bucket k, and the end marker does not wait for the last
-        load (mrl.sync.sender._Link.send)."""
+        bucket k + 1 while the engine loads bucket k, and sends the end marker without waiting for
+        the last load (mrl.sync.sender._Link.send)."""
         if unreleased is None:
             return
         index, done = unreleased
@@ -248,7 +252,7 @@ class WeightReceiver:
         flat = shared_bytes(header)
         if flat is not None:
             return flat, header
-        if getattr(self.engine, "load_shared", None) is None:
+        if getattr(self.engine, "load_shared", None) is None or not _shm_has_room(header["nbytes"]):
             return channel.recv_bytes(header["nbytes"], what), header
         path = os.path.join(SHM_DIR, f"mrl-recv-{self.endpoint.port}-{uuid.uuid4().hex[:12]}")
         try:
@@ -270,6 +274,13 @@ class _Fanout:
     index: int
     engines: int
     hub: SyncEndpoint
+
+
+def _shm_has_room(nbytes: int) -> bool:
+    """Whether /dev/shm can take a received bucket with room to spare: its files are sparse, so a
+    full tmpfs would fail the receive with SIGBUS, not an error (Docker's default is 64 MB)."""
+    stat = os.statvfs(SHM_DIR)
+    return stat.f_bavail * stat.f_frsize >= 4 * nbytes
 
 
 def _unlink(path: str) -> None:

@@ -248,8 +248,8 @@ class _Link:
 
     def _release(self) -> int:
         """Once every engine has loaded the bucket sent before the last header (a barrier), its file
-        goes and its GPU buffer is dropped (torch's IPC reference count frees it when the engines
-        drop theirs); how many buckets that freed."""
+        goes and its GPU buffer is dropped (the engines copied what they keep); how many buckets
+        that freed."""
         if self.unreleased is None:
             return 0
         index, path, _ = self.unreleased

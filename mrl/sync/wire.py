@@ -19,6 +19,7 @@ Bucket = list[tuple[str, torch.Tensor]]  # (HF name, full tensor) pairs
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn)}
 # fp32 in every engine: DeepSeek-V3's routing bias, and the block scales of FP8 weights
 _KEEP_FP32 = ("e_score_correction_bias", "_scale_inv")
+CHECKSUM_BATCH = 256 << 20  # elements checksummed in one batch (checksums): ~80 MB of temporaries
 
 
 class SyncError(RuntimeError):
@@ -72,10 +73,24 @@ def checksums(tensors: Sequence[torch.Tensor]) -> list[tuple[float, float]]:
         groups.setdefault((flat.device, flat.dtype), []).append((index, flat))
     out: list[tuple[float, float]] = [(0.0, 0.0)] * len(tensors)
     for members in groups.values():
-        sums = torch.stack([_segment_sums([flat[offset::61] for _, flat in members]) for offset in (0, 30)], dim=1)
-        for (index, _), pair in zip(members, sums.tolist()):
-            out[index] = tuple(pair)
+        for batch in _batches(members):
+            sums = torch.stack([_segment_sums([flat[offset::61] for _, flat in batch]) for offset in (0, 30)], dim=1)
+            for (index, _), pair in zip(batch, sums.tolist()):
+                out[index] = tuple(pair)
     return out
+
+
+def _batches(members: list[tuple[int, torch.Tensor]]) -> list[list[tuple[int, torch.Tensor]]]:
+    """Members in batches of at most CHECKSUM_BATCH elements (a larger tensor alone): the samples'
+    fp64 copy and index take ~0.3 bytes an element, which a GPU whose memory vLLM holds may lack."""
+    batches, size = [[]], 0
+    for member in members:
+        if batches[-1] and size + member[1].numel() > CHECKSUM_BATCH:
+            batches.append([])
+            size = 0
+        batches[-1].append(member)
+        size += member[1].numel()
+    return [b for b in batches if b]
 
 
 def _sampled(tensor: torch.Tensor) -> torch.Tensor:
@@ -85,6 +100,8 @@ def _sampled(tensor: torch.Tensor) -> torch.Tensor:
 
 def _segment_sums(samples: list[torch.Tensor]) -> torch.Tensor:
     """The fp64 sum of each tensor of `samples` (all on one device)."""
+    if len(samples) == 1:  # a tensor alone in its batch: no copy, no index
+        return samples[0].sum(dtype=torch.float64).reshape(1)
     device = samples[0].device
     lengths = torch.tensor([s.numel() for s in samples], device=device)
     segment = torch.repeat_interleave(torch.arange(len(samples), device=device), lengths)
@@ -185,7 +202,9 @@ def shared_bytes(header: dict) -> torch.Tensor | None:
 
         return open_shared(header["cuda_ipc"])[: header["nbytes"]]
     if "shm" in header:
-        flat = torch.from_file(header["shm"], shared=True, size=max(header["nbytes"], 1), dtype=torch.uint8)
+        # Read-only (a private mapping of the file, no copy): a file that is gone (a sender that
+        # failed and cleaned up) is an error here, where shared=True would create it, full of zeros.
+        flat = torch.from_file(header["shm"], shared=False, size=max(header["nbytes"], 1), dtype=torch.uint8)
         return flat[: header["nbytes"]]  # the mapping outlives the file's name
     return None
 

@@ -14,6 +14,7 @@ import torch
 
 from mrl.sync import SyncEndpoint, WeightReceiver
 from mrl.sync.sender import BucketSender
+from mrl.sync import wire
 from mrl.sync.wire import WeightUpdateReport, checksums, checksums_match, tensor_checksum
 
 
@@ -79,12 +80,14 @@ def test_the_engine_declares_its_device_and_one_sync_feeds_one_kind_of_engine():
         BucketSender(SyncEndpoint("127.0.0.1", 5, "torch.bfloat16", quantization="awq"), transport="broadcast")
 
 
-def test_batched_checksums_equal_one_by_one():
+@pytest.mark.parametrize("batch", [1 << 30, 500], ids=["one batch", "batches of 500 elements"])
+def test_batched_checksums_equal_one_by_one(batch, monkeypatch):
     """Every dtype the wire carries, sizes without a second sample (< 31 elements) or none, a
     non-contiguous tensor: each batched pair equals tensor_checksum's (fp64 sums of the same values)."""
     tensors = [torch.randn(7, 300), torch.arange(10.0), torch.randn(1).to(torch.bfloat16), torch.zeros(0),
                torch.randn(40, 9).t(), (torch.randn(500) * 100).to(torch.float8_e4m3fn), torch.randn(61 * 3 + 31),
                torch.randn(1000, dtype=torch.float64)]
+    monkeypatch.setattr(wire, "CHECKSUM_BATCH", batch)
     batched = checksums(tensors)
     assert [checksums_match(a, b) for a, b in zip(batched, map(tensor_checksum, tensors))] == [True] * len(tensors)
     assert batched[3] == (0.0, 0.0) and batched[1][1] == 0.0  # no samples: zero sums
