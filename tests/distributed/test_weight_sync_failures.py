@@ -57,15 +57,27 @@ class RecordingEngine:
 
 class MappingEngine(RecordingEngine):
     """Loads as vLLM's workers do (VLLMEngine.load_shared): each bucket mapped anew from its header
-    by path or handle, as another process would, not from the receiver's view."""
+    by path or handle, as another process would, not from the receiver's view. `calls`: a file
+    that gets a line per bucket loaded this way."""
+
+    def __init__(self, calls: str | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = calls
 
     def load_shared(self, header, flat):
         from mrl.sync.wire import shared_bytes, unpack
 
+        if self.calls:
+            with open(self.calls, "a") as f:
+                f.write(header["shm"] + "\n")
         self.load_weights(unpack(header, shared_bytes(header)))
 
 
 def _engine_process(endpoints, results, engine_kwargs, channels, delay_s, fanout=(1, 0, None), sync_id="sync0"):
+    if engine_kwargs.pop("shm_full", False):  # as if /dev/shm had no room for a bucket (Docker's 64 MB)
+        import mrl.sync.receiver
+
+        mrl.sync.receiver._shm_has_room = lambda nbytes: False
     engine = (MappingEngine if engine_kwargs.pop("maps", False) else RecordingEngine)(**engine_kwargs)
     receiver = WeightReceiver(engine, timeout_s=60)
     endpoints.put(receiver.endpoint)
@@ -130,6 +142,28 @@ def test_engine_receives_every_tensor_intact(tiny_model_dir, transport, layout):
     assert set(held) == set(sent_all) == set(ckpt.names())  # tied/padded rows never travel twice
     for name in ckpt.names():  # what arrived is the checkpoint, bit for bit
         assert held[name] == tensor_checksum(ckpt.read(name).float()), name
+
+
+@pytest.mark.parametrize("shm_full", [False, True], ids=["room in /dev/shm", "no room"])
+def test_off_the_wire_an_engine_that_maps_gets_a_file_of_its_own_when_there_is_room(tiny_model_dir, tmp_path,
+                                                                                   shm_full):
+    """Broadcast, to an engine whose loading processes map buckets themselves: each bucket is
+    received into a /dev/shm file of the engine's own (unlinked once loaded) when /dev/shm has
+    room, else into the engine's memory and loaded as it is; intact either way."""
+    from mrl.bridge.hf_checkpoint import HFCheckpoint
+
+    hf_dir, calls = tiny_model_dir("qwen3"), tmp_path / "calls"
+    proc, endpoint, results = _start_engine(maps=True, calls=str(calls), shm_full=shm_full)
+    run_local(_push, 1, str(hf_dir), ParallelLayout(), endpoint, "broadcast", 60)
+    status, tensors, mismatched, held, _ = results.get(timeout=60)
+    proc.join(timeout=10)
+    assert status == "ok" and not mismatched
+    ckpt = HFCheckpoint(hf_dir)
+    assert {n: held[n] for n in ckpt.names()} == {n: tensor_checksum(ckpt.read(n).float()) for n in ckpt.names()}
+    files = calls.read_text().split() if calls.exists() else []
+    assert (not files) if shm_full else len(set(files)) == len(files) > 0  # a file a bucket, or none
+    assert all("/mrl-recv-" in f for f in files)
+    assert not any(os.path.exists(f) for f in files)
 
 
 def test_an_fp8_engine_receives_block_fp8_of_the_weights(tiny_model_dir):
