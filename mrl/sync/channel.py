@@ -4,6 +4,7 @@ that engine 0 hosts (the hub). Every operation waits with a timeout and names wh
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -28,6 +29,14 @@ class SyncEndpoint:
 
 IDENTITY_KEY = "mrl/engine-token"
 SHM_DIR = "/dev/shm"  # where colocated buckets (and a loading engine's received ones) are files
+
+
+def unlink_quietly(path: str) -> None:
+    """Remove a bucket's /dev/shm file; one already gone is fine (whoever got there first)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def channel_count(transport: str, pipeline_stages: int) -> int:

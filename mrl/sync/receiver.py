@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mrl.sync.channel import IDENTITY_KEY, SHM_DIR, Channel, SyncEndpoint, accept_kept
+from mrl.sync.channel import IDENTITY_KEY, SHM_DIR, Channel, SyncEndpoint, accept_kept, unlink_quietly
 from mrl.sync.wire import (SyncError, WeightUpdateReport, checksums_match, describe, describe_failure, error_key,
-                           shared_bytes, unpack)
+                           in_shared_memory, shared_bytes, unpack)
 
 
 
@@ -92,7 +92,7 @@ class WeightReceiver:
         pending = _pending(arrivals)
         for _, header, _, _ in pending:  # never loaded (the update failed): this engine's own files go
             if header and header.get("local"):
-                _unlink(header["shm"])
+                unlink_quietly(header["shm"])
         late = [item[2] for item in pending if isinstance(item[2], BaseException)]
         if outcome or peers or late:  # the senders drop their channels after a failed update: so does this engine
             self._kept.clear()
@@ -145,7 +145,7 @@ class WeightReceiver:
             finally:
                 del flat
                 if header.get("local"):  # received into this engine's own file: loaded, or never will be
-                    _unlink(header["shm"])
+                    unlink_quietly(header["shm"])
                 done.set()  # its channel may now tell the sender
         return sent
 
@@ -154,7 +154,7 @@ class WeightReceiver:
         handed a bucket in shared memory as the header, which its processes map themselves: the
         bytes are never copied into a message to them."""
         load_shared = getattr(self.engine, "load_shared", None)
-        if load_shared is not None and ("shm" in header or "cuda_ipc" in header):
+        if load_shared is not None and in_shared_memory(header):
             load_shared(header, flat)
         else:
             self.engine.load_weights(unpack(header, flat))
@@ -192,7 +192,7 @@ class WeightReceiver:
                 header = channel.recv_json(f"waiting for bucket {index}")
                 if header.get("end"):
                     break
-                shared = "shm" in header or "cuda_ipc" in header  # the sender's memory: given back once loaded
+                shared = in_shared_memory(header)  # the sender's memory: given back once loaded
                 flat, header = self._data(channel, header, f"receiving bucket {index} ({describe(header)})")
                 done = threading.Event()
                 arrivals.put((channel_index, header, flat, done))
@@ -259,7 +259,7 @@ class WeightReceiver:
             flat = torch.from_file(path, shared=True, size=max(header["nbytes"], 1), dtype=torch.uint8)
             channel.recv_into(flat[: header["nbytes"]], what)
         except BaseException:
-            _unlink(path)
+            unlink_quietly(path)
             raise
         return flat[: header["nbytes"]], {**header, "shm": path, "local": True}
 
@@ -281,13 +281,6 @@ def _shm_has_room(nbytes: int) -> bool:
     full tmpfs would fail the receive with SIGBUS, not an error (Docker's default is 64 MB)."""
     stat = os.statvfs(SHM_DIR)
     return stat.f_bavail * stat.f_frsize >= 4 * nbytes
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _pending(arrivals: queue.Queue) -> list:

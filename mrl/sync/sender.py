@@ -16,8 +16,9 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from mrl.sync.channel import IDENTITY_KEY, SHM_DIR, Channel, SyncEndpoint, channel_count, offer_kept
-from mrl.sync.wire import Bucket, SyncError, describe, describe_failure, dtype_named, error_key, nbytes, pack
+from mrl.sync.channel import IDENTITY_KEY, SHM_DIR, Channel, SyncEndpoint, channel_count, offer_kept, unlink_quietly
+from mrl.sync.wire import (Bucket, SyncError, describe, describe_failure, dtype_named, error_key, in_shared_memory,
+                           nbytes, pack)
 
 TRANSPORTS = ("colocated", "broadcast")
 QUANTIZATIONS = (None, "fp8")  # what the sender can produce for an engine: as is, or DeepSeek's block FP8
@@ -238,7 +239,7 @@ class _Link:
         self.channel.send_json(header, what)
         report.checksums.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
         report.bytes += header["nbytes"]
-        if "shm" not in header and "cuda_ipc" not in header:
+        if not in_shared_memory(header):
             self.channel.send_bytes(flat, what)
             return 1
         # Every process of every engine maps the memory itself (vLLM's workers too).
@@ -291,10 +292,7 @@ class _Link:
         if path is None:
             return
         self.files.discard(path)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        unlink_quietly(path)
 
     def _pack(self, bucket: Bucket, index: int) -> tuple[dict, torch.Tensor]:
         dtype = self.sender.engine_dtype

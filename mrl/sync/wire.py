@@ -83,14 +83,15 @@ def checksums(tensors: Sequence[torch.Tensor]) -> list[tuple[float, float]]:
 def _batches(members: list[tuple[int, torch.Tensor]]) -> list[list[tuple[int, torch.Tensor]]]:
     """Members in batches of at most CHECKSUM_BATCH elements (a larger tensor alone): the samples'
     fp64 copy and index take ~0.3 bytes an element, which a GPU whose memory vLLM holds may lack."""
-    batches, size = [[]], 0
+    batches: list[list[tuple[int, torch.Tensor]]] = []
+    size = 0
     for member in members:
-        if batches[-1] and size + member[1].numel() > CHECKSUM_BATCH:
+        if not batches or size + member[1].numel() > CHECKSUM_BATCH:
             batches.append([])
             size = 0
         batches[-1].append(member)
         size += member[1].numel()
-    return [b for b in batches if b]
+    return batches
 
 
 def _sampled(tensor: torch.Tensor) -> torch.Tensor:
@@ -191,6 +192,12 @@ def _view(flat: torch.Tensor, entry: dict) -> torch.Tensor:
 def unpack(header: dict, flat: torch.Tensor) -> Bucket:
     """Views into `flat`: no copy on the receiving side."""
     return [(entry["name"], _view(flat, entry)) for entry in header["tensors"]]
+
+
+def in_shared_memory(header: dict) -> bool:
+    """Whether a bucket's bytes wait in memory every process of the engine can map (shared_bytes),
+    rather than travelling on the channel."""
+    return "shm" in header or "cuda_ipc" in header
 
 
 def shared_bytes(header: dict) -> torch.Tensor | None:
