@@ -6,7 +6,7 @@ without the SFT warm start, evaluation or checkpoints, and reports, over steps 2
 builds the engine's sync plan and runs the parity gate), the medians of
 `timing_s/sync_weights`, `timing_s/step`, their ratio and `sync/engine_load_s`.
 
-    .venv/bin/python benchmarks/sync_share.py [--steps 12] [--repo .] [--workdir /tmp/sync-share]
+    .venv/bin/python benchmarks/sync_share.py [--steps 12] [--repo .] [--workdir /tmp/sync-share] [OVERRIDE ...]
 
 --repo runs another checkout's `mrl` (e.g. a worktree at an older commit) for a before/after.
 """
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 
-def run(repo: Path, workdir: Path, steps: int) -> list[dict]:
+def run(repo: Path, workdir: Path, steps: int, overrides: list[str]) -> list[dict]:
     """One `mrl train` of the demo config in `repo`; its per-step metrics."""
     out = workdir / "run"
     # -c: the current directory (`repo`) comes first on sys.path, so its mrl is the one imported
@@ -29,7 +29,7 @@ def run(repo: Path, workdir: Path, steps: int) -> list[dict]:
                "train", "configs/tiny_cpu_grpo.yaml",
                f"trainer.total_steps={steps}", "trainer.sft_steps=0", "trainer.eval_every=0", "trainer.eval_samples=0",
                "checkpoint.save_every=0", f"trainer.output_dir={out}", f"model.path={workdir / 'model'}",
-               f"checkpoint.dir={out / 'checkpoints'}"]
+               f"checkpoint.dir={out / 'checkpoints'}", *overrides]
     subprocess.run(command, cwd=repo, check=True, stdout=subprocess.DEVNULL)
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [m for m in map(json.loads, lines) if "timing_s/sync_weights" in m]
@@ -40,8 +40,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[1])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/sync-share"))
+    parser.add_argument("overrides", nargs="*", help="config overrides for the run, e.g. sync.bucket_mb=1")
     args = parser.parse_args()
-    steps = run(args.repo.resolve(), args.workdir, args.steps)[1:]
+    steps = run(args.repo.resolve(), args.workdir, args.steps, args.overrides)[1:]
     median = {key: statistics.median(m[key] for m in steps)
               for key in ("timing_s/sync_weights", "timing_s/step", "sync/engine_load_s")}
     share = statistics.median(m["timing_s/sync_weights"] / m["timing_s/step"] for m in steps)

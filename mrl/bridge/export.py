@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.bridge.local_tensors import LocalTensor, local_tensors
-from mrl.bridge.mapping import Split, SplitDims, hf_shapes, segments
+from mrl.bridge.mapping import Segment, Split, SplitDims, hf_shapes, segments
 from mrl.config.schema import DEFAULT_BUCKET_MB
 from mrl.megatron.model import BuiltModel
 from mrl.megatron.parallel import RankCoords
@@ -53,6 +53,16 @@ class PlanItem:
     dtype: torch.dtype
     shards: int
     sources: list[tuple[int, int]]
+    _layout: tuple | None = field(default=None, repr=False, compare=False)
+
+    def layout(self, dims: SplitDims) -> tuple[dict[str, tuple[int, ...]], dict[int, list[Segment]]]:
+        """The HF tensors' shapes and each shard's segments: computed at the first sync and kept,
+        since every sync exports the same plan (pure Python per tensor: the demo has 129)."""
+        if self._layout is None:
+            shapes = hf_shapes(self.split, self.hf_names, self.global_shape, self.shards, dims)
+            self._layout = shapes, {shard: segments(self.split, self.hf_names, self.global_shape, shard,
+                                                    self.shards, dims) for _, shard in self.sources}
+        return self._layout
 
     @property
     def nbytes(self) -> int:
@@ -218,14 +228,12 @@ def _assemble(
     item: PlanItem, received: dict[tuple[str, int], torch.Tensor], dims: SplitDims, device: torch.device
 ) -> list[tuple[str, torch.Tensor]]:
     """Write each shard's segments into fresh HF tensors, freeing shards as they are consumed."""
-    out = {
-        name: torch.empty(shape, dtype=item.dtype, device=device)
-        for name, shape in hf_shapes(item.split, item.hf_names, item.global_shape, item.shards, dims).items()
-    }
+    shapes, shard_segments = item.layout(dims)
+    out = {name: torch.empty(shape, dtype=item.dtype, device=device) for name, shape in shapes.items()}
     for _, shard in item.sources:
         data = received.pop((item.name, shard))
         offset = 0
-        for seg in segments(item.split, item.hf_names, item.global_shape, shard, item.shards, dims):
+        for seg in shard_segments[shard]:
             if seg.hf is not None:
                 rows = data[offset : offset + seg.rows]
                 target = out[seg.hf][seg.start : seg.stop]

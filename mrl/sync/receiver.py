@@ -73,12 +73,12 @@ class WeightReceiver:
         loaded = threading.Event()  # set once the update is finished or failed: the channels answer
         threads = [threading.Thread(target=self._serve, args=(sync_id, c, arrivals, loaded, outcome, fanout, peers),
                                     daemon=True) for c in range(channels)]
+        for t in threads:  # before the engine's preparation: the senders' handshake needs them, not it
+            t.start()
         try:
             self.engine.begin_weight_update()
         except Exception as err:  # noqa: BLE001 - e.g. a model this engine cannot reload: tell the senders
             self._fail(sync_id, outcome, err, None, fanout)
-        for t in threads:
-            t.start()
         sent = self._drain(sync_id, channels, arrivals, outcome, fanout)
         report = None
         if not outcome:

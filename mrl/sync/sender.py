@@ -143,7 +143,8 @@ class BucketSender:
         link = _Link(self, sync_id)
         try:
             if self.pipeline:
-                _pipelined(buckets, lambda index, bucket: link.send(index, bucket, report), link.who, self.timeout_s)
+                _pipelined(buckets, lambda index, bucket: link.send(index, bucket, report), link.who, self.timeout_s,
+                           link.opening)
             else:
                 for index, bucket in enumerate(buckets):
                     link.send(index, bucket, report)
@@ -211,18 +212,48 @@ class _Link:
         to = f"engine at {address}" if engines == 1 else f"{engines} engines (hub at {address})"
         self.short = sender.who
         self.who = f"{self.short} → {to}"
-        # Taken from the sender, which gets them back only after a push that succeeded.
-        self.store, sender._store = sender._store or sender._open_store(self.who), None
-        kept, sender._kept = sender._kept, None
-        if offer_kept(self.store, sync_id, sender.stage, kept.prefix if kept else "", engines, self.who,
-                      sender.timeout_s):
-            self.channel = kept
-        else:
-            self.channel = Channel(self.store, f"{sync_id}/channel{sender.stage}", 0, sender.timeout_s, self.who,
-                                   members=engines + 1)
+        self.store: Any = None
+        self.channel: Channel | None = None
         self.failed = False  # an engine posted an error: nothing more travels
         self.files: set[str] = set()  # shared-memory files not yet unlinked
         self.unreleased: tuple[int, str | None, torch.Tensor] | None = None  # sent, not yet loaded by every engine
+        # The channel opens on a thread while the export makes the first bucket: the handshake waits
+        # for the engines' receiving threads, the export for the other ranks' shards (measured: 7 of
+        # the demo's 60 ms sync were the export waiting for the handshake).
+        self._opening: list[BaseException] = []
+        self._opener = threading.Thread(target=self._open, args=(engines,), daemon=True)
+        self._opener.start()
+
+    def _open(self, engines: int) -> None:
+        """Meet the engines on the channel kept from the last sync, else on a new one. Takes the
+        sender's store connection and channel, which it gets back only after a push that succeeded."""
+        sender = self.sender
+        try:
+            self.store, sender._store = sender._store or sender._open_store(self.who), None
+            kept, sender._kept = sender._kept, None
+            if offer_kept(self.store, self.sync_id, sender.stage, kept.prefix if kept else "", engines, self.who,
+                          sender.timeout_s):
+                self.channel = kept
+            else:
+                self.channel = Channel(self.store, f"{self.sync_id}/channel{sender.stage}", 0, sender.timeout_s,
+                                       self.who, members=engines + 1)
+        except BaseException as err:  # noqa: BLE001 - raised by opened(), on the thread that sends
+            self._opening.append(err)
+
+    def opening(self) -> bool:
+        """Whether the channel is still being opened (each of its steps has a timeout of its own)."""
+        return self._opener.is_alive()
+
+    def opened(self) -> Channel:
+        """The channel, once open; the opening's error if it failed. Each step of the opening has a
+        timeout of its own (the store's connect: 2 × timeout + grace): this join is a backstop."""
+        limit = 4 * self.sender.timeout_s + CONNECT_GRACE_S
+        self._opener.join(limit)
+        if self._opener.is_alive():
+            raise SyncError(f"{self.who}: opening the channel did not end within {limit:.0f}s")
+        if self._opening:
+            raise self._opening[0]
+        return self.channel  # type: ignore[return-value]
 
     def send(self, index: int, bucket: Bucket, report: SentReport) -> int:
         """Pack and send one bucket (or drop it once an engine has failed: the export still runs to
@@ -230,13 +261,14 @@ class _Link:
         memory this let go: a bucket in shared memory goes once the engines loaded it, which they
         say after the next header (or the end marker), so the engines load bucket k while this
         packs bucket k + 1, and at most two are held."""
+        channel = self.opened()
         self.failed = self.failed or _engine_failed(self.store, self.sync_id, self.who, index)
         if self.failed:
             return 1
         header, flat = self._pack(bucket, index)
         del bucket
         what = f"sending bucket {index} ({describe(header)})"
-        self.channel.send_json(header, what)
+        channel.send_json(header, what)
         report.checksums.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
         report.bytes += header["nbytes"]
         if not in_shared_memory(header):
@@ -261,12 +293,13 @@ class _Link:
 
     def finish(self, report: SentReport) -> None:
         """Send the end marker (with the posted error, after a failure) and raise the first engine's error."""
+        channel = self.opened()
         marker: dict[str, Any] = {"end": True, "tensors": len(report.checksums)}
         if self.failed:
             marker["abort"] = json.loads(self.store.get(error_key(self.sync_id)))
-        self.channel.send_json(marker, "sending the end marker")
+        channel.send_json(marker, "sending the end marker")
         self._release()
-        for answer in self.channel.answers(None, "waiting for the engine to finish loading"):
+        for answer in channel.answers(None, "waiting for the engine to finish loading"):
             if "error" in answer:
                 raise SyncError(f"{self.short}: {describe_failure(answer)}")
 
@@ -343,10 +376,12 @@ def _refuses(endpoint: SyncEndpoint) -> bool:
         return False
 
 
-def _pipelined(buckets: Iterable[Bucket], send: Callable[[int, Bucket], int], who: str, timeout_s: float) -> None:
+def _pipelined(buckets: Iterable[Bucket], send: Callable[[int, Bucket], int], who: str, timeout_s: float,
+               opening: Callable[[], bool] = lambda: False) -> None:
     """Export on the calling thread (its collectives stay there) while a thread sends the previous
     bucket. Two slots, each given back when a bucket's memory goes (`send` says how many went: a
-    bucket in shared memory goes when the engines have loaded it, after the next one is sent). The
+    bucket in shared memory goes when the engines have loaded it, after the next one is sent); the
+    wait for one does not count while the channel is `opening` (its own steps have timeouts). The
     thread's first error is raised here, once the export has run to its end (its other ranks are
     sending to this one)."""
     slots = threading.Semaphore(2)
@@ -382,7 +417,11 @@ def _pipelined(buckets: Iterable[Bucket], send: Callable[[int, Bucket], int], wh
     thread.start()
     iterator, index = iter(buckets), 0
     while True:
-        if not slots.acquire(timeout=timeout_s):
+        while not slots.acquire(timeout=timeout_s):
+            if opening():
+                continue
+            if errors:  # the sending thread's own error names the cause better (e.g. the channel's)
+                raise errors[0]
             raise SyncError(f"{who}: bucket {index - 2} was not sent (or, in shared memory, loaded by the engines) "
                             f"within {timeout_s:.0f}s (the export waited to assemble bucket {index})")
         bucket = next(iterator, None)
