@@ -104,7 +104,8 @@ def build_plan(tensors: list[LocalTensor], coords: RankCoords, group: Any = None
     return sorted(items.values(), key=lambda item: _order(item.name))
 
 
-def _buckets(plan: list[PlanItem], bucket_bytes: int) -> Iterator[list[PlanItem]]:
+def bucket_items(plan: list[PlanItem], bucket_bytes: int) -> Iterator[list[PlanItem]]:
+    """The plan cut into buckets of at most `bucket_bytes` (a larger tensor alone), in plan order."""
     bucket, size = [], 0
     for item in plan:
         if bucket and size + item.nbytes > bucket_bytes:
@@ -142,7 +143,7 @@ def export_hf_weights(
     dims = SplitDims.of(built.spec)
     timeout = timedelta(seconds=timeout_s)
     plan = build_plan(tensors, coords, group) if plan is None else plan
-    for index, bucket in enumerate(_buckets(plan, bucket_bytes)):
+    for index, bucket in enumerate(bucket_items(plan, bucket_bytes)):
         # A source rank's shards travel packed, in few messages: a model of many small tensors (MoE
         # experts, the tiny demo's 180 shards) spent most of its export on per-message latency.
         shards: dict[int, list[tuple[PlanItem, int]]] = {}
@@ -228,20 +229,28 @@ def _assemble(
     item: PlanItem, received: dict[tuple[str, int], torch.Tensor], dims: SplitDims, device: torch.device
 ) -> list[tuple[str, torch.Tensor]]:
     """Write each shard's segments into fresh HF tensors, freeing shards as they are consumed."""
-    shapes, shard_segments = item.layout(dims)
-    out = {name: torch.empty(shape, dtype=item.dtype, device=device) for name, shape in shapes.items()}
+    out = {name: torch.empty(shape, dtype=item.dtype, device=device) for name, shape in item.layout(dims)[0].items()}
     for _, shard in item.sources:
-        data = received.pop((item.name, shard))
-        offset = 0
-        for seg in shard_segments[shard]:
-            if seg.hf is not None:
-                rows = data[offset : offset + seg.rows]
-                target = out[seg.hf][seg.start : seg.stop]
-                if seg.cols is not None:
-                    target = target[:, seg.cols[0] : seg.cols[1]]
-                target.copy_(rows)
-            offset += seg.rows
+        write_shard(item, shard, received.pop((item.name, shard)), out, dims)
     return list(out.items())
+
+
+def write_shard(item: PlanItem, shard: int, data: torch.Tensor, out: dict[str, torch.Tensor], dims: SplitDims,
+                rank: int | None = None) -> None:
+    """Write shard `shard` of `item` (`data`: that shard, as its rank holds it) into the HF tensors
+    `out` at the shard's segments (cast to their dtype). With `rank`, `data` is that rank's own
+    tensor, whose size is checked against the plan first."""
+    if rank is not None and data.numel() * data.element_size() != item.shard_bytes:
+        raise ValueError(f"rank {rank}: shard of {item.name!r} has {data.numel() * data.element_size()} bytes, the "
+                         f"plan says {item.shard_bytes} (shape {tuple(item.local_shape)}, {item.dtype})")
+    offset = 0
+    for seg in item.layout(dims)[1][shard]:
+        if seg.hf is not None:
+            target = out[seg.hf][seg.start : seg.stop]
+            if seg.cols is not None:
+                target = target[:, seg.cols[0] : seg.cols[1]]
+            target.copy_(data[offset : offset + seg.rows])
+        offset += seg.rows
 
 
 def iter_hf_weights(built: BuiltModel, coords: RankCoords, **kwargs) -> Iterator[tuple[str, torch.Tensor]]:

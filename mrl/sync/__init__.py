@@ -3,9 +3,10 @@
 Every trainer rank calls `WeightSender.push` (sender.py); the engine's process calls
 `WeightReceiver.receive` (receiver.py); the driver runs both and the parity gate (driver.py,
 parity.py). Modules: wire (buckets, pack/unpack, checksums), channel (the transport), sender,
-receiver, cuda_ipc, parity, driver, plan (sync.apply in_place: where each HF slice lands in the
-engine). The input is the bridge's export (or any buckets: sender.BucketSender); nothing here knows
-Megatron's layout.
+receiver, shared_export (colocated: every rank writes its shards into the shared bucket), cuda_ipc,
+parity, driver, plan (sync.apply in_place: where each HF slice lands in the engine). The input is
+the bridge's export (or any buckets: sender.BucketSender), or, for shared_export, the bridge's plan
+and segments; nothing here knows Megatron's layout.
 
 The bridge's export (mrl/bridge/export.py) assembles HF tensors bucket by bucket on a leader rank,
 which hands each bucket to the engines over a *channel*: a gloo group of 1 + N members (the leader
@@ -17,7 +18,10 @@ offsets, checksums) and then the bytes to all engines at once:
 - "broadcast": the bytes go through the channel itself, and every pipeline stage has its own
   leader and channel, so stages export and send in parallel (the engines may sit on other nodes);
 - "colocated": one leader (global rank 0) for the whole model; the bytes are written once into a
-  shared-memory file that every engine maps (same node); the leader unlinks each file once every
+  shared-memory file that every engine maps (same node). When every trainer rank runs on the
+  leader's node and the engine takes the bytes as they are (a CPU engine, no FP8), each rank writes
+  its own shards into that file (shared_export.py: no gather to the leader, which only checksums
+  and announces the bucket); otherwise the leader gathers and packs. The leader unlinks each file once every
   engine has loaded it (a barrier), or at the end after a failure: exactly once either way. When
   the engines declare a CUDA device and the export's buckets are on a GPU, the bucket is packed in
   GPU memory instead and each engine maps it through a CUDA IPC handle (cuda_ipc.py): no host copy.

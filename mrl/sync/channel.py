@@ -39,6 +39,16 @@ def unlink_quietly(path: str) -> None:
         pass
 
 
+def bucket_path(port: int, sync_id: str, stage: int, index: int) -> str:
+    """A colocated bucket's /dev/shm file, named so that every trainer rank can find it (by the
+    hub's port, the sync, the stage and the bucket), and a failed sync's leftovers by bucket_prefix."""
+    return f"{bucket_prefix(port, sync_id, stage)}{index}"
+
+
+def bucket_prefix(port: int, sync_id: str, stage: int) -> str:
+    return os.path.join(SHM_DIR, f"mrl-sync-{port}-{sync_id.replace('/', '_')}-s{stage}-")
+
+
 def channel_count(transport: str, pipeline_stages: int) -> int:
     """Channels one sync opens: one per pipeline stage (broadcast: stages send in parallel), or one
     (colocated: rank 0 exports the whole model)."""

@@ -8,7 +8,6 @@ import queue
 import socket
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Iterable
@@ -16,9 +15,10 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from mrl.sync.channel import IDENTITY_KEY, SHM_DIR, Channel, SyncEndpoint, channel_count, offer_kept, unlink_quietly
-from mrl.sync.wire import (Bucket, SyncError, describe, describe_failure, dtype_named, error_key, in_shared_memory,
-                           nbytes, pack)
+from mrl.sync.channel import (IDENTITY_KEY, Channel, SyncEndpoint, bucket_path, bucket_prefix, channel_count,
+                              offer_kept, unlink_quietly)
+from mrl.sync.wire import (Bucket, Packed, SyncError, describe, describe_failure, dtype_named, error_key,
+                           in_shared_memory, nbytes, pack)
 
 TRANSPORTS = ("colocated", "broadcast")
 QUANTIZATIONS = (None, "fp8")  # what the sender can produce for an engine: as is, or DeepSeek's block FP8
@@ -48,6 +48,10 @@ class WeightSender:
     whose store every channel rendezvouses on. With `pipeline`, the leader packs and sends bucket
     k on a thread while the calling thread exports bucket k + 1 (the export's collectives stay on
     the calling thread): at most two buckets, plus the tensor being packed, alive at a time.
+
+    Colocated with an engine that takes the bytes as they are (a CPU engine, no FP8), with every
+    rank on the leader's host, every rank writes its own shards into the shared bucket
+    (mrl.sync.shared_export: no gather).
     """
 
     def __init__(self, endpoints: SyncEndpoint | list[SyncEndpoint], built: Any, coords: Any, *,
@@ -57,6 +61,7 @@ class WeightSender:
         self.transport, self.bucket_bytes, self.timeout_s = transport, bucket_bytes, timeout_s
         self.group, self.leader, self.stage = self._export_group()
         self.plan = self._export_plan()
+        self.writes_shared = self._can_write_shared(endpoints[0])
         self.buckets = BucketSender(endpoints, transport=transport, timeout_s=timeout_s, pipeline=pipeline,
                                     who=f"rank {coords.rank} (PP stage {self.stage})", stage=self.stage)
 
@@ -82,6 +87,16 @@ class WeightSender:
 
         return build_plan(local_tensors(self.built, self.coords), self.coords, self.group)
 
+    def _can_write_shared(self, endpoint: SyncEndpoint) -> bool:
+        """Whether every rank can write its shards into the leader's shared-memory bucket: colocated,
+        an engine that takes the bytes as they are, every rank on the leader's host. Every rank
+        decides alike (the all-gather is a collective of all of them, or of none)."""
+        if self.transport != "colocated" or endpoint.device != "cpu" or endpoint.quantization is not None:
+            return False
+        hosts: list[str] = [None] * dist.get_world_size(self.group)  # type: ignore[list-item]
+        dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
+        return len(set(hosts)) == 1
+
     @property
     def channels(self) -> int:
         """How many channels each engine must open for this layout."""
@@ -89,12 +104,21 @@ class WeightSender:
 
     def push(self, sync_id: str) -> SentReport | None:
         """Export and send every tensor to every engine; returns the leader's report (None on other ranks)."""
-        from mrl.bridge.export import export_hf_weights  # trainer side only: engines never load the bridge
+        if self.writes_shared:
+            from mrl.sync.shared_export import export_shared  # trainer side only: engines never load the bridge
 
-        buckets = export_hf_weights(self.built, self.coords, bucket_bytes=self.bucket_bytes, dst=self.leader,
-                                    group=self.group, timeout_s=self.timeout_s, plan=self.plan)
+            port = self.buckets.endpoint.port
+            buckets = export_shared(self.built, self.coords, self.plan,
+                                    path=lambda index: bucket_path(port, sync_id, self.stage, index),
+                                    bucket_bytes=self.bucket_bytes, engine_dtype=self.buckets.endpoint.dtype,
+                                    leader=self.leader, group=self.group, timeout_s=self.timeout_s)
+        else:
+            from mrl.bridge.export import export_hf_weights
+
+            buckets = export_hf_weights(self.built, self.coords, bucket_bytes=self.bucket_bytes, dst=self.leader,
+                                        group=self.group, timeout_s=self.timeout_s, plan=self.plan)
         if self.coords.rank != self.leader:
-            for _ in buckets:  # drives this rank's sends to its leader
+            for _ in buckets:  # drives this rank's part: its sends to the leader, or its writes
                 pass
             return None
         return self.buckets.send(sync_id, buckets)
@@ -215,7 +239,6 @@ class _Link:
         self.store: Any = None
         self.channel: Channel | None = None
         self.failed = False  # an engine posted an error: nothing more travels
-        self.files: set[str] = set()  # shared-memory files not yet unlinked
         self.unreleased: tuple[int, str | None, torch.Tensor] | None = None  # sent, not yet loaded by every engine
         # The channel opens on a thread while the export makes the first bucket: the handshake waits
         # for the engines' receiving threads, the export for the other ranks' shards (measured: 7 of
@@ -255,9 +278,9 @@ class _Link:
             raise self._opening[0]
         return self.channel  # type: ignore[return-value]
 
-    def send(self, index: int, bucket: Bucket, report: SentReport) -> int:
-        """Pack and send one bucket (or drop it once an engine has failed: the export still runs to
-        its end, since its other ranks are sending shards to this one). Returns how many buckets'
+    def send(self, index: int, bucket: Bucket | Packed, report: SentReport) -> int:
+        """Pack (unless every rank wrote it already) and send one bucket, or drop it once an engine
+        has failed: the export still runs to its end, since its other ranks take part in it. Returns how many buckets'
         memory this let go: a bucket in shared memory goes once the engines loaded it, which they
         say after the next header (or the end marker), so the engines load bucket k while this
         packs bucket k + 1, and at most two are held."""
@@ -265,7 +288,7 @@ class _Link:
         self.failed = self.failed or _engine_failed(self.store, self.sync_id, self.who, index)
         if self.failed:
             return 1
-        header, flat = self._pack(bucket, index)
+        header, flat = (bucket.header, bucket.flat) if isinstance(bucket, Packed) else self._pack(bucket, index)
         del bucket
         what = f"sending bucket {index} ({describe(header)})"
         channel.send_json(header, what)
@@ -288,7 +311,8 @@ class _Link:
         index, path, _ = self.unreleased
         self.channel.barrier(f"waiting for the engines to load bucket {index}")
         self.unreleased = None
-        self._unlink(path)
+        if path is not None:
+            unlink_quietly(path)
         return 1
 
     def finish(self, report: SentReport) -> None:
@@ -318,14 +342,12 @@ class _Link:
         return f"{message} [{', '.join(gone)}: gone (its weight-sync port refuses connections)]"
 
     def close(self) -> None:
-        for path in list(self.files):
-            self._unlink(path)
-
-    def _unlink(self, path: str | None) -> None:
-        if path is None:
-            return
-        self.files.discard(path)
-        unlink_quietly(path)
+        """Unlink what is left of this sync's buckets in /dev/shm (after a failure; none after a
+        success): the leader's files, whether packed here or written by every rank."""
+        folder, stem = os.path.split(bucket_prefix(self.sender.endpoint.port, self.sync_id, self.sender.stage))
+        for name in os.listdir(folder):
+            if name.startswith(stem):
+                unlink_quietly(os.path.join(folder, name))
 
     def _pack(self, bucket: Bucket, index: int) -> tuple[dict, torch.Tensor]:
         dtype = self.sender.engine_dtype
@@ -342,8 +364,7 @@ class _Link:
             header["cuda_ipc"] = share(flat)
             return header, flat
         # Pack straight into a shared-memory file: one copy on this side, none on the engines'.
-        path = os.path.join(SHM_DIR, f"mrl-sync-{self.sync_id.replace('/', '_')}-{index}-{uuid.uuid4().hex[:8]}")
-        self.files.add(path)
+        path = bucket_path(self.sender.endpoint.port, self.sync_id, self.sender.stage, index)
         flat = torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)[:size]
         header, flat = pack(bucket, dtype, out=flat, consume=True)
         header["shm"] = path

@@ -16,6 +16,15 @@ import torch
 
 Bucket = list[tuple[str, torch.Tensor]]  # (HF name, full tensor) pairs
 
+
+@dataclass
+class Packed:
+    """A bucket already packed where the engines map it (mrl.sync.shared_export: every trainer rank
+    wrote its shards into the leader's shared-memory file): its header and bytes."""
+
+    header: dict
+    flat: torch.Tensor
+
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn)}
 # fp32 in every engine: DeepSeek-V3's routing bias, and the block scales of FP8 weights
 _KEEP_FP32 = ("e_score_correction_bias", "_scale_inv")

@@ -109,7 +109,7 @@ def _start_engines(count, channels, sync_id, **engine_kwargs_by_index):
     return engines
 
 
-def _sender(hf_dir, layout, endpoint, transport, timeout_s):
+def _sender(hf_dir, layout, endpoint, transport, timeout_s, **kwargs):
     from mrl.bridge.hf_import import load_hf_weights
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import initialize_layout
@@ -119,7 +119,8 @@ def _sender(hf_dir, layout, endpoint, transport, timeout_s):
     coords = initialize_layout(layout)
     built = build_model(model_spec_from_hf(hf_dir), layout)
     load_hf_weights(built, coords, hf_dir)
-    return WeightSender(endpoint, built, coords, transport=transport, bucket_bytes=256 << 10, timeout_s=timeout_s)
+    return WeightSender(endpoint, built, coords, transport=transport, bucket_bytes=256 << 10, timeout_s=timeout_s,
+                        **kwargs)
 
 
 def _push(rank, world, hf_dir, layout, endpoint, transport, timeout_s, sync_id="sync0"):
@@ -142,6 +143,36 @@ def test_engine_receives_every_tensor_intact(tiny_model_dir, transport, layout):
     assert set(held) == set(sent_all) == set(ckpt.names())  # tied/padded rows never travel twice
     for name in ckpt.names():  # what arrived is the checkpoint, bit for bit
         assert held[name] == tensor_checksum(ckpt.read(name).float()), name
+
+
+def _push_colocated(rank, world, hf_dir, layout, endpoint):
+    sender = _sender(hf_dir, layout, endpoint, "colocated", 60)
+    sender.push("sync0")
+    return sender.writes_shared
+
+
+@pytest.mark.parametrize("arch,layout", [("qwen3", ParallelLayout(tp=2)), ("qwen3", ParallelLayout(pp=2)),
+                                         ("deepseek_v3", ParallelLayout(tp=2, ep=2))],
+                         ids=["TP2", "PP2", "TP2xEP2 MLA"])
+def test_colocated_every_rank_writes_its_shards_into_the_shared_bucket(tiny_model_dir, arch, layout):
+    """Colocated with a CPU engine, every rank writes its own shards into the leader's /dev/shm
+    bucket (no gather): the engine, mapping each bucket by path, holds the checkpoint bit for bit,
+    and no bucket file is left. (The gathered, packed path: the FP8 test below, colocated TP2.)"""
+    from mrl.bridge.hf_checkpoint import HFCheckpoint
+
+    hf_dir = tiny_model_dir(arch)
+    proc, endpoint, results = _start_engine(maps=True)
+    shared = run_local(_push_colocated, layout.min_world_size(), str(hf_dir), layout, endpoint)
+    status, tensors, mismatched, held, digests = results.get(timeout=60)
+    proc.join(timeout=10)
+    assert status == "ok" and not mismatched
+    assert shared == [True] * layout.min_world_size()  # every rank took the shared path
+    ckpt = HFCheckpoint(hf_dir)
+    assert set(digests) == set(ckpt.names())
+    for name in ckpt.names():
+        assert digests[name] == hashlib.sha256(ckpt.read(name).float().contiguous().view(torch.uint8).numpy()
+                                               .tobytes()).hexdigest(), name
+    assert not glob.glob(f"/dev/shm/mrl-sync-{endpoint.port}-*")
 
 
 @pytest.mark.parametrize("shm_full", [False, True], ids=["room in /dev/shm", "no room"])
@@ -202,7 +233,8 @@ def _push_until_error(rank, world, hf_dir, layout, endpoint, transport, timeout_
     return None if sent is None else (0.0, "no error")
 
 
-@pytest.mark.parametrize("transport,layout", [("colocated", ParallelLayout()), ("broadcast", ParallelLayout(pp=2))])
+@pytest.mark.parametrize("transport,layout", [("colocated", ParallelLayout()), ("colocated", ParallelLayout(tp=2)),
+                                              ("broadcast", ParallelLayout(pp=2))])
 def test_engine_load_error_reaches_every_sender_at_once(tiny_model_dir, transport, layout):
     """The engine fails on a stage-0 tensor: every leader hears its message and the tensor within
     seconds (the waits' own timeout is 60 s), and the engine's receive raises the same."""
@@ -218,6 +250,7 @@ def test_engine_load_error_reaches_every_sender_at_once(tiny_model_dir, transpor
         assert re.search(rf"rank \d \(PP stage \d\): the weight update failed: the engine at .+ {expected}", error), error
         assert seconds < 10, (seconds, error)  # a generous bound: the point is not waiting for the timeout
     assert status == "error" and re.search(expected, message), message
+    assert not glob.glob(f"/dev/shm/mrl-sync-{endpoint.port}-*")  # the failed sync's buckets are gone
 
 
 def test_engine_holding_other_values_is_named(tiny_model_dir):

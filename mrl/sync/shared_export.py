@@ -1,0 +1,95 @@
+"""Colocated export without a gather: every trainer rank writes its own shards straight into the
+shared-memory bucket the engines map; the leader only checksums the bucket and announces it.
+
+The gather path (mrl.bridge.export) sends every shard to the leader, which assembles HF tensors
+and packs them into the bucket: a message per source and two copies of every byte on the leader,
+one after the other. Where each HF tensor lies in a bucket follows from the plan alone, so every
+rank computes that layout, maps the leader's file and writes its segments into it, all ranks at
+once. Used when every rank runs on the leader's host and the engine takes the bytes as they are
+(a CPU engine, no FP8): mrl.sync.sender.WeightSender decides.
+
+Per bucket, two barriers of the export group: "the leader made the file" and "every rank wrote
+its shards". The leader asks for bucket k + 1 only once at most one other bucket is alive (its
+pipeline's slots), so at most two files exist at a time, as on the gather path.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from mrl.bridge.export import PlanItem, bucket_items, write_shard
+from mrl.bridge.local_tensors import local_tensors
+from mrl.bridge.mapping import SplitDims
+from mrl.sync.wire import Packed, SyncError, checksums, dtype_named, unpack, wire_dtype
+
+
+def layout(bucket: list[PlanItem], dims: SplitDims, engine_dtype: torch.dtype) -> tuple[list[dict], int]:
+    """Where each HF tensor of the bucket lies in it (header entries, as mrl.sync.wire.pack writes
+    them, without checksums) and the bucket's size in bytes."""
+    entries, offset = [], 0
+    for item in bucket:
+        for name, shape in item.layout(dims)[0].items():
+            dtype = wire_dtype(name, engine_dtype, item.dtype)
+            entries.append({"name": name, "shape": list(shape), "dtype": str(dtype), "offset": offset})
+            offset += math.prod(shape) * dtype.itemsize
+    return entries, offset
+
+
+def export_shared(built: Any, coords: Any, plan: list[PlanItem], *, path: Any, bucket_bytes: int,
+                  engine_dtype: str, leader: int, group: Any, timeout_s: float) -> Iterator[Packed]:
+    """Every rank: write this rank's shards of each bucket into its file, `path(index)`. On the
+    leader, yield each bucket once every rank has written it; elsewhere yield nothing."""
+    tensors = {t.name: t.tensor for t in local_tensors(built, coords)}
+    dims, dtype = SplitDims.of(built.spec), dtype_named(engine_dtype)
+    lead = coords.rank == leader
+    sync = _Barrier(group, built.device, timeout_s, f"rank {coords.rank}")
+    for index, bucket in enumerate(bucket_items(plan, bucket_bytes)):
+        entries, size = layout(bucket, dims, dtype)
+        file = path(index)
+        flat = torch.from_file(file, shared=True, size=max(size, 1), dtype=torch.uint8)[:size] if lead else None
+        sync.wait(f"the leader (rank {leader}) to create bucket {index}'s file")
+        flat = _map(file, size) if flat is None else flat
+        views = dict(unpack({"tensors": entries}, flat))
+        for item in bucket:
+            for rank, shard in item.sources:
+                if rank == coords.rank:
+                    write_shard(item, shard, tensors[item.name].detach(), views, dims, coords.rank)
+        sync.wait(f"every rank to write its shards of bucket {index}")
+        if lead:
+            for entry, checksum in zip(entries, checksums(list(views.values()))):  # of the bytes that travel
+                entry["checksum"] = checksum
+            yield Packed({"tensors": entries, "nbytes": size, "shm": file}, flat)
+        del views, flat
+
+
+def _map(path: str, size: int) -> torch.Tensor:
+    """The leader's file, mapped writable. A file that is gone (a leader that failed and cleaned
+    up) is an error here, where torch.from_file would create a new one."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        buffer = mmap.mmap(fd, max(size, 1))
+    finally:
+        os.close(fd)
+    return torch.frombuffer(buffer, dtype=torch.uint8)[:size]
+
+
+class _Barrier:
+    """A barrier of the export group (an all-reduce of one number) that waits at most timeout_s."""
+
+    def __init__(self, group: Any, device: torch.device, timeout_s: float, who: str):
+        self.group, self.who, self.timeout_s = group, who, timeout_s
+        self.token = torch.zeros(1, device=device)
+
+    def wait(self, what: str) -> None:
+        try:
+            dist.all_reduce(self.token, group=self.group, async_op=True).wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as err:
+            raise SyncError(f"{self.who}: waiting for {what} failed or timed out after {self.timeout_s:.0f}s: "
+                            f"{err}") from err
