@@ -121,7 +121,7 @@ def _naive_export(built, coords) -> tuple[float, int]:
     return time.perf_counter() - start, total
 
 
-def _copy_and_p2p(nbytes: int, repeats: int = 3) -> tuple[float, float]:
+def copy_and_p2p(nbytes: int, repeats: int = 3) -> tuple[float, float]:
     """Best GB/s of an in-memory copy on rank 0 and of rank 1 → rank 0 gloo sends, for nbytes.
 
     Both write into preallocated buffers, so they measure the memory and transport limits
@@ -174,7 +174,7 @@ def _bench(rank: int, world_size: int, hf_dir: str, layout: ParallelLayout, repe
     exported = result["export_512MB"]["bytes"]
     exported = torch.tensor([exported])
     dist.broadcast(exported, 0)
-    result["copy_gbps"], result["p2p_gbps"] = _copy_and_p2p(int(exported.item()))
+    result["copy_gbps"], result["p2p_gbps"] = copy_and_p2p(int(exported.item()))
     return result
 
 

@@ -7,8 +7,10 @@ broadcast channels):
     starting its export to the engine holding the new weights (post-processing done), and GB/s;
   - naive: the same path with one bucket as large as the model: rank 0 gathers the whole state
     dict, the engine calls load_weights once;
-  - copy: the same number of bytes copied between two preallocated buffers in the leader process
-    (memory bandwidth, the physical limit of any same-node transport), best of 3;
+  - copy: 512 MB copied between two preallocated buffers in the leader process (memory bandwidth,
+    the physical limit of any same-node transport), best of 3;
+  - p2p: 512 MB sent rank 1 → rank 0 over gloo into a preallocated buffer (the trainer's own
+    transport), best of 3, in the same processes (export_throughput.py's baseline);
 and the peak extra RSS of each trainer rank and of the engine during the sync (sampled every 2 ms).
 
 With `--engines 1,2` each case runs once per engine count: one export fanned out to N engines
@@ -34,7 +36,7 @@ import ray
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from export_throughput import peak_rss, write_model  # noqa: E402
+from export_throughput import copy_and_p2p, peak_rss, write_model  # noqa: E402
 
 from mrl.layout import ParallelLayout  # noqa: E402
 from mrl.launch.rollout_actor import start_rollout_actor  # noqa: E402
@@ -45,19 +47,6 @@ LAYOUTS = {"tp2": ParallelLayout(tp=2), "pp2": ParallelLayout(pp=2), "ep2": Para
 TRANSPORTS = ("colocated", "broadcast")
 MB = 1024**2
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 * MB)
-
-
-def copy_gbps(nbytes: int) -> float:
-    """Memory bandwidth: nbytes copied in 64 MB chunks between preallocated buffers, best of 3."""
-    chunk = 64 * MB
-    src, dst = torch.ones(chunk, dtype=torch.uint8), torch.empty(chunk, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(max(1, nbytes // chunk)):
-            dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
 
 
 def _trainer(rank, world, hf_dir, key, layout, endpoints, transport, cases, pipeline=True):
@@ -81,8 +70,7 @@ def _trainer(rank, world, hf_dir, key, layout, endpoints, transport, cases, pipe
         torch.distributed.barrier()
         out[name] = {"started_at": sent.started_at if sent else None, "bytes": sent.bytes if sent else 0,
                      "rss_mb": rss["mb"]}
-    if coords.rank == 0:
-        out["copy_gbps"] = copy_gbps(sum(v["bytes"] for k, v in out.items() if k == "sync") or 1 << 30)
+    out["copy_gbps"], out["p2p_gbps"] = copy_and_p2p(512 * MB)  # a collective: every rank
     return out
 
 
@@ -196,7 +184,7 @@ def _one(hf_dir, key, rep, layout, transport, cases, actors, endpoints, pipeline
     results = run_local(_trainer, layout.min_world_size(), str(hf_dir), tag, layout, endpoints, transport, cases,
                         pipeline, timeout_s=1800)
     row = {"layout": key, "repeat": rep, "transport": transport, "engines": count, "pipeline": pipeline,
-           "copy_gbps": round(results[0]["copy_gbps"], 2)}
+           "copy_gbps": round(results[0]["copy_gbps"], 2), "p2p_gbps": round(results[0]["p2p_gbps"], 2)}
     for name, _ in cases:
         answers = [ray.get(list(pair), timeout=600) for pair in queued[name]]
         reports = [report for report, _ in answers]
@@ -206,6 +194,7 @@ def _one(hf_dir, key, rep, layout, transport, cases, actors, endpoints, pipeline
         row[name] = {
             "seconds": round(seconds, 3), "gbps": round(nbytes / seconds / 1e9, 3), "bytes": nbytes,
             "ratio_to_copy": round(nbytes / seconds / 1e9 / results[0]["copy_gbps"], 3),
+            "ratio_to_p2p": round(nbytes / seconds / 1e9 / results[0]["p2p_gbps"], 3),
             "trainer_rss_mb": [r[name]["rss_mb"] for r in results], "engine_rss_mb": [rss for _, rss in answers],
             "engine_load_s": [round(r.load_seconds, 3) for r in reports],
             "engine_finish_s": [round(r.finish_seconds, 3) for r in reports],
