@@ -8,6 +8,7 @@ import queue
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Iterable
@@ -15,8 +16,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from mrl.sync.channel import (IDENTITY_KEY, Channel, SyncEndpoint, bucket_path, bucket_prefix, channel_count,
-                              offer_kept, unlink_quietly)
+from mrl.sync.channel import (IDENTITY_KEY, SHM_DIR, Channel, SyncEndpoint, bucket_path, bucket_prefix,
+                              channel_count, offer_kept, unlink_quietly)
 from mrl.sync.wire import (Bucket, Packed, SyncError, describe, describe_failure, dtype_named, error_key,
                            in_shared_memory, nbytes, pack)
 
@@ -25,6 +26,14 @@ QUANTIZATIONS = (None, "fp8")  # what the sender can produce for an engine: as i
 # TCPStore retries an unreachable port for its timeout, and its last try (plus a back-off) may
 # start just before that ends (measured: ~9.5 s with a 3 s timeout): wait 2 × timeout + this.
 CONNECT_GRACE_S = 5.0
+
+
+def open_limit_s(timeout_s: float) -> float:
+    """The longest a leader's channel may take to open: the store's connect (2 × timeout + grace),
+    the identity check, the offer of the kept channel and the rendezvous (a timeout each)."""
+    return 5 * timeout_s + CONNECT_GRACE_S
+
+
 # After a channel error, how long the sender looks for an engine whose port refuses connections.
 GONE_GRACE_S = 5.0
 
@@ -89,13 +98,25 @@ class WeightSender:
 
     def _can_write_shared(self, endpoint: SyncEndpoint) -> bool:
         """Whether every rank can write its shards into the leader's shared-memory bucket: colocated,
-        an engine that takes the bytes as they are, every rank on the leader's host. Every rank
-        decides alike (the all-gather is a collective of all of them, or of none)."""
+        an engine that takes the bytes as they are, and every rank sees the leader's /dev/shm (a
+        file the leader makes there: one host name is not enough, containers on one host may
+        each have their own). Every rank decides alike (two collectives of all of them, or none)."""
         if self.transport != "colocated" or endpoint.device != "cpu" or endpoint.quantization is not None:
             return False
-        hosts: list[str] = [None] * dist.get_world_size(self.group)  # type: ignore[list-item]
-        dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-        return len(set(hosts)) == 1
+        world = dist.get_world_size(self.group)
+        probe = os.path.join(SHM_DIR, f"mrl-probe-{uuid.uuid4().hex}") if self.coords.rank == self.leader else None
+        if probe is not None:
+            open(probe, "w").close()
+        try:
+            paths: list[str | None] = [None] * world
+            dist.all_gather_object(paths, probe, group=self.group)
+            path = next(p for p in paths if p is not None)
+            seen: list[bool] = [False] * world
+            dist.all_gather_object(seen, os.path.exists(path), group=self.group)
+        finally:
+            if probe is not None:
+                unlink_quietly(probe)
+        return all(seen)
 
     @property
     def channels(self) -> int:
@@ -111,7 +132,8 @@ class WeightSender:
             buckets = export_shared(self.built, self.coords, self.plan,
                                     path=lambda index: bucket_path(port, sync_id, self.stage, index),
                                     bucket_bytes=self.bucket_bytes, engine_dtype=self.buckets.endpoint.dtype,
-                                    leader=self.leader, group=self.group, timeout_s=self.timeout_s)
+                                    leader=self.leader, group=self.group, timeout_s=self.timeout_s,
+                                    leader_wait_s=open_limit_s(self.timeout_s) + self.timeout_s)
         else:
             from mrl.bridge.export import export_hf_weights
 
@@ -168,7 +190,7 @@ class BucketSender:
         try:
             if self.pipeline:
                 _pipelined(buckets, lambda index, bucket: link.send(index, bucket, report), link.who, self.timeout_s,
-                           link.opening)
+                           link.opening, link.drop)
             else:
                 for index, bucket in enumerate(buckets):
                     link.send(index, bucket, report)
@@ -243,17 +265,19 @@ class _Link:
         # The channel opens on a thread while the export makes the first bucket: the handshake waits
         # for the engines' receiving threads, the export for the other ranks' shards (measured: 7 of
         # the demo's 60 ms sync were the export waiting for the handshake).
+        # Taken from the sender here, on the calling thread, which gets them back only after a push
+        # that succeeded (an opening still running after a failed push must not take a later one's).
+        store, kept = sender._store, sender._kept
+        sender._store = sender._kept = None
         self._opening: list[BaseException] = []
-        self._opener = threading.Thread(target=self._open, args=(engines,), daemon=True)
+        self._opener = threading.Thread(target=self._open, args=(engines, store, kept), daemon=True)
         self._opener.start()
 
-    def _open(self, engines: int) -> None:
-        """Meet the engines on the channel kept from the last sync, else on a new one. Takes the
-        sender's store connection and channel, which it gets back only after a push that succeeded."""
+    def _open(self, engines: int, store: Any, kept: Channel | None) -> None:
+        """Meet the engines on the channel kept from the last sync, else on a new one."""
         sender = self.sender
         try:
-            self.store, sender._store = sender._store or sender._open_store(self.who), None
-            kept, sender._kept = sender._kept, None
+            self.store = store or sender._open_store(self.who)
             if offer_kept(self.store, self.sync_id, sender.stage, kept.prefix if kept else "", engines, self.who,
                           sender.timeout_s):
                 self.channel = kept
@@ -269,8 +293,8 @@ class _Link:
 
     def opened(self) -> Channel:
         """The channel, once open; the opening's error if it failed. Each step of the opening has a
-        timeout of its own (the store's connect: 2 × timeout + grace): this join is a backstop."""
-        limit = 4 * self.sender.timeout_s + CONNECT_GRACE_S
+        timeout of its own; this join waits as long as all of them together (open_limit_s)."""
+        limit = open_limit_s(self.sender.timeout_s)
         self._opener.join(limit)
         if self._opener.is_alive():
             raise SyncError(f"{self.who}: opening the channel did not end within {limit:.0f}s")
@@ -287,7 +311,7 @@ class _Link:
         channel = self.opened()
         self.failed = self.failed or _engine_failed(self.store, self.sync_id, self.who, index)
         if self.failed:
-            return 1
+            return self.drop(bucket)
         header, flat = (bucket.header, bucket.flat) if isinstance(bucket, Packed) else self._pack(bucket, index)
         del bucket
         what = f"sending bucket {index} ({describe(header)})"
@@ -301,6 +325,14 @@ class _Link:
         freed = self._release()
         self.unreleased = index, header.get("shm"), flat
         return freed
+
+    @staticmethod
+    def drop(bucket: Bucket | Packed) -> int:
+        """A bucket that will not be sent (the sync failed): a packed one's file goes at once, so
+        that the rest of the export (which runs to its end) keeps at most two files alive."""
+        if isinstance(bucket, Packed):
+            unlink_quietly(bucket.header["shm"])
+        return 1
 
     def _release(self) -> int:
         """Once every engine has loaded the bucket sent before the last header (a barrier), its file
@@ -344,9 +376,15 @@ class _Link:
     def close(self) -> None:
         """Unlink what is left of this sync's buckets in /dev/shm (after a failure; none after a
         success): the leader's files, whether packed here or written by every rank."""
+        if self.sender.transport != "colocated":
+            return
         folder, stem = os.path.split(bucket_prefix(self.sender.endpoint.port, self.sync_id, self.sender.stage))
-        for name in os.listdir(folder):
-            if name.startswith(stem):
+        try:
+            names = os.listdir(folder)
+        except OSError:  # no /dev/shm: no file was ever made there
+            return
+        for name in names:
+            if name.startswith(stem) and name[len(stem):].isdigit():
                 unlink_quietly(os.path.join(folder, name))
 
     def _pack(self, bucket: Bucket, index: int) -> tuple[dict, torch.Tensor]:
@@ -398,13 +436,13 @@ def _refuses(endpoint: SyncEndpoint) -> bool:
 
 
 def _pipelined(buckets: Iterable[Bucket], send: Callable[[int, Bucket], int], who: str, timeout_s: float,
-               opening: Callable[[], bool] = lambda: False) -> None:
+               opening: Callable[[], bool] = lambda: False, drop: Callable[[Bucket], int] = lambda bucket: 1) -> None:
     """Export on the calling thread (its collectives stay there) while a thread sends the previous
     bucket. Two slots, each given back when a bucket's memory goes (`send` says how many went: a
     bucket in shared memory goes when the engines have loaded it, after the next one is sent); the
-    wait for one does not count while the channel is `opening` (its own steps have timeouts). The
-    thread's first error is raised here, once the export has run to its end (its other ranks are
-    sending to this one)."""
+    wait for one does not count while the channel is `opening` (its own steps have timeouts). After
+    an error the thread `drop`s the buckets it is handed. Its first error is raised here, once the
+    export has run to its end (its other ranks take part in it), or when a slot's wait times out."""
     slots = threading.Semaphore(2)
     handoff: queue.Queue = queue.Queue(maxsize=1)
     errors: list[BaseException] = []
@@ -424,8 +462,7 @@ def _pipelined(buckets: Iterable[Bucket], send: Callable[[int, Bucket], int], wh
             del item
             freed = 1
             try:
-                if not errors:
-                    freed = send(index, bucket)
+                freed = drop(bucket) if errors else send(index, bucket)
             except BaseException as err:  # noqa: BLE001 - raised on the calling thread
                 errors.append(err)
             finally:

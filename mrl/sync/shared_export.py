@@ -10,7 +10,8 @@ once. Used when every rank runs on the leader's host and the engine takes the by
 
 Per bucket, two barriers of the export group: "the leader made the file" and "every rank wrote
 its shards". The leader asks for bucket k + 1 only once at most one other bucket is alive (its
-pipeline's slots), so at most two files exist at a time, as on the gather path.
+pipeline's slots), and after a failed sync drops each bucket's file as it comes, so at most two
+files exist at a time, as on the gather path.
 """
 
 from __future__ import annotations
@@ -43,25 +44,29 @@ def layout(bucket: list[PlanItem], dims: SplitDims, engine_dtype: torch.dtype) -
 
 
 def export_shared(built: Any, coords: Any, plan: list[PlanItem], *, path: Any, bucket_bytes: int,
-                  engine_dtype: str, leader: int, group: Any, timeout_s: float) -> Iterator[Packed]:
+                  engine_dtype: str, leader: int, group: Any, timeout_s: float,
+                  leader_wait_s: float) -> Iterator[Packed]:
     """Every rank: write this rank's shards of each bucket into its file, `path(index)`. On the
-    leader, yield each bucket once every rank has written it; elsewhere yield nothing."""
+    leader, yield each bucket once every rank has written it; elsewhere yield nothing.
+    `leader_wait_s`: how long the ranks wait for the leader to make a file (it may first open its
+    channel and wait for the engines to load the bucket before last)."""
     tensors = {t.name: t.tensor for t in local_tensors(built, coords)}
     dims, dtype = SplitDims.of(built.spec), dtype_named(engine_dtype)
     lead = coords.rank == leader
-    sync = _Barrier(group, built.device, timeout_s, f"rank {coords.rank}")
+    who = f"rank {coords.rank}"
+    made, written = (_Barrier(group, built.device, wait_s, who) for wait_s in (leader_wait_s, timeout_s))
     for index, bucket in enumerate(bucket_items(plan, bucket_bytes)):
         entries, size = layout(bucket, dims, dtype)
         file = path(index)
         flat = torch.from_file(file, shared=True, size=max(size, 1), dtype=torch.uint8)[:size] if lead else None
-        sync.wait(f"the leader (rank {leader}) to create bucket {index}'s file")
-        flat = _map(file, size) if flat is None else flat
+        made.wait(f"the leader (rank {leader}) to make bucket {index}'s file")
+        flat = _map(file, size, who) if flat is None else flat
         views = dict(unpack({"tensors": entries}, flat))
         for item in bucket:
             for rank, shard in item.sources:
                 if rank == coords.rank:
                     write_shard(item, shard, tensors[item.name].detach(), views, dims, coords.rank)
-        sync.wait(f"every rank to write its shards of bucket {index}")
+        written.wait(f"every rank to write its shards of bucket {index}")
         if lead:
             for entry, checksum in zip(entries, checksums(list(views.values()))):  # of the bytes that travel
                 entry["checksum"] = checksum
@@ -69,10 +74,13 @@ def export_shared(built: Any, coords: Any, plan: list[PlanItem], *, path: Any, b
         del views, flat
 
 
-def _map(path: str, size: int) -> torch.Tensor:
+def _map(path: str, size: int, who: str) -> torch.Tensor:
     """The leader's file, mapped writable. A file that is gone (a leader that failed and cleaned
     up) is an error here, where torch.from_file would create a new one."""
-    fd = os.open(path, os.O_RDWR)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError as err:
+        raise SyncError(f"{who}: the leader's bucket file {path} is gone (the leader failed and cleaned up?)") from err
     try:
         buffer = mmap.mmap(fd, max(size, 1))
     finally:

@@ -25,6 +25,7 @@ class Packed:
     header: dict
     flat: torch.Tensor
 
+
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn)}
 # fp32 in every engine: DeepSeek-V3's routing bias, and the block scales of FP8 weights
 _KEEP_FP32 = ("e_score_correction_bias", "_scale_inv")
