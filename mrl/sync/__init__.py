@@ -18,8 +18,8 @@ offsets, checksums) and then the bytes to all engines at once:
 - "broadcast": the bytes go through the channel itself, and every pipeline stage has its own
   leader and channel, so stages export and send in parallel (the engines may sit on other nodes);
 - "colocated": one leader (global rank 0) for the whole model; the bytes are written once into a
-  shared-memory file that every engine maps (same node). When every trainer rank runs on the
-  leader's node and the engine takes the bytes as they are (a CPU engine, no FP8), each rank writes
+  shared-memory file that every engine maps (same node). When every trainer rank sees the
+  leader's /dev/shm and the engine takes the bytes as they are (a CPU engine, no FP8), each rank writes
   its own shards into that file (shared_export.py: no gather to the leader, which only checksums
   and announces the bucket); otherwise the leader gathers and packs. The leader unlinks each file once every
   engine has loaded it (a barrier), or at the end after a failure: exactly once either way. When

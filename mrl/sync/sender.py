@@ -59,7 +59,7 @@ class WeightSender:
     the calling thread): at most two buckets, plus the tensor being packed, alive at a time.
 
     Colocated with an engine that takes the bytes as they are (a CPU engine, no FP8), with every
-    rank on the leader's host, every rank writes its own shards into the shared bucket
+    rank seeing the leader's /dev/shm, every rank writes its own shards into the shared bucket
     (mrl.sync.shared_export: no gather).
     """
 
@@ -262,13 +262,14 @@ class _Link:
         self.channel: Channel | None = None
         self.failed = False  # an engine posted an error: nothing more travels
         self.unreleased: tuple[int, str | None, torch.Tensor] | None = None  # sent, not yet loaded by every engine
+        # The store connection and channel kept from the last push: taken here, on the calling
+        # thread (the sender gets them back only after a push that succeeded; an opening still
+        # running after a failed push must not take a later push's).
+        store, kept = sender._store, sender._kept
+        sender._store = sender._kept = None
         # The channel opens on a thread while the export makes the first bucket: the handshake waits
         # for the engines' receiving threads, the export for the other ranks' shards (measured: 7 of
         # the demo's 60 ms sync were the export waiting for the handshake).
-        # Taken from the sender here, on the calling thread, which gets them back only after a push
-        # that succeeded (an opening still running after a failed push must not take a later one's).
-        store, kept = sender._store, sender._kept
-        sender._store = sender._kept = None
         self._opening: list[BaseException] = []
         self._opener = threading.Thread(target=self._open, args=(engines, store, kept), daemon=True)
         self._opener.start()
@@ -304,8 +305,8 @@ class _Link:
 
     def send(self, index: int, bucket: Bucket | Packed, report: SentReport) -> int:
         """Pack (unless every rank wrote it already) and send one bucket, or drop it once an engine
-        has failed: the export still runs to its end, since its other ranks take part in it. Returns how many buckets'
-        memory this let go: a bucket in shared memory goes once the engines loaded it, which they
+        has failed: the export still runs to its end, since its other ranks take part in it.
+        Returns how many buckets' memory this let go: a bucket in shared memory goes once the engines loaded it, which they
         say after the next header (or the end marker), so the engines load bucket k while this
         packs bucket k + 1, and at most two are held."""
         channel = self.opened()
@@ -319,7 +320,7 @@ class _Link:
         report.checksums.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
         report.bytes += header["nbytes"]
         if not in_shared_memory(header):
-            self.channel.send_bytes(flat, what)
+            channel.send_bytes(flat, what)
             return 1
         # Every process of every engine maps the memory itself (vLLM's workers too).
         freed = self._release()

@@ -5,7 +5,7 @@ The gather path (mrl.bridge.export) sends every shard to the leader, which assem
 and packs them into the bucket: a message per source and two copies of every byte on the leader,
 one after the other. Where each HF tensor lies in a bucket follows from the plan alone, so every
 rank computes that layout, maps the leader's file and writes its segments into it, all ranks at
-once. Used when every rank runs on the leader's host and the engine takes the bytes as they are
+once. Used when every rank sees the leader's /dev/shm and the engine takes the bytes as they are
 (a CPU engine, no FP8): mrl.sync.sender.WeightSender decides.
 
 Per bucket, two barriers of the export group: "the leader made the file" and "every rank wrote
@@ -16,7 +16,6 @@ files exist at a time, as on the gather path.
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 from datetime import timedelta
@@ -28,19 +27,14 @@ import torch.distributed as dist
 from mrl.bridge.export import PlanItem, bucket_items, write_shard
 from mrl.bridge.local_tensors import local_tensors
 from mrl.bridge.mapping import SplitDims
-from mrl.sync.wire import Packed, SyncError, checksums, dtype_named, unpack, wire_dtype
+from mrl.sync.wire import Packed, SyncError, checksums, dtype_named, layout, unpack, wire_dtype
 
 
-def layout(bucket: list[PlanItem], dims: SplitDims, engine_dtype: torch.dtype) -> tuple[list[dict], int]:
-    """Where each HF tensor of the bucket lies in it (header entries, as mrl.sync.wire.pack writes
-    them, without checksums) and the bucket's size in bytes."""
-    entries, offset = [], 0
-    for item in bucket:
-        for name, shape in item.layout(dims)[0].items():
-            dtype = wire_dtype(name, engine_dtype, item.dtype)
-            entries.append({"name": name, "shape": list(shape), "dtype": str(dtype), "offset": offset})
-            offset += math.prod(shape) * dtype.itemsize
-    return entries, offset
+def bucket_layout(bucket: list[PlanItem], dims: SplitDims, engine_dtype: torch.dtype) -> tuple[list[dict], int]:
+    """Where each HF tensor of the bucket lies in it, as `pack` would lay the assembled tensors out
+    (mrl.sync.wire.layout), and the bucket's size in bytes."""
+    return layout((name, shape, wire_dtype(name, engine_dtype, item.dtype))
+                  for item in bucket for name, shape in item.layout(dims)[0].items())
 
 
 def export_shared(built: Any, coords: Any, plan: list[PlanItem], *, path: Any, bucket_bytes: int,
@@ -56,7 +50,7 @@ def export_shared(built: Any, coords: Any, plan: list[PlanItem], *, path: Any, b
     who = f"rank {coords.rank}"
     made, written = (_Barrier(group, built.device, wait_s, who) for wait_s in (leader_wait_s, timeout_s))
     for index, bucket in enumerate(bucket_items(plan, bucket_bytes)):
-        entries, size = layout(bucket, dims, dtype)
+        entries, size = bucket_layout(bucket, dims, dtype)
         file = path(index)
         flat = torch.from_file(file, shared=True, size=max(size, 1), dtype=torch.uint8)[:size] if lead else None
         made.wait(f"the leader (rank {leader}) to make bucket {index}'s file")

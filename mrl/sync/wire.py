@@ -9,8 +9,9 @@ byte offset and checksum. unpack() gives views into the received buffer (no copy
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -159,16 +160,23 @@ def nbytes(name: str, tensor: torch.Tensor, engine_dtype: torch.dtype) -> int:
     return tensor.numel() * torch.empty((), dtype=wire_dtype(name, engine_dtype, tensor.dtype)).element_size()
 
 
+def layout(tensors: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> tuple[list[dict], int]:
+    """Where each (name, shape, wire dtype) lies in a bucket: its header entries (without
+    checksums) and the bucket's size in bytes. The one definition of the layout, for `pack` and
+    for buckets every rank writes into (mrl.sync.shared_export)."""
+    entries, offset = [], 0
+    for name, shape, dtype in tensors:
+        entries.append({"name": name, "shape": list(shape), "dtype": str(dtype), "offset": offset})
+        offset += math.prod(shape) * dtype.itemsize
+    return entries, offset
+
+
 def pack(bucket: Bucket, engine_dtype: torch.dtype, out: torch.Tensor | None = None,
          consume: bool = False) -> tuple[dict, torch.Tensor]:
     """Cast and concatenate a bucket's tensors into one uint8 buffer (`out` if given: host memory,
     pinned for a GPU's tensors, or GPU memory); the header says where. `consume` drops each tensor
     from `bucket` once it is copied."""
-    entries, offset = [], 0
-    for name, tensor in bucket:
-        entries.append({"name": name, "shape": list(tensor.shape), "dtype": str(wire_dtype(name, engine_dtype, tensor.dtype)),
-                        "offset": offset})
-        offset += nbytes(name, tensor, engine_dtype)
+    entries, offset = layout((name, tensor.shape, wire_dtype(name, engine_dtype, tensor.dtype)) for name, tensor in bucket)
     flat = out if out is not None else torch.empty(offset, dtype=torch.uint8)
     views, waiting = [], False
     for index, entry in enumerate(entries):
