@@ -1,7 +1,7 @@
 """RL algorithm math: pure torch functions on tensors, registered by name (no megatron, no ray)."""
 
 from mrl.algo.advantages import ADVANTAGE_ESTIMATORS, compute_advantages, discounted_returns
-from mrl.algo.aggregation import AGGREGATIONS, aggregate
+from mrl.algo.aggregation import AGGREGATIONS, SequenceParts, aggregate
 from mrl.algo.dapo import informative_groups, overlong_penalty, penalise_overlong
 from mrl.algo.diagnostics import advantage_metrics, explained_variance
 from mrl.algo.entropy import entropy_bonus
@@ -17,13 +17,9 @@ from mrl.algo.rollout_correction import (
 )
 from mrl.algo.value_loss import clipped_value_loss
 
-# Settings whose math needs every token of a sequence at once (a sequence's importance ratio):
-# GSPO's loss and MIS's correction. Context parallelism, which splits sequences, refuses them.
-WHOLE_SEQUENCE_SETTINGS = frozenset({"gspo", "mis"})
-
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "BEHAVIOUR_LOSSES", "KL_ESTIMATORS", "POLICY_LOSSES",
-    "ROLLOUT_CORRECTIONS", "WHOLE_SEQUENCE_SETTINGS", "advantage_metrics", "aggregate", "behaviour_weights", "clipped_value_loss",
+    "ROLLOUT_CORRECTIONS", "SequenceParts", "advantage_metrics", "aggregate", "behaviour_weights", "clipped_value_loss",
     "compute_advantages", "correction_settings", "default_aggregation", "discounted_returns", "entropy_bonus",
     "explained_variance", "foreign_settings", "informative_groups", "kl_loss", "kl_penalized_rewards",
     "overlong_penalty", "penalise_overlong", "policy_loss", "rollout_correction", "uses_rollout_logprobs",

@@ -1,4 +1,4 @@
-"""Reducing a per-token loss to a scalar.
+"""Reducing a per-token loss to a scalar, and per-sequence sums when sequences are split over ranks.
 
 Shapes: loss, mask [B, T] (B sequences, T response positions) → scalar.
 
@@ -8,9 +8,18 @@ Shapes: loss, mask [B, T] (B sequences, T response positions) → scalar.
 - seq-mean-token-mean: mean over a sequence's tokens, then mean over sequences (original GRPO).
 Sequences with no response token are left out of the sequence means, so padding rows cannot dilute
 the loss; with no response token at all the result is a zero that still carries a graph.
+
+Split sequences (context parallelism): each rank holds part of every sequence, described by a
+SequenceParts. A sequence mean then divides this rank's part of a sequence's sum by the whole
+sequence's tokens, so the result is this rank's share of the whole batch's value: the shares of
+the ranks add up to it (Megatron's DDP adds their gradients). token-mean stays this rank's own mean
+(its share of the micro-batch's tokens weighs it: mrl.megatron.context_parallel.split_micro_batch).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -20,28 +29,56 @@ from mrl.registry import Registry
 AGGREGATIONS: Registry = Registry("loss aggregation")
 
 
+@dataclass(frozen=True)
+class SequenceParts:
+    """This rank's part of each of B sequences (None where a rank holds whole sequences).
+
+    tokens  [B] each whole sequence's response tokens (counted before the split)
+    total   a per-sequence partial sum [B] → the whole sequence's sum over the ranks that hold its
+            parts (a constant: no gradient crosses ranks)
+    """
+
+    tokens: torch.Tensor
+    total: Callable[[torch.Tensor], torch.Tensor]
+
+
+def sequence_tokens(mask: torch.Tensor, parts: SequenceParts | None = None) -> torch.Tensor:
+    """[B] each whole sequence's response tokens, in the mask's dtype."""
+    mask = mask.to(torch.float32) if not mask.is_floating_point() else mask
+    return mask.sum(-1) if parts is None else parts.tokens.to(mask.dtype)
+
+
+def sequence_sum(values: torch.Tensor, mask: torch.Tensor, parts: SequenceParts | None = None) -> torch.Tensor:
+    """[B] each whole sequence's sum of `values` over its response tokens, as a constant (an
+    importance ratio's log: GSPO, MIS)."""
+    here = masked_sum(values.detach(), mask, dim=-1)
+    return here if parts is None else parts.total(here)
+
+
 @AGGREGATIONS.register("token-mean")
-def token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over all response tokens of the batch."""
+def token_mean(loss: torch.Tensor, mask: torch.Tensor, parts: SequenceParts | None = None) -> torch.Tensor:
+    """Mean over all response tokens here (split sequences: weighed by the caller, see the legend)."""
     return masked_mean(loss, mask)
 
 
 @AGGREGATIONS.register("seq-mean-token-sum")
-def seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor, parts: SequenceParts | None = None) -> torch.Tensor:
     """Per-sequence token sum, averaged over the sequences that have response tokens."""
-    return masked_mean(masked_sum(loss, mask, dim=-1), _nonempty(mask, loss.dtype))
+    return masked_mean(masked_sum(loss, mask, dim=-1), _nonempty(mask, loss.dtype, parts))
 
 
 @AGGREGATIONS.register("seq-mean-token-mean")
-def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, parts: SequenceParts | None = None) -> torch.Tensor:
     """Per-sequence token mean, averaged over the sequences that have response tokens."""
-    return masked_mean(masked_mean(loss, mask, dim=-1), _nonempty(mask, loss.dtype))
+    mask = mask.to(loss.dtype)
+    per_sequence = masked_sum(loss, mask, dim=-1) / sequence_tokens(mask, parts).clamp(min=1)
+    return masked_mean(per_sequence, _nonempty(mask, loss.dtype, parts))
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Reduce a [B, T] loss to a scalar with the aggregation called `mode`."""
-    return AGGREGATIONS.get(mode)(loss, mask)
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, parts: SequenceParts | None = None) -> torch.Tensor:
+    """Reduce a [B, T] loss to a scalar with the aggregation called `mode` (`parts`: split sequences)."""
+    return AGGREGATIONS.get(mode)(loss, mask, parts)
 
 
-def _nonempty(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (mask.sum(-1) > 0).to(dtype)
+def _nonempty(mask: torch.Tensor, dtype: torch.dtype, parts: SequenceParts | None) -> torch.Tensor:
+    return (sequence_tokens(mask, parts) > 0).to(dtype)

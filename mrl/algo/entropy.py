@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from mrl.algo.aggregation import aggregate
+from mrl.algo.aggregation import SequenceParts, aggregate
 
 
 def entropy_bonus(
-    entropy: torch.Tensor, mask: torch.Tensor, coef: float, aggregation: str = "token-mean"
+    entropy: torch.Tensor, mask: torch.Tensor, coef: float, aggregation: str = "token-mean",
+    parts: SequenceParts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (loss term to add, aggregated entropy): the term is -coef · aggregate(entropy)."""
-    mean_entropy = aggregate(entropy, mask, aggregation)
+    mean_entropy = aggregate(entropy, mask, aggregation, parts)
     return -coef * mean_entropy, mean_entropy.detach()

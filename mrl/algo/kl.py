@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from mrl.algo.aggregation import SequenceParts, aggregate
 from mrl.algo.masked import add_on_last_token
 from mrl.registry import Registry
 
@@ -53,11 +54,10 @@ def kl_loss(
     response_mask: torch.Tensor,
     estimator: str = "k3",
     aggregation: str = "token-mean",
+    parts: SequenceParts | None = None,
 ) -> torch.Tensor:
     """The KL-in-the-loss term (multiply by kl_coef): the estimator aggregated over response tokens."""
-    from mrl.algo.aggregation import aggregate
-
-    return aggregate(KL_ESTIMATORS.get(estimator)(logp, ref_logp), response_mask, aggregation)
+    return aggregate(KL_ESTIMATORS.get(estimator)(logp, ref_logp), response_mask, aggregation, parts)
 
 
 def kl_penalized_rewards(

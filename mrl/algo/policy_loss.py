@@ -8,6 +8,8 @@ Shapes: B sequences, T response positions.
   weights        : [B, T] optional constant per-token weights (an off-policy correction, see
                    mrl.algo.rollout_correction) multiplying the per-token loss before aggregation;
                    None leaves the loss exactly as without them
+  parts          : sequences split over ranks (context parallelism; mrl.algo.aggregation.SequenceParts),
+                   None where this rank holds whole sequences
 Each loss returns (scalar loss, metrics) with metrics as detached 0-d tensors:
   ppo_kl      mean over response tokens of old_logp - logp
   pg_clipfrac fraction of response tokens whose clipped objective was the one used
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from mrl.algo.aggregation import aggregate
+from mrl.algo.aggregation import SequenceParts, aggregate, sequence_sum, sequence_tokens
 from mrl.algo.masked import masked_max, masked_mean
 from mrl.algo.rollout_correction import behaviour_weights
 from mrl.registry import Registry
@@ -44,6 +46,7 @@ def ppo_clip_loss(
     clip_ratio_c: float | None = None,
     aggregation: str = "token-mean",
     weights: torch.Tensor | None = None,
+    parts: SequenceParts | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip: max(-A·r, -A·clip(r, 1-clip_low, 1+clip_high)) per token, then aggregated.
 
@@ -53,7 +56,7 @@ def ppo_clip_loss(
     log_ratio = (logp - old_logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     return _clipped_objective(
-        ratio, log_ratio, advantages, response_mask, clip_low, clip_high, clip_ratio_c, aggregation, weights
+        ratio, log_ratio, advantages, response_mask, clip_low, clip_high, clip_ratio_c, aggregation, weights, parts
     )
 
 
@@ -69,6 +72,7 @@ def dapo_loss(
     clip_ratio_c: float | None = None,
     aggregation: str = "token-mean",
     weights: torch.Tensor | None = None,
+    parts: SequenceParts | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DAPO: PPO-clip with clip-higher (clip_high > clip_low lets unlikely tokens grow, keeping
     entropy up) and token-level aggregation (every token weighs the same however long its answer).
@@ -78,6 +82,7 @@ def dapo_loss(
     return ppo_clip_loss(
         logp, old_logp, advantages, response_mask,
         clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, aggregation=aggregation, weights=weights,
+        parts=parts,
     )
 
 
@@ -93,20 +98,23 @@ def gspo_loss(
     clip_ratio_c: float | None = None,
     aggregation: str = "seq-mean-token-mean",
     weights: torch.Tensor | None = None,
+    parts: SequenceParts | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: a sequence-level importance ratio s = exp(mean_t(logp - old_logp)), the geometric mean
     of the token ratios, clipped per sequence (hence the small default clip range).
 
     Every token of a sequence carries the value s; its gradient is s·∇logp_t / |y| summed over the
-    sequence, written as s.detach() · exp(logp_t - logp_t.detach()).
+    sequence, written as s.detach() · exp(logp_t - logp_t.detach()). With split sequences (`parts`)
+    s is the whole sequence's: its log-ratio sum is added up over the ranks that hold its parts.
     """
     mask = response_mask.to(logp.dtype)
-    seq_log_ratio = masked_mean(logp - old_logp, mask, dim=-1)
-    token_log_ratio = logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    seq_log_ratio = sequence_sum(logp - old_logp, mask, parts) / sequence_tokens(mask, parts).clamp(min=1)
+    token_log_ratio = logp - logp.detach() + seq_log_ratio.unsqueeze(-1)
     token_log_ratio = token_log_ratio.clamp(max=_SEQ_LOG_RATIO_MAX)
     ratio = torch.exp(token_log_ratio)
     return _clipped_objective(
-        ratio, logp - old_logp, advantages, response_mask, clip_low, clip_high, clip_ratio_c, aggregation, weights
+        ratio, logp - old_logp, advantages, response_mask, clip_low, clip_high, clip_ratio_c, aggregation, weights,
+        parts,
     )
 
 
@@ -123,6 +131,7 @@ def decoupled_ppo_loss(
     clip_high: float = 0.2,
     clip_ratio_c: float | None = None,
     aggregation: str = "token-mean",
+    parts: SequenceParts | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """AReaL's decoupled PPO for asynchronous RL: three policies. The engine's behaviour policy
     (behav_logp, which sampled the tokens), the proximal policy (old_logp, the trainer's recomputed
@@ -135,6 +144,7 @@ def decoupled_ppo_loss(
     return ppo_clip_loss(
         logp, old_logp, advantages, response_mask,
         clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, aggregation=aggregation, weights=weights,
+        parts=parts,
     )
 
 
@@ -152,6 +162,7 @@ def _clipped_objective(
     clip_ratio_c: float | None,
     aggregation: str,
     weights: torch.Tensor | None = None,
+    parts: SequenceParts | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -171,7 +182,7 @@ def _clipped_objective(
         loss = torch.where(advantages < 0, capped, loss)
     if weights is not None:  # after dual clip, as verl applies its IS weights
         loss = loss * weights.detach()
-    return aggregate(loss, mask, aggregation), metrics
+    return aggregate(loss, mask, aggregation, parts), metrics
 
 
 # The aggregation each loss is defined with, where it is not token-mean (GSPO's paper averages the

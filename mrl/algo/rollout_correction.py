@@ -49,7 +49,8 @@ from typing import Any
 
 import torch
 
-from mrl.algo.masked import masked_mean, masked_sum
+from mrl.algo.aggregation import SequenceParts, sequence_sum
+from mrl.algo.masked import masked_mean
 from mrl.registry import Registry
 
 ROLLOUT_CORRECTIONS: Registry = Registry("rollout correction")
@@ -81,7 +82,7 @@ class Correction:
 
 @ROLLOUT_CORRECTIONS.register("tis")
 def truncated_is(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor, *,
-                 cap: float = TIS_CAP) -> Correction:
+                 cap: float = TIS_CAP, parts: SequenceParts | None = None) -> Correction:
     """TIS: w_t = min(ρ_t, cap). A token the engine under-sampled relative to the trainer (ρ_t > 1)
     weighs more, at most `cap`; one it over-sampled weighs less."""
     mask = response_mask.to(old_logp.dtype)
@@ -94,12 +95,14 @@ def truncated_is(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_ma
 
 @ROLLOUT_CORRECTIONS.register("mis")
 def masked_sequence_is(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor, *,
-                       low: float = MIS_BOUNDS[0], high: float = MIS_BOUNDS[1]) -> Correction:
+                       low: float = MIS_BOUNDS[0], high: float = MIS_BOUNDS[1],
+                       parts: SequenceParts | None = None) -> Correction:
     """Sequence-level MIS: a sequence whose ratio ρ_seq = Π_t ρ_t lies outside [low, high] is masked
     out (weight 0 on all its tokens); the others are weighted by ρ_seq. Compared in log space, so a
-    long sequence's product cannot overflow."""
+    long sequence's product cannot overflow. With split sequences (`parts`) ρ_seq is the whole
+    sequence's."""
     mask = response_mask.to(old_logp.dtype)
-    log_seq = masked_sum(old_logp - rollout_logp, mask, dim=-1)  # [B]
+    log_seq = sequence_sum(old_logp - rollout_logp, mask, parts)  # [B]
     keep = _within(log_seq, low, high)
     seq_ratio = torch.exp(log_seq.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
     weights = (seq_ratio * keep).unsqueeze(-1) * mask
@@ -112,7 +115,8 @@ def masked_sequence_is(old_logp: torch.Tensor, rollout_logp: torch.Tensor, respo
 
 @ROLLOUT_CORRECTIONS.register("icepop")
 def icepop(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor, *,
-           low: float = ICEPOP_BOUNDS[0], high: float = ICEPOP_BOUNDS[1]) -> Correction:
+           low: float = ICEPOP_BOUNDS[0], high: float = ICEPOP_BOUNDS[1],
+           parts: SequenceParts | None = None) -> Correction:
     """IcePop: w_t = ρ_t where low ≤ ρ_t ≤ high, else 0 (the token is dropped from the gradient)."""
     mask = response_mask.to(old_logp.dtype)
     log_ratio = old_logp - rollout_logp
@@ -139,9 +143,11 @@ def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, respons
 
 
 def rollout_correction(name: str, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
-                       response_mask: torch.Tensor, **settings: float) -> Correction:
-    """Run the correction called `name` (see the module legend)."""
-    return ROLLOUT_CORRECTIONS.get(name)(old_logp.detach(), rollout_logp.detach(), response_mask, **settings)
+                       response_mask: torch.Tensor, parts: SequenceParts | None = None, **settings: float) -> Correction:
+    """Run the correction called `name` (see the module legend; `parts`: split sequences, see
+    mrl.algo.aggregation)."""
+    return ROLLOUT_CORRECTIONS.get(name)(old_logp.detach(), rollout_logp.detach(), response_mask, parts=parts,
+                                         **settings)
 
 
 def correction_settings(name: str, algo: Any) -> dict[str, float]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mrl.algo.aggregation import aggregate
+from mrl.algo.aggregation import SequenceParts, aggregate
 from mrl.algo.masked import masked_mean
 
 
@@ -18,6 +18,7 @@ def clipped_value_loss(
     mask: torch.Tensor,
     cliprange: float,
     aggregation: str = "token-mean",
+    parts: SequenceParts | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """0.5 · max((V - R)², (clip(V, V_old ± cliprange) - R)²), aggregated over response tokens.
 
@@ -29,6 +30,6 @@ def clipped_value_loss(
     unclipped_error = (values - returns).square()
     clipped_error = (clipped - returns).square()
     per_token = 0.5 * torch.maximum(unclipped_error, clipped_error)
-    loss = aggregate(per_token, mask, aggregation)
+    loss = aggregate(per_token, mask, aggregation, parts)
     clipfrac = masked_mean((clipped_error > unclipped_error).to(values.dtype), mask)
     return loss, {"vf_clipfrac": clipfrac.detach()}

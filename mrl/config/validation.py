@@ -430,24 +430,12 @@ def _check_mini_batch(cfg: RunConfig, dp: int) -> list[str]:
 
 
 def _check_context_parallel(cfg: RunConfig) -> list[str]:
-    """CP splits every sequence over ranks: settings that need a whole sequence on one rank (a
-    sequence-level mean or importance ratio, a packed row's segment mask) cannot run with it."""
-    if cfg.parallel.cp == 1:
-        return []
-    a, errors, why = cfg.algo, [], f"with parallel.cp {cfg.parallel.cp} each rank holds part of every sequence"
-    if a.aggregation != "token-mean":
-        errors.append(f"algo.aggregation {a.aggregation} averages over whole sequences, but {why}: set "
-                      "algo.aggregation: token-mean or parallel.cp: 1.")
-    from mrl.algo import WHOLE_SEQUENCE_SETTINGS
-
-    for field, value in (("policy_loss", a.policy_loss), ("rollout_correction", a.rollout_correction)):
-        if value in WHOLE_SEQUENCE_SETTINGS:
-            errors.append(f"algo.{field} {value} needs each sequence's importance ratio over all its tokens, but {why}: "
-                          "choose a token-level one or parallel.cp: 1.")
-    if cfg.trainer.sft_pack_tokens:
-        errors.append("trainer.sft_pack_tokens packs rows with a segment mask, which context parallelism's attention "
-                      "does not take: set trainer.sft_pack_tokens: null or parallel.cp: 1.")
-    return errors
+    """CP splits every sequence over ranks: a packed row's segment mask cannot run with it
+    (sequence-level losses can: mrl.algo.aggregation.SequenceParts)."""
+    if cfg.parallel.cp > 1 and cfg.trainer.sft_pack_tokens:
+        return ["trainer.sft_pack_tokens packs rows with a segment mask, which context parallelism's attention "
+                "does not take: set trainer.sft_pack_tokens: null or parallel.cp: 1."]
+    return []
 
 
 def _check_recompute(cfg: RunConfig, dims: ModelDims | None) -> list[str]:

@@ -9,7 +9,10 @@ A micro-batch's per-token tensors are sliced here before the model sees them; pe
 attention (megatron_patches/sdpa_attention.py, where the chunk positions are defined) all-gathers
 K and V over the CP group (the backward pass reduce-scatters their gradients) and masks by each
 query's and key's position in the whole sequence. Gradients of the replicated weights are reduced
-over DP×CP by Megatron's DDP.
+over DP×CP by Megatron's DDP. Losses: each rank computes its share of the micro-batch's loss (a
+token mean weighed by its share of the tokens; a sequence mean or a sequence's importance ratio
+over the whole sequence through the micro-batch's `sequence_parts`, mrl.algo.aggregation), so the
+shares add up to the loss of whole sequences.
 
 With CP 1 every function here is the identity.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from megatron_patches.sdpa_attention import causal_mask, chunk_positions, gathered_positions
+from mrl.algo.aggregation import SequenceParts
 
 
 def cp_size() -> int:
@@ -42,9 +46,10 @@ def local_positions(seq: int) -> torch.Tensor:
 def split_micro_batch(micro: dict, device: torch.device | None = None) -> dict:
     """This CP rank's share of a micro-batch, on `device` (the model's: batches are made in host
     memory): every [b, s] tensor sliced to its positions along the sequence (scalars and the row
-    index untouched), its token-mean loss weight rescaled to its tokens and "cp_size" set. A
-    sequence-level mean cannot be taken over part of a sequence: the loss functions refuse one
-    under CP (mrl.megatron.policy). Without CP only the device changes."""
+    index untouched), its token-mean loss weight rescaled to its tokens ("cp_token_share"),
+    "cp_size" set, and "sequence_parts": each whole sequence's response tokens and the sum over
+    the CP group that sequence-level losses need (mrl.algo.aggregation.SequenceParts). Without CP
+    only the device changes."""
     if device is not None:
         micro = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in micro.items()}
     size = cp_size()
@@ -55,12 +60,25 @@ def split_micro_batch(micro: dict, device: torch.device | None = None) -> dict:
     local = {key: value[:, mine] if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq
              else value for key, value in micro.items()}
     local["cp_size"] = size
-    if "loss_scale_tokens" in micro:
+    if "response_mask" in micro:
         # A token-mean is over this rank's tokens now: weigh it by its share of the micro-batch's
         # (Megatron's schedule multiplies the loss by CP, DDP averages gradients over DP×CP).
         whole, here = (float((m["response_mask"] != 0).sum()) for m in (micro, local))
-        local["loss_scale_tokens"] = micro["loss_scale_tokens"] * here / whole if whole else 0.0
+        local["cp_token_share"] = here / whole if whole else 0.0
+        if "loss_scale_tokens" in micro:
+            local["loss_scale_tokens"] = micro["loss_scale_tokens"] * local["cp_token_share"]
+        local["sequence_parts"] = SequenceParts((micro["response_mask"] != 0).sum(-1), _sum_over_cp)
     return local
+
+
+def _sum_over_cp(partial: torch.Tensor) -> torch.Tensor:
+    """Per-sequence partial sums [B] of this rank → the whole sequences' (a constant)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    total = partial.detach().clone()
+    dist.all_reduce(total, group=ps.get_context_parallel_group())
+    return total
 
 
 def gather_sequence(local: torch.Tensor) -> torch.Tensor:

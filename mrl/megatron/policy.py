@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import torch
 
-from mrl.megatron.context_parallel import cp_size, gather_outputs, local_positions, release_mask, split_micro_batch
+from mrl.megatron.context_parallel import gather_outputs, local_positions, release_mask, split_micro_batch
 from mrl.megatron.model import BuiltModel
 from mrl.megatron.parallel import from_last_stage
 from mrl.megatron.training import LossFn, Trainable, attention_mask, lm_loss, train_step
@@ -253,10 +253,6 @@ def _loss_scale(micro: dict, aggregation: str) -> float:
     if aggregation not in _AGGREGATION_UNITS:
         raise ValueError(f"aggregation {aggregation!r} has no micro-batch weighting: add it to "
                          f"mrl.megatron.policy._AGGREGATION_UNITS (known: {sorted(_AGGREGATION_UNITS)})")
-    if micro.get("cp_size", 1) > 1 and _AGGREGATION_UNITS[aggregation] != "tokens":
-        raise ValueError(f"aggregation {aggregation!r} averages over whole sequences, but with context parallelism "
-                         f"(CP {micro['cp_size']}) each rank holds part of every sequence: use aggregation "
-                         "token-mean, or parallel.cp 1")
     return micro[f"loss_scale_{_AGGREGATION_UNITS[aggregation]}"]
 
 
@@ -268,6 +264,15 @@ def _metric_scale(micro: dict, aggregation: str) -> float:
     batch's loss: the loss weight, times CP (train_step averages metrics over the CP ranks, and
     the batch's loss is their sum)."""
     return _loss_scale(micro, aggregation) * micro.get("cp_size", 1)
+
+
+def _cp_share(micro: dict, aggregation: str = "token-mean") -> float:
+    """The weight of a metric aggregated over this rank's tokens (a token mean: actor/ppo_kl,
+    actor/entropy, ...) so that it is the micro-batch's over whole sequences: under CP its share
+    (token-mean: this rank's share of the micro-batch's tokens; a sequence mean is a share already,
+    mrl.algo.aggregation), times CP, as train_step averages metrics over the CP ranks. 1 without CP."""
+    size = micro.get("cp_size", 1)
+    return 1.0 if size == 1 else size * (micro["cp_token_share"] if aggregation == "token-mean" else 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,7 +429,8 @@ class ActorLoss:
     def policy_loss_inputs(self, micro: dict) -> dict:
         """The policy loss's keywords beyond the clip settings: decoupled_ppo's behaviour log-probs,
         a rollout correction's per-token weights (computed per micro-batch: a micro-batch holds
-        whole sequences, which MIS's sequence ratio needs). Nothing when neither is on."""
+        whole sequences, or under CP this rank's part of each with its sequence_parts, which MIS's
+        sequence ratio needs). Nothing when neither is on."""
         from mrl.algo import BEHAVIOUR_LOSSES, correction_settings, rollout_correction
 
         inputs: dict = {}
@@ -433,7 +439,7 @@ class ActorLoss:
         if self.rollout_correction != "none":
             inputs["weights"] = rollout_correction(
                 self.rollout_correction, micro["old_logprobs"], micro["rollout_logprobs"], micro["response_mask"],
-                **correction_settings(self.rollout_correction, self)).weights
+                micro.get("sequence_parts"), **correction_settings(self.rollout_correction, self)).weights
         return inputs
 
 
@@ -449,41 +455,35 @@ def policy_loss_fn(algo: Any, vocab_size: int | None = None) -> LossFn:
     train_step reports each as the mean over micro-batches (ratio_max included); pg_loss is
     weighted like the loss itself, so it is the batch's loss whatever the micro-batching.
     """
-    from mrl.algo import WHOLE_SEQUENCE_SETTINGS, entropy_bonus, kl_loss, policy_loss
+    from mrl.algo import entropy_bonus, kl_loss, policy_loss
 
     config = ActorLoss.of(algo)
-    _loss_scale(_FAIL_EARLY | {"cp_size": cp_size()}, config.aggregation)  # fail early
-    whole = [f"{field} {value}" for field, value in (("policy_loss", config.policy_loss),
-                                                     ("rollout_correction", config.rollout_correction))
-             if value in WHOLE_SEQUENCE_SETTINGS]
-    if whole and cp_size() > 1:
-        raise ValueError(f"{', '.join(whole)} needs each sequence's log-prob ratio over all its tokens, but with "
-                         f"context parallelism (CP {cp_size()}) each rank holds part of every sequence: choose a "
-                         "token-level loss and correction, or parallel.cp 1")
+    _loss_scale(_FAIL_EARLY, config.aggregation)  # fail early
 
     def loss_fn(logits: torch.Tensor, micro: dict) -> tuple[torch.Tensor, dict]:
-        mask = micro["response_mask"]
+        mask, parts, aggregation = micro["response_mask"], micro.get("sequence_parts"), config.aggregation
         logp = vocab_parallel_logprobs(logits, micro["labels"], vocab_size)
         pg_loss, pg_metrics = policy_loss(
             config.policy_loss, logp, micro["old_logprobs"], micro["advantages"], mask,
             clip_low=config.clip_low, clip_high=config.clip_high, clip_ratio_c=config.clip_ratio_c,
-            aggregation=config.aggregation, **config.policy_loss_inputs(micro),
+            aggregation=aggregation, parts=parts, **config.policy_loss_inputs(micro),
         )
         loss = pg_loss
-        metrics = {"actor/pg_loss": pg_loss.detach() * _metric_scale(micro, config.aggregation)}
-        metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
+        metrics = {"actor/pg_loss": pg_loss.detach() * _metric_scale(micro, aggregation)}
+        # token means over this rank's tokens; ratio_max stays this rank's maximum
+        metrics.update({f"actor/{k}": v if k == "ratio_max" else v * _cp_share(micro) for k, v in pg_metrics.items()})
         # Entropy is always reported; it is differentiated only when it is part of the loss.
         with torch.set_grad_enabled(torch.is_grad_enabled() and config.entropy_coef != 0):
             entropy = vocab_parallel_entropy(logits, vocab_size)
-        bonus, mean_entropy = entropy_bonus(entropy, mask, config.entropy_coef, config.aggregation)
-        metrics["actor/entropy"] = mean_entropy
+        bonus, mean_entropy = entropy_bonus(entropy, mask, config.entropy_coef, aggregation, parts)
+        metrics["actor/entropy"] = mean_entropy * _cp_share(micro, aggregation)
         if config.entropy_coef != 0:
             loss = loss + bonus
         if config.kl_in_loss:
-            kl = kl_loss(logp, micro["ref_logprobs"], mask, config.kl_estimator, config.aggregation)
+            kl = kl_loss(logp, micro["ref_logprobs"], mask, config.kl_estimator, aggregation, parts)
             loss = loss + config.kl_coef * kl
-            metrics["actor/kl_loss"] = kl.detach()
-        return loss * _loss_scale(micro, config.aggregation), metrics
+            metrics["actor/kl_loss"] = kl.detach() * _cp_share(micro, aggregation)
+        return loss * _loss_scale(micro, aggregation), metrics
 
     return loss_fn
 
@@ -494,14 +494,16 @@ def value_loss_fn(cliprange: float, aggregation: str) -> LossFn:
     from mrl.algo import clipped_value_loss
     from mrl.algo.masked import masked_mean
 
-    _loss_scale(_FAIL_EARLY | {"cp_size": cp_size()}, aggregation)  # fail early
+    _loss_scale(_FAIL_EARLY, aggregation)  # fail early
 
     def loss_fn(output: torch.Tensor, micro: dict) -> tuple[torch.Tensor, dict]:
         values, mask = output[..., 0].float(), micro["response_mask"]
-        loss, metrics = clipped_value_loss(values, micro["values"], micro["returns"], mask, cliprange, aggregation)
+        loss, metrics = clipped_value_loss(values, micro["values"], micro["returns"], mask, cliprange, aggregation,
+                                           micro.get("sequence_parts"))
         return loss * _loss_scale(micro, aggregation), {
-            "critic/vf_loss": loss.detach() * _metric_scale(micro, aggregation), "critic/vf_clipfrac": metrics["vf_clipfrac"],
-            "critic/vpred_mean": masked_mean(values.detach(), mask)}
+            "critic/vf_loss": loss.detach() * _metric_scale(micro, aggregation),
+            "critic/vf_clipfrac": metrics["vf_clipfrac"] * _cp_share(micro),
+            "critic/vpred_mean": masked_mean(values.detach(), mask) * _cp_share(micro)}
 
     return loss_fn
 

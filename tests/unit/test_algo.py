@@ -355,3 +355,92 @@ def test_gspo_defaults_to_its_papers_aggregation():
     assert AlgoConfig(policy_loss="gspo").aggregation == "seq-mean-token-mean"
     assert AlgoConfig(policy_loss="ppo_clip").aggregation == "token-mean"
     assert AlgoConfig(policy_loss="gspo", aggregation="token-mean").aggregation == "token-mean"  # explicit wins
+
+
+# --- sequences split over ranks (context parallelism): each rank's share adds up to the whole -----
+
+
+class _TwoRanks:
+    """Two threads standing in for two CP ranks: SequenceParts.total adds their partial sums."""
+
+    def __init__(self):
+        import threading
+
+        self.barrier, self.slots = threading.Barrier(2), [None, None]
+
+    def total(self, rank: int):
+        def add(partial: torch.Tensor) -> torch.Tensor:
+            self.slots[rank] = partial
+            self.barrier.wait()
+            whole = self.slots[0] + self.slots[1]
+            self.barrier.wait()
+            return whole
+        return add
+
+    def run(self, fn) -> list:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:
+            return [f.result(timeout=30) for f in [pool.submit(fn, rank) for rank in (0, 1)]]
+
+
+SPLIT_CASES = {
+    "ppo_clip seq-mean-token-mean": ("ppo_clip", "seq-mean-token-mean", None),
+    "ppo_clip seq-mean-token-sum": ("ppo_clip", "seq-mean-token-sum", None),
+    "ppo_clip token-mean": ("ppo_clip", "token-mean", None),
+    "gspo seq-mean-token-mean": ("gspo", "seq-mean-token-mean", None),
+    "gspo token-mean": ("gspo", "token-mean", None),
+    "ppo_clip mis": ("ppo_clip", "seq-mean-token-mean", "mis"),
+}
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_a_sequence_split_over_two_ranks_gives_the_whole_loss_and_gradient(case):
+    """Megatron's load-balanced CP split of 12 positions (rank 0: chunks 0 and 3, rank 1: 1 and 2):
+    the ranks' losses (token-mean weighed by the rank's share of the tokens, as split_micro_batch
+    does) add up to the loss of whole sequences, and their gradients to its gradient."""
+    from mrl.algo import SequenceParts, rollout_correction
+
+    name, aggregation, correction = SPLIT_CASES[case]
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(4, 12, dtype=torch.float64)
+    for row, (start, end) in enumerate([(0, 12), (2, 5), (4, 11), (9, 12)]):  # row 3: only on rank 0's chunk
+        mask[row, start:end] = 1
+    logp = -torch.rand(4, 12, generator=g, dtype=torch.float64)
+    old = logp + 0.3 * torch.randn(4, 12, generator=g, dtype=torch.float64)
+    rollout = old + 0.2 * torch.randn(4, 12, generator=g, dtype=torch.float64)
+    advantages = torch.randn(4, 1, generator=g, dtype=torch.float64).expand(-1, 12)
+    clip = {"clip_low": 0.2, "clip_high": 0.2} if name != "gspo" else {"clip_low": 0.5, "clip_high": 0.5}
+
+    def loss_of(logp, old, rollout, advantages, mask, parts):
+        weights = (rollout_correction(correction, old, rollout, mask, parts, low=0.8, high=1.25).weights
+                   if correction else None)
+        return policy_loss(name, logp, old, advantages, mask, aggregation=aggregation, weights=weights, parts=parts,
+                           **clip)[0]
+
+    whole_logp = logp.clone().requires_grad_()
+    whole = loss_of(whole_logp, old, rollout, advantages, mask, None)
+    whole.backward()
+    if correction:  # some sequences masked, some kept: the test sees both
+        kept = rollout_correction(correction, old, rollout, mask, low=0.8, high=1.25).weights.sum(-1) > 0
+        assert kept.any() and not kept[mask.sum(-1) > 0].all()
+
+    columns = [torch.tensor([0, 1, 2, 9, 10, 11]), torch.tensor([3, 4, 5, 6, 7, 8])]
+    ranks = _TwoRanks()
+
+    def rank_loss(rank: int):
+        cols = columns[rank]
+        mine = logp[:, cols].clone().requires_grad_()
+        parts = SequenceParts(mask.sum(-1), ranks.total(rank))
+        loss = loss_of(mine, old[:, cols], rollout[:, cols], advantages[:, cols], mask[:, cols], parts)
+        if aggregation == "token-mean":
+            loss = loss * mask[:, cols].sum() / mask.sum()
+        loss.backward()
+        return loss.detach(), mine.grad
+
+    (loss0, grad0), (loss1, grad1) = ranks.run(rank_loss)
+    close(loss0 + loss1, whole.detach(), atol=1e-12)
+    grad = torch.zeros_like(logp)
+    grad[:, columns[0]], grad[:, columns[1]] = grad0, grad1
+    close(grad, whole_logp.grad, atol=1e-12)
+    assert whole_logp.grad.abs().sum() > 0
