@@ -49,10 +49,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --hf (an HF model) or --checkpoint (a Megatron checkpoint)")
     if args.checkpoint and args.rollout:
         parser.error("--rollout checks an HF model's sync (--hf); --checkpoint is not used with it")
-    if args.rollout and args.cp > 1:
-        parser.error("--rollout's probe step trains on Megatron's plain LM loss, which context parallelism does not "
-                     "weigh: drop --cp (the sync does not depend on it: CP ranks hold replicas of the weights), or "
-                     "check a CP layout without --rollout")
     try:
         if args.checkpoint:
             summary = verify_checkpoint(args)

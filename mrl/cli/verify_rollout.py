@@ -39,6 +39,7 @@ def _trainer(rank: int, world: int, hf_dir: str, layout: ParallelLayout, endpoin
     from mrl.megatron.forward import greedy_decode, sequence_logprobs
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import initialize_layout
+    from mrl.megatron.policy import sft_loss_fn
     from mrl.megatron.training import OptimConfig, lm_micro_batches, make_trainable, train_step
     from mrl.sync.sender import WeightSender
 
@@ -49,9 +50,12 @@ def _trainer(rank: int, world: int, hf_dir: str, layout: ParallelLayout, endpoin
     # is this model's numerical noise in the engine's dtype, measured before anything is synced.
     scored = sequence_logprobs(built, before)
     baseline = None if scored is None else _continuation(scored)
-    # One real optimizer step (Megatron DDP + Adam) on next-token loss over the probe prompts.
+    # One real optimizer step (Megatron DDP + Adam) on next-token loss over the probe prompts,
+    # weighed as SFT's (equal micro-batches; under CP each rank by its share of the tokens).
     trainable = make_trainable(built, OptimConfig(lr=lr, weight_decay=0.0, clip_grad=0.0))
-    step = train_step(trainable, lm_micro_batches(torch.tensor(prompts), layout.tp))
+    micro = [{**m, "response_mask": m["loss_mask"], "loss_scale_tokens": 1.0}
+             for m in lm_micro_batches(torch.tensor(prompts), built.sequence_multiple)]
+    step = train_step(trainable, micro, sft_loss_fn())
     if step.skipped:
         raise RuntimeError("the probe optimizer step was skipped (non-finite gradients)")
     sender = WeightSender(endpoint, built, coords, transport=transport, bucket_bytes=bucket_bytes)

@@ -14,7 +14,7 @@ import pytest
 from mrl.cli.verify import main as verify_main
 
 CASES = [
-    ("llama", ["--tp", "2"], "colocated", "float32"),
+    ("llama", ["--cp", "2"], "colocated", "float32"),  # CP ranks hold replicas: the sync comes from CP rank 0
     ("qwen2", ["--pp", "2"], "broadcast", "float32"),
     ("qwen3_moe", ["--ep", "2", "--tp", "2"], "broadcast", "float32"),
     ("deepseek_v3", ["--ep", "2"], "colocated", "float32"),
