@@ -14,6 +14,7 @@ SequenceParts. A sequence mean then divides this rank's part of a sequence's sum
 sequence's tokens, so the result is this rank's share of the whole batch's value: the shares of
 the ranks add up to it (Megatron's DDP adds their gradients). token-mean stays this rank's own mean
 (its share of the micro-batch's tokens weighs it: mrl.megatron.context_parallel.split_micro_batch).
+A metric (`whole_mean`) is the whole sequences' value on every rank: its sums go over the CP group.
 """
 
 from __future__ import annotations
@@ -78,6 +79,22 @@ def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, parts: SequenceP
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, parts: SequenceParts | None = None) -> torch.Tensor:
     """Reduce a [B, T] loss to a scalar with the aggregation called `mode` (`parts`: split sequences)."""
     return AGGREGATIONS.get(mode)(loss, mask, parts)
+
+
+def whole_mean(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+               parts: SequenceParts | None = None) -> torch.Tensor:
+    """A metric: `values` aggregated like `mode` over whole sequences, detached. With split
+    sequences every rank gets the same value, the whole sequences' (its sums are added up over the
+    ranks: a first step's ratio mean is then exactly 1 there too); without, aggregate's."""
+    values = values.detach()
+    if parts is None:
+        return aggregate(values, mask, mode)
+    mask = mask.to(values.dtype)
+    sums, tokens = parts.total(masked_sum(values, mask, dim=-1)), sequence_tokens(mask, parts)
+    if mode == "token-mean":
+        return sums.sum() / tokens.sum().clamp(min=1)
+    per_sequence = sums if mode == "seq-mean-token-sum" else sums / tokens.clamp(min=1)
+    return masked_mean(per_sequence, (tokens > 0).to(values.dtype))
 
 
 def _nonempty(mask: torch.Tensor, dtype: torch.dtype, parts: SequenceParts | None) -> torch.Tensor:

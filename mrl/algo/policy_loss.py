@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from mrl.algo.aggregation import SequenceParts, aggregate, sequence_sum, sequence_tokens
-from mrl.algo.masked import masked_max, masked_mean
+from mrl.algo.aggregation import SequenceParts, aggregate, sequence_sum, sequence_tokens, whole_mean
+from mrl.algo.masked import masked_max
 from mrl.algo.rollout_correction import behaviour_weights
 from mrl.registry import Registry
 
@@ -167,10 +167,10 @@ def _clipped_objective(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
-    metrics = {
-        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
-        "pg_clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask).detach(),
-        "ratio_mean": masked_mean(ratio, mask).detach(),
+    metrics = {  # over whole sequences (split ones too); ratio_max over this rank's tokens
+        "ppo_kl": whole_mean(-log_ratio, mask, parts=parts),
+        "pg_clipfrac": whole_mean((clipped > unclipped).to(ratio.dtype), mask, parts=parts),
+        "ratio_mean": whole_mean(ratio, mask, parts=parts),
         "ratio_max": masked_max(ratio, mask).detach(),
     }
     if clip_ratio_c is not None:
@@ -178,7 +178,7 @@ def _clipped_objective(
             raise ValueError(f"clip_ratio_c must be > 1 for dual clip, got {clip_ratio_c}.")
         capped = torch.minimum(loss, -advantages * clip_ratio_c)
         lower_clipped = (advantages < 0) & (capped < loss)
-        metrics["pg_clipfrac_lower"] = masked_mean(lower_clipped.to(ratio.dtype), mask).detach()
+        metrics["pg_clipfrac_lower"] = whole_mean(lower_clipped.to(ratio.dtype), mask, parts=parts)
         loss = torch.where(advantages < 0, capped, loss)
     if weights is not None:  # after dual clip, as verl applies its IS weights
         loss = loss * weights.detach()

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mrl.algo.aggregation import SequenceParts, aggregate
-from mrl.algo.masked import masked_mean
+from mrl.algo.aggregation import SequenceParts, aggregate, whole_mean
 
 
 def clipped_value_loss(
@@ -31,5 +30,4 @@ def clipped_value_loss(
     clipped_error = (clipped - returns).square()
     per_token = 0.5 * torch.maximum(unclipped_error, clipped_error)
     loss = aggregate(per_token, mask, aggregation, parts)
-    clipfrac = masked_mean((clipped_error > unclipped_error).to(values.dtype), mask)
-    return loss, {"vf_clipfrac": clipfrac.detach()}
+    return loss, {"vf_clipfrac": whole_mean((clipped_error > unclipped_error).to(values.dtype), mask, parts=parts)}

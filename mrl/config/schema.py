@@ -104,7 +104,7 @@ class ParallelConfig:
     ep: int = 1
     etp: int | None = None
     vpp: int | None = None
-    cp: int = 1  # context parallel: each sequence split over cp ranks (token-level losses only)
+    cp: int = 1  # context parallel: each sequence split over cp ranks
     first_stage_layers: int | None = None  # uneven pipeline: layers on the first / last stage
     last_stage_layers: int | None = None
     world_size: int | None = None  # actor processes; default: every actor GPU (CPU: the layout's minimum)

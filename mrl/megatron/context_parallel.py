@@ -46,10 +46,10 @@ def local_positions(seq: int) -> torch.Tensor:
 def split_micro_batch(micro: dict, device: torch.device | None = None) -> dict:
     """This CP rank's share of a micro-batch, on `device` (the model's: batches are made in host
     memory): every [b, s] tensor sliced to its positions along the sequence (scalars and the row
-    index untouched), its token-mean loss weight rescaled to its tokens ("cp_token_share"),
-    "cp_size" set, and "sequence_parts": each whole sequence's response tokens and the sum over
-    the CP group that sequence-level losses need (mrl.algo.aggregation.SequenceParts). Without CP
-    only the device changes."""
+    index untouched), its token-mean loss weight rescaled to its tokens, "cp_size" set, and
+    "sequence_parts": each whole sequence's response tokens and the sum over the CP group that
+    sequence-level losses and whole-sequence metrics need (mrl.algo.aggregation.SequenceParts).
+    Without CP only the device changes."""
     if device is not None:
         micro = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in micro.items()}
     size = cp_size()
@@ -60,13 +60,12 @@ def split_micro_batch(micro: dict, device: torch.device | None = None) -> dict:
     local = {key: value[:, mine] if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq
              else value for key, value in micro.items()}
     local["cp_size"] = size
-    if "response_mask" in micro:
+    if "loss_scale_tokens" in micro:
         # A token-mean is over this rank's tokens now: weigh it by its share of the micro-batch's
         # (Megatron's schedule multiplies the loss by CP, DDP averages gradients over DP×CP).
         whole, here = (float((m["response_mask"] != 0).sum()) for m in (micro, local))
-        local["cp_token_share"] = here / whole if whole else 0.0
-        if "loss_scale_tokens" in micro:
-            local["loss_scale_tokens"] = micro["loss_scale_tokens"] * local["cp_token_share"]
+        local["loss_scale_tokens"] = micro["loss_scale_tokens"] * here / whole if whole else 0.0
+    if "response_mask" in micro:
         local["sequence_parts"] = SequenceParts((micro["response_mask"] != 0).sum(-1), _sum_over_cp)
     return local
 

@@ -266,15 +266,6 @@ def _metric_scale(micro: dict, aggregation: str) -> float:
     return _loss_scale(micro, aggregation) * micro.get("cp_size", 1)
 
 
-def _cp_share(micro: dict, aggregation: str = "token-mean") -> float:
-    """The weight of a metric aggregated over this rank's tokens (a token mean: actor/ppo_kl,
-    actor/entropy, ...) so that it is the micro-batch's over whole sequences: under CP its share
-    (token-mean: this rank's share of the micro-batch's tokens; a sequence mean is a share already,
-    mrl.algo.aggregation), times CP, as train_step averages metrics over the CP ranks. 1 without CP."""
-    size = micro.get("cp_size", 1)
-    return 1.0 if size == 1 else size * (micro["cp_token_share"] if aggregation == "token-mean" else 1.0)
-
-
 # ---------------------------------------------------------------------------------------------
 # Forward-only log-probs
 # ---------------------------------------------------------------------------------------------
@@ -455,7 +446,8 @@ def policy_loss_fn(algo: Any, vocab_size: int | None = None) -> LossFn:
     train_step reports each as the mean over micro-batches (ratio_max included); pg_loss is
     weighted like the loss itself, so it is the batch's loss whatever the micro-batching.
     """
-    from mrl.algo import entropy_bonus, kl_loss, policy_loss
+    from mrl.algo import KL_ESTIMATORS, aggregate, entropy_bonus, policy_loss
+    from mrl.algo.aggregation import whole_mean
 
     config = ActorLoss.of(algo)
     _loss_scale(_FAIL_EARLY, config.aggregation)  # fail early
@@ -469,20 +461,19 @@ def policy_loss_fn(algo: Any, vocab_size: int | None = None) -> LossFn:
             aggregation=aggregation, parts=parts, **config.policy_loss_inputs(micro),
         )
         loss = pg_loss
+        # the loss: this rank's share, weighed; the other metrics are the whole sequences' already
         metrics = {"actor/pg_loss": pg_loss.detach() * _metric_scale(micro, aggregation)}
-        # token means over this rank's tokens; ratio_max stays this rank's maximum
-        metrics.update({f"actor/{k}": v if k == "ratio_max" else v * _cp_share(micro) for k, v in pg_metrics.items()})
+        metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
         # Entropy is always reported; it is differentiated only when it is part of the loss.
         with torch.set_grad_enabled(torch.is_grad_enabled() and config.entropy_coef != 0):
             entropy = vocab_parallel_entropy(logits, vocab_size)
-        bonus, mean_entropy = entropy_bonus(entropy, mask, config.entropy_coef, aggregation, parts)
-        metrics["actor/entropy"] = mean_entropy * _cp_share(micro, aggregation)
+        bonus, metrics["actor/entropy"] = entropy_bonus(entropy, mask, config.entropy_coef, aggregation, parts)
         if config.entropy_coef != 0:
             loss = loss + bonus
         if config.kl_in_loss:
-            kl = kl_loss(logp, micro["ref_logprobs"], mask, config.kl_estimator, aggregation, parts)
-            loss = loss + config.kl_coef * kl
-            metrics["actor/kl_loss"] = kl.detach() * _cp_share(micro, aggregation)
+            per_token = KL_ESTIMATORS.get(config.kl_estimator)(logp, micro["ref_logprobs"])
+            loss = loss + config.kl_coef * aggregate(per_token, mask, aggregation, parts)
+            metrics["actor/kl_loss"] = whole_mean(per_token, mask, aggregation, parts)
         return loss * _loss_scale(micro, aggregation), metrics
 
     return loss_fn
@@ -492,7 +483,7 @@ def value_loss_fn(cliprange: float, aggregation: str) -> LossFn:
     """A train_step loss for a critic: mrl.algo.clipped_value_loss of the model's values [b, s, 1].
     Metrics: critic/vf_loss, critic/vf_clipfrac, critic/vpred_mean."""
     from mrl.algo import clipped_value_loss
-    from mrl.algo.masked import masked_mean
+    from mrl.algo.aggregation import whole_mean
 
     _loss_scale(_FAIL_EARLY, aggregation)  # fail early
 
@@ -501,9 +492,8 @@ def value_loss_fn(cliprange: float, aggregation: str) -> LossFn:
         loss, metrics = clipped_value_loss(values, micro["values"], micro["returns"], mask, cliprange, aggregation,
                                            micro.get("sequence_parts"))
         return loss * _loss_scale(micro, aggregation), {
-            "critic/vf_loss": loss.detach() * _metric_scale(micro, aggregation),
-            "critic/vf_clipfrac": metrics["vf_clipfrac"] * _cp_share(micro),
-            "critic/vpred_mean": masked_mean(values.detach(), mask) * _cp_share(micro)}
+            "critic/vf_loss": loss.detach() * _metric_scale(micro, aggregation), "critic/vf_clipfrac": metrics["vf_clipfrac"],
+            "critic/vpred_mean": whole_mean(values, mask, parts=micro.get("sequence_parts"))}
 
     return loss_fn
 

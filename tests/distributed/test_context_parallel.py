@@ -144,6 +144,7 @@ def test_context_parallel_matches_cp1(tiny_model_dir):
 def _check_update(got: dict, ref: dict, where: str) -> None:
     metrics = got["metrics"]
     assert metrics["actor/ppo_kl"] == 0.0, f"{where}: first-step ppo_kl {metrics['actor/ppo_kl']}"
+    assert metrics["actor/ratio_mean"] == 1.0, f"{where}: first-step ratio_mean {metrics['actor/ratio_mean']}"
     assert metrics["actor/grad_norm"] > 0, f"{where}: no gradient"
     assert metrics["actor/grad_norm"] == pytest.approx(ref["metrics"]["actor/grad_norm"], rel=1e-4), where
     assert _max_diff(got["norm_grad"], ref["norm_grad"]) <= 1e-5 * max(1.0, float(ref["norm_grad"].abs().max())), (

@@ -398,7 +398,8 @@ SPLIT_CASES = {
 def test_a_sequence_split_over_two_ranks_gives_the_whole_loss_and_gradient(case):
     """Megatron's load-balanced CP split of 12 positions (rank 0: chunks 0 and 3, rank 1: 1 and 2):
     the ranks' losses (token-mean weighed by the rank's share of the tokens, as split_micro_batch
-    does) add up to the loss of whole sequences, and their gradients to its gradient."""
+    does) add up to the loss of whole sequences, and their gradients to its gradient; every rank's
+    metrics (whole_mean) are the whole sequences', and on a first step the ratio mean is exactly 1."""
     from mrl.algo import SequenceParts, rollout_correction
 
     name, aggregation, correction = SPLIT_CASES[case]
@@ -416,10 +417,10 @@ def test_a_sequence_split_over_two_ranks_gives_the_whole_loss_and_gradient(case)
         weights = (rollout_correction(correction, old, rollout, mask, parts, low=0.8, high=1.25).weights
                    if correction else None)
         return policy_loss(name, logp, old, advantages, mask, aggregation=aggregation, weights=weights, parts=parts,
-                           **clip)[0]
+                           **clip)
 
     whole_logp = logp.clone().requires_grad_()
-    whole = loss_of(whole_logp, old, rollout, advantages, mask, None)
+    whole, whole_metrics = loss_of(whole_logp, old, rollout, advantages, mask, None)
     whole.backward()
     if correction:  # some sequences masked, some kept: the test sees both
         kept = rollout_correction(correction, old, rollout, mask, low=0.8, high=1.25).weights.sum(-1) > 0
@@ -432,14 +433,20 @@ def test_a_sequence_split_over_two_ranks_gives_the_whole_loss_and_gradient(case)
         cols = columns[rank]
         mine = logp[:, cols].clone().requires_grad_()
         parts = SequenceParts(mask.sum(-1), ranks.total(rank))
-        loss = loss_of(mine, old[:, cols], rollout[:, cols], advantages[:, cols], mask[:, cols], parts)
+        loss, metrics = loss_of(mine, old[:, cols], rollout[:, cols], advantages[:, cols], mask[:, cols], parts)
         if aggregation == "token-mean":
             loss = loss * mask[:, cols].sum() / mask.sum()
         loss.backward()
-        return loss.detach(), mine.grad
+        first_step = policy_loss(name, mine.detach(), mine.detach(), advantages[:, cols], mask[:, cols],
+                                 aggregation=aggregation, parts=parts, **clip)[1]
+        return loss.detach(), mine.grad, metrics, first_step
 
-    (loss0, grad0), (loss1, grad1) = ranks.run(rank_loss)
+    (loss0, grad0, metrics0, first0), (loss1, grad1, metrics1, first1) = ranks.run(rank_loss)
     close(loss0 + loss1, whole.detach(), atol=1e-12)
+    for key in ("ppo_kl", "pg_clipfrac", "ratio_mean"):
+        for metrics in (metrics0, metrics1):
+            close(metrics[key], whole_metrics[key], atol=1e-12)
+    assert first0["ratio_mean"] == first1["ratio_mean"] == 1.0 and first0["ppo_kl"] == first1["ppo_kl"] == 0.0
     grad = torch.zeros_like(logp)
     grad[:, columns[0]], grad[:, columns[1]] = grad0, grad1
     close(grad, whole_logp.grad, atol=1e-12)

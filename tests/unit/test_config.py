@@ -240,7 +240,7 @@ def test_context_parallel_refuses_packed_rows_and_a_too_small_world(overrides, m
 @pytest.mark.parametrize("overrides", [["algo.aggregation=seq-mean-token-mean"], ["algo.aggregation=seq-mean-token-sum"],
                                        ["algo.policy_loss=gspo"], ["algo.rollout_correction=mis"]])
 def test_context_parallel_takes_sequence_level_losses(overrides):
-    load_config(TINY, ["parallel.cp=2", *overrides])  # raises ConfigError naming what it refuses
+    load_config(TINY, ["parallel.cp=2", *overrides])  # a refusal would raise ConfigError
 
 
 def test_context_parallel_layout_counts_in_the_world_and_dp():
