@@ -6,11 +6,13 @@ in turn on the same 4 ranks and must reproduce the reference layout (TP1, CP1: D
 - compute_logprobs' log-probs and entropy of a ragged rollout batch (each rank scores it whole),
   and a critic's values (compute_values, the model with a value head);
 - one update_actor step at lr 0 on that batch split over the layout's data-parallel ranks
-  (data_parallel_rows: the global token-mean) for each loss of ALGOS, token-level and
-  sequence-level (a sequence mean, GSPO's and MIS's sequence ratios over a sequence split over the
-  CP ranks): the global grad norm, the batch's pg_loss and the gradient of the final norm's
-  weight, a replicated parameter every CP rank gets a share of;
-- the first step's ppo_kl exactly 0 (log-probs and update agree bit for bit under CP too);
+  (data_parallel_rows: the global token-mean), and on qwen3 CP2 and DeepSeek-V3 TP2×CP2 one for
+  each sequence-level loss of ALGOS too (a sequence mean with an entropy bonus, GSPO's and MIS's
+  sequence ratios, over sequences split over the CP ranks): the global grad norm, the batch's
+  pg_loss and the gradient of the final norm's weight, a replicated parameter every CP rank gets
+  a share of;
+- the first step's ppo_kl exactly 0 and ratio mean exactly 1 (log-probs and update agree bit for
+  bit under CP too);
 - the loss metrics of each data-parallel slice (entropy, clip fraction, ratio mean) equal those of
   a CP1 layout with the same data-parallel slices (CP2 against TP2): token means over whole
   sequences, not means of the CP ranks' means.
@@ -36,13 +38,16 @@ LAYOUTS = {
                     "CP2×EP2": ParallelLayout(cp=2, ep=2)},
 }
 REFERENCE = ParallelLayout()
-SAME_DP = {"CP2": ("TP2", ParallelLayout(tp=2))}  # a CP layout → a CP1 layout with its data-parallel slices
-# update_actor's loss settings; "mis" also gets engine log-probs that differ from the trainer's
-# (seq-mean-token-sum differs from seq-mean-token-mean only in the divisor: tests/unit/test_algo.py)
+# CP2 (DP2) against a CP1 layout with the same data-parallel slices: their loss metrics must agree
+SAME_DP = {"qwen3": ("CP2", "TP2", ParallelLayout(tp=2))}
+# update_actor's loss settings: token-mean everywhere; the sequence-level ones (seq-mean-token-sum
+# differs from seq-mean-token-mean only in its divisor: tests/unit/test_algo.py) on a dense and an
+# MLA + MoE layout, against the reference. MIS gets engine log-probs that differ from the trainer's.
 ALGOS = {"token-mean": {"aggregation": "token-mean"},
          "seq-mean-token-mean": {"aggregation": "seq-mean-token-mean", "entropy_coef": 0.01},
-         "gspo": {"policy_loss": "gspo", "clip_low": 0.5, "clip_high": 0.5},
-         "mis": {"rollout_correction": "mis", "rollout_mis_low": 0.9, "rollout_mis_high": 1.1}}
+         "gspo+mis": {"policy_loss": "gspo", "clip_low": 0.5, "clip_high": 0.5, "rollout_correction": "mis",
+                      "rollout_mis_low": 0.9, "rollout_mis_high": 1.1}}
+SEQUENCE_LEVEL_ON = {"qwen3": {"reference", "CP2", "TP2"}, "deepseek_v3": {"reference", "TP2×CP2"}}
 EXACT_METRICS = ("actor/entropy", "actor/pg_clipfrac", "actor/ratio_mean", "actor/ppo_kl")
 
 
@@ -51,7 +56,7 @@ def _rollout_batch(vocab: int) -> dict:
     return ragged_rollout_batch(vocab, [9, 18, 3, 14, 6, 19, 2, 11])
 
 
-def _run_layout(arch_dir: str, layout: ParallelLayout) -> dict:
+def _run_layout(arch_dir: str, layout: ParallelLayout, algos: dict) -> dict:
     from megatron.core import parallel_state as ps
 
     from mrl.bridge.hf_import import load_hf_weights
@@ -73,7 +78,7 @@ def _run_layout(arch_dir: str, layout: ParallelLayout) -> dict:
     noise = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(1)) * 0.05
     batch["rollout_logprobs"] = (scored["logprobs"] + noise) * batch["response_mask"]
     mine = data_parallel_rows(batch, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-    updates = {name: _update(trainable, built, mine, layout.tp, algo) for name, algo in ALGOS.items()}
+    updates = {name: _update(trainable, built, mine, layout.tp, algo) for name, algo in algos.items()}
     critic = build_model(model_spec_from_hf(arch_dir), layout, value_head=True)  # PPO's critic: per-token values
     load_hf_weights(critic, coords, arch_dir)
     values = from_last_stage(compute_values(critic, batch, 4))
@@ -91,8 +96,9 @@ def _update(trainable, built, mine: dict, tp: int, algo: dict) -> dict:
 
     biases = [buffer for chunk in built.chunks for name, buffer in chunk.named_buffers() if name.endswith("expert_bias")]
     kept = [bias.detach().clone() for bias in biases]
-    old = compute_logprobs(trainable, mine, tp, 2)  # None off the last stage
-    mine = {**mine, "old_logprobs": from_last_stage(old["logprobs"] if old else None)}
+    if "old_logprobs" not in mine:  # the same for every update: the model is put back after each
+        old = compute_logprobs(trainable, mine, tp, 2)  # None off the last stage
+        mine["old_logprobs"] = from_last_stage(old["logprobs"] if old else None)
     metrics = update_actor(trainable, mine, algo, 2)
     norm_grad = None
     for chunk in built.chunks:
@@ -104,9 +110,13 @@ def _update(trainable, built, mine: dict, tp: int, algo: dict) -> dict:
 
 
 def _all_layouts(rank: int, world_size: int, dirs: dict) -> dict:
-    return {(arch, name): _run_layout(dirs[arch], layout)
-            for arch, layouts in LAYOUTS.items()
-            for name, layout in {"reference": REFERENCE, **layouts, **dict(SAME_DP.values())}.items()}
+    results = {}
+    for arch, layouts in LAYOUTS.items():
+        extra = {SAME_DP[arch][1]: SAME_DP[arch][2]} if arch in SAME_DP else {}
+        for name, layout in {"reference": REFERENCE, **layouts, **extra}.items():
+            algos = ALGOS if name in SEQUENCE_LEVEL_ON[arch] else {"token-mean": ALGOS["token-mean"]}
+            results[arch, name] = _run_layout(dirs[arch], layout, algos)
+    return results
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -129,16 +139,16 @@ def test_context_parallel_matches_cp1(tiny_model_dir):
                 assert _max_diff(got["logprobs"], ref["logprobs"]) <= 1e-5, f"{where}: log-probs"
                 assert _max_diff(got["entropy"], ref["entropy"]) <= 1e-5, f"{where}: entropy"
                 assert _max_diff(got["values"], ref["values"]) <= 1e-5, f"{where}: a critic's values"
-                for algo in ALGOS:
+                for algo in got["updates"]:
                     _check_update(got["updates"][algo], ref["updates"][algo], f"{where} {algo}")
-            for algo in ALGOS:
+            for algo in per_rank[0][(arch, name)]["updates"]:
                 # each rank reports its DP slice's share of the batch's loss: their mean over the ranks is the batch's
                 loss, ref_loss = (sum(per_rank[r][(arch, n)]["updates"][algo]["metrics"]["actor/pg_loss"]
                                       for r in range(WORLD)) / WORLD for n in (name, "reference"))
                 assert loss == pytest.approx(ref_loss, rel=1e-4, abs=1e-7), (
                     f"{arch} {name} {algo}: pg_loss {loss} vs CP1 {ref_loss}")
-            if name in SAME_DP:
-                _check_slice_metrics(per_rank, arch, name, SAME_DP[name][0])
+            if SAME_DP.get(arch, (None,))[0] == name:
+                _check_slice_metrics(per_rank, arch, name, SAME_DP[arch][1])
 
 
 def _check_update(got: dict, ref: dict, where: str) -> None:
@@ -157,7 +167,7 @@ def _check_slice_metrics(per_rank: list, arch: str, name: str, same_dp: str) -> 
     for rank in range(WORLD):
         got = per_rank[rank][(arch, name)]
         want = by_slice[got["dp_rank"]]
-        for algo in ALGOS:
+        for algo in got["updates"]:
             for key in EXACT_METRICS:
                 value, expected = got["updates"][algo]["metrics"][key], want["updates"][algo]["metrics"][key]
                 assert value == pytest.approx(expected, rel=1e-5, abs=1e-7), (
