@@ -36,7 +36,7 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLES_PER_STEP = 64  # every recipe's: 8 × 8 (GRPO) or 32 × 2 (PPO) (--plot-only reads runs without their config)
+SAMPLES_PER_STEP = 64  # every recipe's: 8 × 8 (GRPO) or 64 × 1 (PPO) (--plot-only reads runs without their config)
 RECIPES = {"grpo": ROOT / "configs" / "tiny_cpu_grpo.yaml", "ppo": ROOT / "configs" / "tiny_cpu_ppo.yaml",
            "fully_async": ROOT / "configs" / "tiny_cpu_async.yaml"}
 COLORS = {"grpo": "tab:blue", "ppo": "tab:green", "fully_async": "tab:orange"}
