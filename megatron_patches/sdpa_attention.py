@@ -11,7 +11,8 @@ repeated to the heads, as Megatron's own attention does) and unequal q/k and v h
 causal mask built in or an explicit Megatron-style boolean mask (True = masked out), and context
 parallelism (CP > 1): each rank holds two of a sequence's 2·CP chunks (Megatron's load-balanced
 split, `chunk_positions`), all-gathers K and V over the CP group (gradients reduce-scattered back)
-and masks by each query's and key's position in the whole sequence. Megatron's own CP attention is
+and masks by each query's and key's position in the whole sequence (or by the explicit mask of
+packed rows, given in those positions). Megatron's own CP attention is
 Transformer Engine's; this is the plain all-gather form of it, for the local spec.
 
 Drop when: megatron-core's local `DotProductAttention` runs on CPU and accepts MLA's unequal head
@@ -85,7 +86,9 @@ class SDPACoreAttention(MegatronModule):
         causal = mask_type == AttnMaskType.causal and attention_mask is None
         mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
         if self.cp > 1:  # before the query groups are repeated: fewer bytes to gather
-            k, v, mask = self._whole_sequence(k, v, sq, mask_type, attention_mask)
+            k, v = self._whole_sequence(k, v, mask_type)
+            if mask is None:
+                mask = causal_mask(sq * self.cp, self.cp, _cp_rank(), k.dtype, k.device)
             causal = False
         if groups != heads:
             k = k.repeat_interleave(heads // groups, dim=1)
@@ -100,21 +103,27 @@ class SDPACoreAttention(MegatronModule):
         # [b, n, sq, hv] -> [sq, b, n * hv]
         return out.permute(2, 0, 1, 3).reshape(sq, batch, -1)
 
-    def _whole_sequence(self, k: torch.Tensor, v: torch.Tensor, sq: int, mask_type: AttnMaskType,
-                        attention_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """CP: this rank's K and V [b, n, s/CP, d] → the whole sequence's (gather order), and the
-        causal mask [s/CP, s] of this rank's queries over them (additive, `causal_mask`)."""
+    def _whole_sequence(self, k: torch.Tensor, v: torch.Tensor,
+                        mask_type: AttnMaskType) -> tuple[torch.Tensor, torch.Tensor]:
+        """CP: this rank's K and V [b, n, s/CP, d] → the whole sequence's, in gather order (an
+        explicit mask must then be this rank's queries over the keys in that order: mrl's packed
+        rows, mrl.megatron.training.attention_mask; without one, `causal_mask`)."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-        if attention_mask is not None or mask_type != AttnMaskType.causal:
-            raise NotImplementedError("SDPACoreAttention with context parallelism supports the causal mask only "
-                                      "(no packed sequences or explicit masks): set parallel.cp 1 for them.")
+        if mask_type != AttnMaskType.causal:
+            raise NotImplementedError(f"SDPACoreAttention with context parallelism supports causal attention only, "
+                                      f"not {mask_type.name}: set parallel.cp 1 for it.")
         group = ps.get_context_parallel_group()
         # all-gather along the sequence (dim 0 of [s, b, n, d]); backward: reduce-scatter
-        k, v = (gather_from_sequence_parallel_region(t.permute(2, 0, 1, 3).contiguous(), True, group)
-                .permute(1, 2, 0, 3) for t in (k, v))
-        return k, v, causal_mask(sq * self.cp, self.cp, ps.get_context_parallel_rank(), k.dtype, k.device)
+        return tuple(gather_from_sequence_parallel_region(t.permute(2, 0, 1, 3).contiguous(), True, group)
+                     .permute(1, 2, 0, 3) for t in (k, v))
+
+
+def _cp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_rank()
 
 
 @functools.lru_cache(maxsize=1)

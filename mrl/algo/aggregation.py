@@ -14,7 +14,8 @@ SequenceParts. A sequence mean then divides this rank's part of a sequence's sum
 sequence's tokens, so the result is this rank's share of the whole batch's value: the shares of
 the ranks add up to it (Megatron's DDP adds their gradients). token-mean stays this rank's own mean
 (its share of the micro-batch's tokens weighs it: mrl.megatron.context_parallel.split_micro_batch).
-A metric (`whole_mean`) is the whole sequences' value on every rank: its sums go over the CP group.
+A metric (`whole_mean`, `whole_max`, `whole_min`) is the whole sequences' value on every rank: its
+sums and extremes go over the CP group.
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ class SequenceParts:
     """This rank's part of each of B sequences (None where a rank holds whole sequences).
 
     tokens  [B] each whole sequence's response tokens (counted before the split)
-    total   a per-sequence partial sum [B] → the whole sequence's sum over the ranks that hold its
-            parts (a constant: no gradient crosses ranks)
+    reduce  (a per-sequence partial result [B], "sum" or "max") → the whole sequence's, over the
+            ranks that hold its parts (a constant: no gradient crosses ranks)
     """
 
     tokens: torch.Tensor
-    total: Callable[[torch.Tensor], torch.Tensor]
+    reduce: Callable[[torch.Tensor, str], torch.Tensor]
+
+    def total(self, partial: torch.Tensor) -> torch.Tensor:
+        return self.reduce(partial, "sum")
 
 
 def sequence_tokens(mask: torch.Tensor, parts: SequenceParts | None = None) -> torch.Tensor:
@@ -95,6 +99,22 @@ def whole_mean(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean
         return sums.sum() / tokens.sum().clamp(min=1)
     per_sequence = sums if mode == "seq-mean-token-sum" else sums / tokens.clamp(min=1)
     return masked_mean(per_sequence, (tokens > 0).to(values.dtype))
+
+
+def whole_max(values: torch.Tensor, mask: torch.Tensor, parts: SequenceParts | None = None,
+              empty: float = 0.0) -> torch.Tensor:
+    """A metric: the largest of `values` [B, T] over the response tokens of whole sequences (split
+    ones: over the ranks), detached; `empty` where there is no response token."""
+    here = values.detach().masked_fill(~mask.bool(), float("-inf")).amax(-1) if values.numel() else values.new_empty(0)
+    per_sequence = here if parts is None else parts.reduce(here, "max")
+    largest = per_sequence.max() if per_sequence.numel() else values.new_tensor(float("-inf"))
+    return values.new_tensor(empty) if torch.isneginf(largest) else largest
+
+
+def whole_min(values: torch.Tensor, mask: torch.Tensor, parts: SequenceParts | None = None,
+              empty: float = 0.0) -> torch.Tensor:
+    """A metric: the smallest of `values` over the response tokens of whole sequences (whole_max's twin)."""
+    return -whole_max(-values, mask, parts, -empty)
 
 
 def _nonempty(mask: torch.Tensor, dtype: torch.dtype, parts: SequenceParts | None) -> torch.Tensor:

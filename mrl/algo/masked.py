@@ -22,12 +22,6 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return masked_sum(values, mask, dim) / count.clamp(min=1)
 
 
-def masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Largest value where mask is 1; 0 when the mask is empty."""
-    chosen = values[mask.bool()]
-    return chosen.max() if chosen.numel() else values.new_zeros(())
-
-
 def add_on_last_token(values: torch.Tensor, mask: torch.Tensor, per_row: torch.Tensor) -> torch.Tensor:
     """`values` [B, T] with per_row[b] [B] added at row b's last response position (a row without
     one gets nothing): where an outcome score or a sequence-level penalty sits."""

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from mrl.algo.aggregation import SequenceParts, aggregate, sequence_sum, sequence_tokens, whole_mean
-from mrl.algo.masked import masked_max
+from mrl.algo.aggregation import SequenceParts, aggregate, sequence_sum, sequence_tokens, whole_max, whole_mean
 from mrl.algo.rollout_correction import behaviour_weights
 from mrl.registry import Registry
 
@@ -167,11 +166,11 @@ def _clipped_objective(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
-    metrics = {  # over whole sequences (split ones too); ratio_max over this rank's tokens
+    metrics = {  # over whole sequences (split ones too)
         "ppo_kl": whole_mean(-log_ratio, mask, parts=parts),
         "pg_clipfrac": whole_mean((clipped > unclipped).to(ratio.dtype), mask, parts=parts),
         "ratio_mean": whole_mean(ratio, mask, parts=parts),
-        "ratio_max": masked_max(ratio, mask).detach(),
+        "ratio_max": whole_max(ratio, mask, parts),
     }
     if clip_ratio_c is not None:
         if clip_ratio_c <= 1.0:

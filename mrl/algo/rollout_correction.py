@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from mrl.algo.aggregation import SequenceParts, sequence_sum
+from mrl.algo.aggregation import SequenceParts, sequence_sum, sequence_tokens, whole_max, whole_mean, whole_min
 from mrl.algo.masked import masked_mean
 from mrl.registry import Registry
 
@@ -88,8 +88,8 @@ def truncated_is(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_ma
     mask = response_mask.to(old_logp.dtype)
     ratio = _token_ratio(old_logp, rollout_logp)
     weights = ratio.clamp(max=cap) * mask
-    metrics = _metrics(weights, mask, ratio)
-    metrics["is_clipfrac"] = masked_mean((ratio > cap).to(mask.dtype), mask)
+    metrics = _metrics(weights, mask, ratio, parts)
+    metrics["is_clipfrac"] = whole_mean((ratio > cap).to(mask.dtype), mask, parts=parts)
     return Correction(weights, metrics)
 
 
@@ -106,9 +106,9 @@ def masked_sequence_is(old_logp: torch.Tensor, rollout_logp: torch.Tensor, respo
     keep = _within(log_seq, low, high)
     seq_ratio = torch.exp(log_seq.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
     weights = (seq_ratio * keep).unsqueeze(-1) * mask
-    nonempty = (mask.sum(-1) > 0).to(mask.dtype)
-    metrics = _metrics(weights, mask, seq_ratio, nonempty)
-    metrics["is_masked_frac"] = masked_mean((~keep).to(mask.dtype).unsqueeze(-1).expand_as(mask), mask)
+    nonempty = (sequence_tokens(mask, parts) > 0).to(mask.dtype)  # whole sequences'
+    metrics = _metrics(weights, mask, seq_ratio.unsqueeze(-1), parts, nonempty.unsqueeze(-1))
+    metrics["is_masked_frac"] = whole_mean((~keep).to(mask.dtype).unsqueeze(-1).expand_as(mask), mask, parts=parts)
     metrics["is_seq_masked_frac"] = masked_mean((~keep).to(mask.dtype), nonempty)
     return Correction(weights, metrics)
 
@@ -123,8 +123,8 @@ def icepop(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: to
     keep = _within(log_ratio, low, high)
     ratio = _token_ratio(old_logp, rollout_logp)
     weights = ratio * keep * mask
-    metrics = _metrics(weights, mask, ratio)
-    metrics["is_masked_frac"] = masked_mean((~keep).to(mask.dtype), mask)
+    metrics = _metrics(weights, mask, ratio, parts)
+    metrics["is_masked_frac"] = whole_mean((~keep).to(mask.dtype), mask, parts=parts)
     return Correction(weights, metrics)
 
 
@@ -179,15 +179,15 @@ def _within(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
     return above_low & (log_ratio <= math.log(high))
 
 
-def _metrics(weights: torch.Tensor, mask: torch.Tensor, ratio: torch.Tensor,
+def _metrics(weights: torch.Tensor, mask: torch.Tensor, ratio: torch.Tensor, parts: SequenceParts | None = None,
              ratio_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """is_weight_mean, is_ratio_min/max (over `ratio_mask`, default the token mask), is_eff_sample_size."""
+    """is_weight_mean, is_ratio_min/max (over `ratio_mask`, default the token mask), is_eff_sample_size:
+    the whole sequences' (split ones: over the ranks, mrl.algo.aggregation)."""
     ratio_mask = mask if ratio_mask is None else ratio_mask
-    chosen = ratio[ratio_mask.bool()]
-    mean, mean_square = masked_mean(weights, mask), masked_mean(weights.square(), mask)
+    mean, mean_square = (whole_mean(w, mask, parts=parts) for w in (weights, weights.square()))
     return {
         "is_weight_mean": mean,
-        "is_ratio_min": chosen.min() if chosen.numel() else ratio.new_ones(()),
-        "is_ratio_max": chosen.max() if chosen.numel() else ratio.new_ones(()),
+        "is_ratio_min": whole_min(ratio, ratio_mask, parts, empty=1.0),
+        "is_ratio_max": whole_max(ratio, ratio_mask, parts, empty=1.0),
         "is_eff_sample_size": mean.square() / mean_square if mean_square > 0 else mean_square,
     }

@@ -394,7 +394,6 @@ def _check_layout(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
     if min(p.tp, p.pp, p.ep, layout.expert_tp, p.vpp or 1, p.cp) < 1:
         return [f"parallel sizes must be >= 1, got {layout.describe()}."]
     world, errors = _actor_world(cfg, layout)
-    errors += _check_context_parallel(cfg)
     if world is not None and world % (p.tp * p.cp * p.pp) == 0:
         dp, rows = layout.data_parallel_size(world), cfg.data.batch_size * cfg.rollout.n_samples_per_prompt
         if rows % dp:
@@ -426,15 +425,6 @@ def _check_mini_batch(cfg: RunConfig, dp: int) -> list[str]:
     if size * n % dp:
         return [f"trainer.ppo_mini_batch_size {size} × rollout.n_samples_per_prompt {n} = {size * n} sequences do not "
                 f"split over {dp} data-parallel ranks: make the product a multiple of the data-parallel size."]
-    return []
-
-
-def _check_context_parallel(cfg: RunConfig) -> list[str]:
-    """CP splits every sequence over ranks: a packed row's segment mask cannot run with it
-    (sequence-level losses can: mrl.algo.aggregation.SequenceParts)."""
-    if cfg.parallel.cp > 1 and cfg.trainer.sft_pack_tokens:
-        return ["trainer.sft_pack_tokens packs rows with a segment mask, which context parallelism's attention "
-                "does not take: set trainer.sft_pack_tokens: null or parallel.cp: 1."]
     return []
 
 

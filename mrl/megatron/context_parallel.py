@@ -43,6 +43,12 @@ def local_positions(seq: int) -> torch.Tensor:
     return chunk_positions(seq, cp_size(), cp_rank()) if cp_size() > 1 else torch.arange(seq)
 
 
+def key_positions(seq: int) -> torch.Tensor:
+    """The positions of the keys CP attention sees, in the order its all-gather returns them (all
+    of them in order without CP)."""
+    return gathered_positions(seq, cp_size()) if cp_size() > 1 else torch.arange(seq)
+
+
 def split_micro_batch(micro: dict, device: torch.device | None = None) -> dict:
     """This CP rank's share of a micro-batch, on `device` (the model's: batches are made in host
     memory): every [b, s] tensor sliced to its positions along the sequence (scalars and the row
@@ -66,18 +72,19 @@ def split_micro_batch(micro: dict, device: torch.device | None = None) -> dict:
         whole, here = (float((m["response_mask"] != 0).sum()) for m in (micro, local))
         local["loss_scale_tokens"] = micro["loss_scale_tokens"] * here / whole if whole else 0.0
     if "response_mask" in micro:
-        local["sequence_parts"] = SequenceParts((micro["response_mask"] != 0).sum(-1), _sum_over_cp)
+        local["sequence_parts"] = SequenceParts((micro["response_mask"] != 0).sum(-1), _over_cp)
     return local
 
 
-def _sum_over_cp(partial: torch.Tensor) -> torch.Tensor:
-    """Per-sequence partial sums [B] of this rank → the whole sequences' (a constant)."""
+def _over_cp(partial: torch.Tensor, op: str) -> torch.Tensor:
+    """Per-sequence partial sums or maxima [B] of this rank → the whole sequences' (a constant)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    total = partial.detach().clone()
-    dist.all_reduce(total, group=ps.get_context_parallel_group())
-    return total
+    whole = partial.detach().clone()
+    dist.all_reduce(whole, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op],
+                    group=ps.get_context_parallel_group())
+    return whole
 
 
 def gather_sequence(local: torch.Tensor) -> torch.Tensor:

@@ -338,8 +338,9 @@ def _forward_only(built: BuiltModel, micro: list[dict], score: Callable[[torch.T
     positions = local_positions(seq).unsqueeze(0).to(built.device)
 
     def forward_step(data_iterator, model):
-        mb = split_micro_batch(next(data_iterator), built.device)  # CP: this rank's part of each sequence
-        output = model(mb["tokens"], positions, attention_mask(mb, built.use_te))
+        whole = next(data_iterator)
+        mb = split_micro_batch(whole, built.device)  # CP: this rank's part of each sequence
+        output = model(mb["tokens"], positions, attention_mask(whole, built.use_te, built.device))
         return output, lambda out, non_loss_data=True: gather_outputs(score(out, mb))
 
     chunks = built.chunks

@@ -17,7 +17,13 @@ from typing import Any, Callable
 import torch
 
 from mrl.config.schema import OptimConfig
-from mrl.megatron.context_parallel import local_positions, mean_over_ranks, release_mask, split_micro_batch
+from mrl.megatron.context_parallel import (
+    key_positions,
+    local_positions,
+    mean_over_ranks,
+    release_mask,
+    split_micro_batch,
+)
 from mrl.megatron.model import BuiltModel, transformer_engine_available
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
@@ -179,11 +185,13 @@ def lm_micro_batches(tokens: torch.Tensor, tp: int, micro_batch_size: int = 1) -
     ]
 
 
-def attention_mask(micro_batch: dict, use_te: bool) -> torch.Tensor | None:
-    """None (plain causal attention), or for packed rows (micro_batch["segments"] [b, s], see
-    mrl.experience.packed_sft_batch) Megatron's boolean mask [b, 1, s, s], True = masked out:
-    causal within each segment. Positions are not restarted per segment: rotary embeddings only
-    see position differences, which are the same (up to float rounding of the angles).
+def attention_mask(micro_batch: dict, use_te: bool, device: torch.device | None = None) -> torch.Tensor | None:
+    """None (plain causal attention), or for packed rows (micro_batch["segments"] [b, s] of the
+    whole micro-batch, before the CP split; see mrl.experience.packed_sft_batch) Megatron's boolean
+    mask, True = masked out: causal within each segment, [b, 1, s, s] (under CP [b, 1, s/CP, s]:
+    this rank's queries over the keys in the order CP attention gathers them). Positions are not
+    restarted per segment: rotary embeddings only see position differences, which are the same (up
+    to float rounding of the angles).
     """
     segments = micro_batch.get("segments")
     if segments is None:
@@ -192,9 +200,11 @@ def attention_mask(micro_batch: dict, use_te: bool) -> torch.Tensor | None:
         raise ValueError("packed sequences (trainer.sft_pack_tokens) need mrl's local attention: Transformer "
                          "Engine's causal attention ignores the segment mask; set model.transformer_impl: local "
                          "or trainer.sft_pack_tokens: null")
+    segments = segments.to(device or segments.device)
     seq = segments.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril()
-    same = segments[:, :, None] == segments[:, None, :]
+    queries, keys = (p.to(segments.device) for p in (local_positions(seq), key_positions(seq)))
+    causal = keys.unsqueeze(0) <= queries.unsqueeze(1)
+    same = segments[:, queries, None] == segments[:, None, keys]
     return ~(same & causal).unsqueeze(1)
 
 
@@ -219,8 +229,9 @@ def train_step(trainable: Trainable, micro_batches: list[dict], loss_fn: LossFn 
     positions = local_positions(seq).unsqueeze(0).to(device)
 
     def forward_step(data_iterator, model):
-        micro_batch = split_micro_batch(next(data_iterator), device)  # CP: this rank's part of each sequence
-        output = model(micro_batch["tokens"], positions, attention_mask(micro_batch, trainable.built.use_te))
+        whole = next(data_iterator)
+        micro_batch = split_micro_batch(whole, device)  # CP: this rank's part of each sequence
+        output = model(micro_batch["tokens"], positions, attention_mask(whole, trainable.built.use_te, device))
 
         def loss_func(out):
             loss, metrics = loss_fn(out, micro_batch)

@@ -1,6 +1,7 @@
 """SFT on packed rows (several sequences per row, attention kept within each) computes the same
 loss and gradient as one sequence per row: tiny qwen3 (dense, GQA) and tiny DeepSeek-V3 (MLA, MoE)
-under TP2 with sequence parallelism, on 2 gloo processes.
+under TP2 with sequence parallelism and under CP2 (each row split over two ranks, the segment mask
+in the positions CP attention gathers), on 2 gloo processes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from mrl.layout import ParallelLayout
 from mrl.megatron.local_launch import run_local
 
 TIMEOUT_S = 240
+LAYOUTS = {"TP2": ParallelLayout(tp=2), "CP2": ParallelLayout(cp=2)}
 
 
 def _samples(vocab: int) -> tuple[list, list]:
@@ -37,14 +39,14 @@ def _sft_losses(rank: int, world_size: int, dirs: dict) -> dict:
         spec = model_spec_from_hf(hf_dir)
         prompts, targets = _samples(spec.vocab_size)
         batches = {"padded": sft_batch(prompts, targets), "packed": packed_sft_batch(prompts, targets, row_tokens=24)}
-        for name, batch in batches.items():
-            layout = ParallelLayout(tp=2)
-            coords = initialize_layout(layout)
-            built = build_model(spec, layout)
-            load_hf_weights(built, coords, hf_dir)
-            results[f"{arch} {name}"] = {"rows": batch["tokens"].shape[0],
-                                         **update_sft(make_trainable(built, OptimConfig(lr=1e-3)), batch, 2)}
-            destroy_layout()
+        for layout_name, layout in LAYOUTS.items():
+            for name, batch in batches.items():
+                coords = initialize_layout(layout)
+                built = build_model(spec, layout)
+                load_hf_weights(built, coords, hf_dir)
+                results[f"{arch} {layout_name} {name}"] = {
+                    "rows": batch["tokens"].shape[0], **update_sft(make_trainable(built, OptimConfig(lr=1e-3)), batch, 2)}
+                destroy_layout()
     return results
 
 
@@ -52,8 +54,12 @@ def test_packed_rows_give_the_same_loss_and_gradient(tiny_model_dir):
     dirs = {arch: str(tiny_model_dir(arch)) for arch in ("qwen3", "deepseek_v3")}
     results = run_local(_sft_losses, 2, dirs, timeout_s=TIMEOUT_S)[0]
     for arch in dirs:
-        padded, packed = results[f"{arch} padded"], results[f"{arch} packed"]
-        assert packed["rows"] < padded["rows"] == 8, (arch, packed["rows"])
-        assert padded["sft/loss"] > 0 and padded["sft/grad_norm"] > 0, padded
-        for key in ("sft/loss", "sft/grad_norm"):
-            assert packed[key] == pytest.approx(padded[key], rel=1e-5), (arch, key, packed[key], padded[key])
+        for layout in LAYOUTS:
+            where = f"{arch} {layout}"
+            padded, packed = results[f"{where} padded"], results[f"{where} packed"]
+            assert packed["rows"] < padded["rows"] == 8, (where, packed["rows"])
+            assert padded["sft/loss"] > 0 and padded["sft/grad_norm"] > 0, (where, padded)
+            for key in ("sft/loss", "sft/grad_norm"):
+                assert packed[key] == pytest.approx(padded[key], rel=1e-5), (where, key, packed[key], padded[key])
+                # and CP2 computes what TP2 does
+                assert packed[key] == pytest.approx(results[f"{arch} TP2 packed"][key], rel=1e-5), (where, key)

@@ -361,21 +361,22 @@ def test_gspo_defaults_to_its_papers_aggregation():
 
 
 class _TwoRanks:
-    """Two threads standing in for two CP ranks: SequenceParts.total adds their partial sums."""
+    """Two threads standing in for two CP ranks: SequenceParts.reduce adds up (or takes the larger
+    of) their partial results."""
 
     def __init__(self):
         import threading
 
         self.barrier, self.slots = threading.Barrier(2), [None, None]
 
-    def total(self, rank: int):
-        def add(partial: torch.Tensor) -> torch.Tensor:
+    def reduce(self, rank: int):
+        def over_ranks(partial: torch.Tensor, op: str) -> torch.Tensor:
             self.slots[rank] = partial
             self.barrier.wait()
-            whole = self.slots[0] + self.slots[1]
+            whole = {"sum": torch.add, "max": torch.maximum}[op](self.slots[0], self.slots[1])
             self.barrier.wait()
             return whole
-        return add
+        return over_ranks
 
     def run(self, fn) -> list:
         from concurrent.futures import ThreadPoolExecutor
@@ -391,7 +392,10 @@ SPLIT_CASES = {
     "gspo seq-mean-token-mean": ("gspo", "seq-mean-token-mean", None),
     "gspo token-mean": ("gspo", "token-mean", None),
     "ppo_clip mis": ("ppo_clip", "seq-mean-token-mean", "mis"),
+    "ppo_clip tis": ("ppo_clip", "token-mean", "tis"),
+    "ppo_clip icepop": ("ppo_clip", "token-mean", "icepop"),
 }
+CORRECTION_SETTINGS = {"mis": {"low": 0.8, "high": 1.25}, "tis": {"cap": 1.1}, "icepop": {"low": 0.8, "high": 1.25}}
 
 
 @pytest.mark.parametrize("case", SPLIT_CASES)
@@ -399,7 +403,8 @@ def test_a_sequence_split_over_two_ranks_gives_the_whole_loss_and_gradient(case)
     """Megatron's load-balanced CP split of 12 positions (rank 0: chunks 0 and 3, rank 1: 1 and 2):
     the ranks' losses (token-mean weighed by the rank's share of the tokens, as split_micro_batch
     does) add up to the loss of whole sequences, and their gradients to its gradient; every rank's
-    metrics (whole_mean) are the whole sequences', and on a first step the ratio mean is exactly 1."""
+    metrics (whole_mean, whole_max, whole_min: the policy loss's and the correction's) are the whole
+    sequences', and on a first step the ratio mean is exactly 1."""
     from mrl.algo import SequenceParts, rollout_correction
 
     name, aggregation, correction = SPLIT_CASES[case]
@@ -414,17 +419,19 @@ def test_a_sequence_split_over_two_ranks_gives_the_whole_loss_and_gradient(case)
     clip = {"clip_low": 0.2, "clip_high": 0.2} if name != "gspo" else {"clip_low": 0.5, "clip_high": 0.5}
 
     def loss_of(logp, old, rollout, advantages, mask, parts):
-        weights = (rollout_correction(correction, old, rollout, mask, parts, low=0.8, high=1.25).weights
-                   if correction else None)
-        return policy_loss(name, logp, old, advantages, mask, aggregation=aggregation, weights=weights, parts=parts,
-                           **clip)
+        corrected = (rollout_correction(correction, old, rollout, mask, parts, **CORRECTION_SETTINGS[correction])
+                     if correction else None)
+        loss, metrics = policy_loss(name, logp, old, advantages, mask, aggregation=aggregation,
+                                    weights=corrected and corrected.weights, parts=parts, **clip)
+        return loss, {**metrics, **(corrected.metrics if corrected else {})}
 
     whole_logp = logp.clone().requires_grad_()
     whole, whole_metrics = loss_of(whole_logp, old, rollout, advantages, mask, None)
     whole.backward()
-    if correction:  # some sequences masked, some kept: the test sees both
-        kept = rollout_correction(correction, old, rollout, mask, low=0.8, high=1.25).weights.sum(-1) > 0
-        assert kept.any() and not kept[mask.sum(-1) > 0].all()
+    if correction == "mis":  # some sequences masked, some kept: the test sees both
+        assert 0 < whole_metrics["is_seq_masked_frac"] < 1
+    if correction:  # some tokens truncated or masked, some not
+        assert 0 < whole_metrics.get("is_clipfrac", whole_metrics.get("is_masked_frac")) < 1
 
     columns = [torch.tensor([0, 1, 2, 9, 10, 11]), torch.tensor([3, 4, 5, 6, 7, 8])]
     ranks = _TwoRanks()
@@ -432,7 +439,7 @@ def test_a_sequence_split_over_two_ranks_gives_the_whole_loss_and_gradient(case)
     def rank_loss(rank: int):
         cols = columns[rank]
         mine = logp[:, cols].clone().requires_grad_()
-        parts = SequenceParts(mask.sum(-1), ranks.total(rank))
+        parts = SequenceParts(mask.sum(-1), ranks.reduce(rank))
         loss, metrics = loss_of(mine, old[:, cols], rollout[:, cols], advantages[:, cols], mask[:, cols], parts)
         if aggregation == "token-mean":
             loss = loss * mask[:, cols].sum() / mask.sum()
@@ -443,7 +450,8 @@ def test_a_sequence_split_over_two_ranks_gives_the_whole_loss_and_gradient(case)
 
     (loss0, grad0, metrics0, first0), (loss1, grad1, metrics1, first1) = ranks.run(rank_loss)
     close(loss0 + loss1, whole.detach(), atol=1e-12)
-    for key in ("ppo_kl", "pg_clipfrac", "ratio_mean"):
+    assert metrics0.keys() == metrics1.keys() == whole_metrics.keys()
+    for key in whole_metrics:
         for metrics in (metrics0, metrics1):
             close(metrics[key], whole_metrics[key], atol=1e-12)
     assert first0["ratio_mean"] == first1["ratio_mean"] == 1.0 and first0["ppo_kl"] == first1["ppo_kl"] == 0.0
