@@ -74,23 +74,30 @@ class GeneratedBatch:
     gen_seconds: float  # how long the engine took to generate it
     engine_metrics: dict[str, float] = field(default_factory=dict)  # each engine's throughput (not checkpointed)
     sync_every: int = 1  # trainer steps per weight push when it was generated (fully_async: async.sync_every)
+    # per group, its run's start step where groups of two runs meet (async.streaming after a resume)
+    start_steps: list[int] | None = None
 
     def policy_steps(self) -> list[int | None]:
         """Per sample, the trainer step whose weights generated it (None: the engine's initial weights)."""
-        return [policy_step(g.weight_version, self.start_step, self.sync_every) for group in self.groups for g in group]
+        starts = self.start_steps or [self.start_step] * len(self.groups)
+        return [policy_step(g.weight_version, start, self.sync_every)
+                for group, start in zip(self.groups, starts, strict=True) for g in group]
 
     def to_state(self) -> dict:
         """Plain data (lists, numbers, strings): a checkpoint's common state loads it with weights_only."""
         return {"step": self.step, "prompt_indices": list(self.prompt_indices), "start_step": self.start_step,
                 "gen_seconds": self.gen_seconds, "sync_every": self.sync_every,
-                "groups": [[asdict(g) for g in group] for group in self.groups]}
+                "groups": [[asdict(g) for g in group] for group in self.groups],
+                **({"start_steps": list(self.start_steps)} if self.start_steps else {})}
 
     @classmethod
     def from_state(cls, state: dict) -> GeneratedBatch:
         # a checkpoint from before token_versions: Generation.versions() derives them from weight_version
         groups = [[Generation(**g) for g in group] for group in state["groups"]]
+        starts = state.get("start_steps")
         return cls(int(state["step"]), [int(i) for i in state["prompt_indices"]], groups, int(state["start_step"]),
-                   float(state["gen_seconds"]), sync_every=int(state.get("sync_every", 1)))
+                   float(state["gen_seconds"]), sync_every=int(state.get("sync_every", 1)),
+                   start_steps=[int(s) for s in starts] if starts else None)
 
     @staticmethod
     def list_from_state(state: dict | list | None) -> list[GeneratedBatch]:
@@ -297,6 +304,9 @@ class AsyncPlan:
     interrupt: Callable[[], None] | None = None  # async.partial_rollout: stop the engines' generations now
     resume: Resume | None = None  # async.partial_rollout: continue unfinished samples
     detokenize: Detokenizer | None = None  # async.partial_rollout: a continued sample's text and stop
+    streaming: bool = False  # async.streaming: a step takes the first groups to come back (StreamingAsyncSource)
+    batch_prompts: int = 0  # async.streaming: groups a step takes (data.batch_size)
+    wait_s: float = 1200.0  # async.streaming: the longest a step waits for the next group to come back
 
     def __post_init__(self):
         if self.interrupt is not None and (self.resume is None or self.detokenize is None):
@@ -320,6 +330,7 @@ class _Chunk:
     pending: PendingBatch
     launched: float  # time.perf_counter() at launch
     offset: int = 0  # its first prompt's index in the step's batch
+    deadline: int = 0  # the last step that may train it: the engines' weights' step at launch + η + 1
     done: GeneratedBatch | None = None  # its generations so far (merged with continuations once collected)
     resumed: _Resumed | None = None  # partial rollout: its unfinished samples' continuations in flight
     continued: dict[tuple[int, int], int] = field(default_factory=dict)  # (prompt, sample) → continuations
@@ -429,12 +440,16 @@ class FullyAsyncSource(BatchSource):
     def _refill(self) -> None:
         """Start every step the staleness bound and the queue admit."""
         p = self.plan
-        while (self.next_step <= self.last_step and self.next_step <= self.weights_step + p.max_staleness + 1
-               and len(self.ready) + len(self.running) < p.queue_size):
+        deadline = self.weights_step + p.max_staleness + 1
+        while self.next_step <= self.last_step and self.next_step <= deadline and self._room():
             step, indices = self.next_step, p.sample()
-            self.running[step] = [_Chunk(p.generate(step, indices[i:i + p.chunk_prompts]), time.perf_counter(), i)
-                                  for i in range(0, len(indices), p.chunk_prompts)]
+            self.running[step] = [_Chunk(p.generate(step, indices[i:i + p.chunk_prompts]), time.perf_counter(), i,
+                                         deadline) for i in range(0, len(indices), p.chunk_prompts)]
             self.next_step += 1
+
+    def _room(self) -> bool:
+        """Whether the queue takes one more step's prompts."""
+        return len(self.ready) + len(self.running) < self.plan.queue_size
 
     def _collect(self, step: int) -> GeneratedBatch:
         """Step `step`'s batch: its chunks' generations in the sampler's order."""
@@ -499,6 +514,150 @@ class FullyAsyncSource(BatchSource):
         return total
 
 
+@dataclass
+class _Group:
+    """A prompt group that came back whole, in async.streaming's pool until a step takes it."""
+
+    step: int  # the step whose prompts it was sampled with
+    offset: int  # its prompt's place in that step's batch (the sampler's order)
+    index: int  # its prompt, in the training set
+    samples: list[Generation]
+    start_step: int  # its run's start step, from which its weight versions count
+    deadline: int  # the last step that may train it: its stalest token's policy step + η + 1
+    span: tuple[float, float] | None = None  # its chunk's launch and return (perf_counter; None: restored)
+
+
+class StreamingAsyncSource(FullyAsyncSource):
+    """async.streaming: a step takes the first `batch_prompts` groups to come back whole, from any
+    started step, instead of step k's prompts in the sampler's order. Admission, pushes, partial
+    rollout and the queue bound (counted in groups) are FullyAsyncSource's.
+
+    The staleness bound holds by deadlines: a group may be trained up to step
+    d = (the policy step of its stalest token) + η + 1; before it comes back, d = the engines'
+    weights' step at its launch + η + 1. Step k takes the finished groups earliest deadline first
+    (then in the order they came back), and only a choice that keeps every later deadline D within
+    reach: the groups due by D left behind (finished or still generating) must fit in steps
+    k+1..D. When the finished groups allow no such choice, the step waits for more. One always
+    comes: admission starts step j's prompts only on the weights of step j - η - 1 or later, so at
+    most (D - k + 1) steps' worth of groups are due by D at step k.
+
+    Which groups a step trains depends on timing, so two runs differ (not their staleness bound);
+    with η = 0 every group is due at the step that sampled it, which is sync's batch. A checkpoint
+    drains the engines and saves the pool by the step that sampled each group."""
+
+    POLL_S = 0.005  # how often a waiting step looks for groups that came back
+
+    def __init__(self, push: Push, last_step: int, plan: AsyncPlan, restored: Restored = None):
+        batches = [restored] if isinstance(restored, GeneratedBatch) else list(restored or [])
+        super().__init__(push, last_step, plan)
+        self.pool: list[_Group] = [
+            _Group(b.step, offset, index, samples, start, self._deadline(samples, start))
+            for b in batches for offset, (index, samples, start)
+            in enumerate(zip(b.prompt_indices, b.groups, b.start_steps or [b.start_step] * len(b.groups)))]
+        if batches:  # the checkpoint's last entry is the last step it had started (possibly empty)
+            self.next_step = max(b.step for b in batches) + 1
+        self.came_back: list[dict[str, float]] = []  # engine metrics of the chunks back since the last step
+
+    def next(self, step: int, metrics: dict) -> GeneratedBatch:
+        self.window = time.perf_counter()
+        self._refill()
+        with timer("gen", metrics):  # the part of the generation the trainer waited for
+            groups = self._take(step)
+        self._refill()
+        starts, spans = [g.start_step for g in groups], [g.span for g in groups if g.span]
+        seconds = max(end for _, end in spans) - min(start for start, _ in spans) if spans else 0.0
+        batch = GeneratedBatch(step, [g.index for g in groups], [g.samples for g in groups], self.plan.start_step,
+                               seconds, _merge_engine_metrics(self.came_back), self.plan.sync_every,
+                               starts if set(starts) != {self.plan.start_step} else None)
+        self.came_back = []
+        n = self.plan.samples_per_prompt
+        metrics["async/queue_size"] = float(len(self.pool))
+        metrics["async/dropped_samples"] = float(len(groups) * n - sum(len(g.samples) for g in groups))
+        metrics["async/partial_ratio"] = partial_ratio(batch)
+        return batch
+
+    def upcoming(self, step: int) -> GeneratedBatch | None:
+        return None  # which groups a step takes is known only when it starts
+
+    def in_flight(self) -> list[GeneratedBatch]:
+        """The pool after waiting for every chunk in flight, by the step that sampled each group,
+        and the last started step's entry (possibly empty: where the sampler is)."""
+        for chunks in self.running.values():
+            for chunk in chunks:
+                self._finish(chunk)
+        self._collect()
+        batches = []
+        for step in sorted({g.step for g in self.pool} | {self.next_step - 1}):
+            groups = sorted((g for g in self.pool if g.step == step), key=lambda g: g.offset)
+            batches.append(GeneratedBatch(step, [g.index for g in groups], [g.samples for g in groups],
+                                          self.plan.start_step, 0.0, sync_every=self.plan.sync_every,
+                                          start_steps=[g.start_step for g in groups] or None))
+        return batches
+
+    def _room(self) -> bool:
+        started = len(self.pool) + sum(len(c.pending.prompt_indices) for cs in self.running.values() for c in cs)
+        return started <= (self.plan.queue_size - 1) * self.plan.batch_prompts
+
+    def _take(self, step: int) -> list[_Group]:
+        """Step `step`'s groups (module docstring), in the sampler's order; waits for them."""
+        limit = time.perf_counter() + self.plan.wait_s
+        while True:
+            self._collect()
+            chosen = self._choose(step)
+            if chosen is not None:
+                taken = {id(g) for g in chosen}
+                self.pool = [g for g in self.pool if id(g) not in taken]
+                return sorted(chosen, key=lambda g: (g.step, g.offset))
+            if not self.running:
+                raise RuntimeError(f"async.streaming: step {step} needs {self.plan.batch_prompts} groups, {len(self.pool)} "
+                                   f"came back and none is generating (the engines hold the weights after step "
+                                   f"{self.weights_step}; async.max_staleness {self.plan.max_staleness})")
+            if time.perf_counter() > limit:
+                raise TimeoutError(f"async.streaming: step {step} waited {self.plan.wait_s:.0f}s for its groups: no "
+                                   f"chunk of steps {sorted(self.running)} came back")
+            time.sleep(self.POLL_S)
+
+    def _choose(self, step: int) -> list[_Group] | None:
+        """The finished groups step `step` takes, earliest deadline first, if they keep every
+        later deadline within reach; None: wait for more."""
+        size = self.plan.batch_prompts
+        overdue = [g for g in self.pool if g.deadline < step]
+        if overdue:
+            raise RuntimeError(f"async.streaming: a group of step {overdue[0].step} was due at step "
+                               f"{overdue[0].deadline} and is still untrained at step {step}")
+        ordered = sorted(self.pool, key=lambda g: g.deadline)  # stable: the order they came back
+        if len(ordered) < size:
+            return None
+        left = [g.deadline for g in ordered[size:]] + [c.deadline for cs in self.running.values() for c in cs
+                                                        for _ in c.pending.prompt_indices]
+        if any(sum(d <= due for d in left) > (due - step) * size for due in set(left)):
+            return None
+        return ordered[:size]
+
+    def _collect(self) -> None:
+        """Every chunk that came back whole goes to the pool, group by group, in the order they came back."""
+        back = [(c.launched + (c.pending.generation.seconds or 0.0), step, c)
+                for step, chunks in self.running.items() for c in chunks if c.finished()]
+        for _, step, chunk in sorted(back, key=lambda b: b[0]):
+            part = self._finish(chunk)
+            if any(g.finish_reason is None for group in part.groups for g in group):
+                continue  # interrupted: continued after the push (partial rollout)
+            self.running[step].remove(chunk)
+            self.came_back.append(part.engine_metrics)
+            self.pool += [_Group(step, chunk.offset + p, index, samples, part.start_step,
+                                 self._deadline(samples, part.start_step, chunk.deadline),
+                                 (chunk.launched, chunk.launched + part.gen_seconds))
+                          for p, (index, samples) in enumerate(zip(part.prompt_indices, part.groups))]
+        self.running = {step: chunks for step, chunks in self.running.items() if chunks}
+
+    def _deadline(self, samples: list[Generation], start_step: int, launched: int = 0) -> int:
+        """The last step that may train these samples: their stalest token's policy step + η + 1
+        (never before the deadline they were launched with)."""
+        steps = [policy_step(g.weight_version, start_step, self.plan.sync_every) for g in samples]
+        stalest = min((start_step if s is None else s for s in steps), default=None)
+        return launched if stalest is None else max(launched, stalest + self.plan.max_staleness + 1)
+
+
 def _merge_engine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     """Per engine over several chunks: generate seconds add up, tokens/s is their tokens over them."""
     seconds, tokens = {}, {}
@@ -525,7 +684,7 @@ def make_source(mode: str, launch: Launch, push: Push, release: Callable[[], dic
     if mode == "fully_async":
         if plan is None:
             raise ValueError("trainer.mode fully_async needs its AsyncPlan")
-        return FullyAsyncSource(push, last_step, plan, restored)
+        return (StreamingAsyncSource if plan.streaming else FullyAsyncSource)(push, last_step, plan, restored)
     raise ValueError(f"trainer.mode {mode!r} is not one of sync, one_step_off, fully_async")
 
 

@@ -52,29 +52,28 @@ def trace_path(output_dir: str | os.PathLike, step: int) -> Path:
 
 
 def trace_rollouts(run: Run, step: int, prompts: Sequence[dict], groups: Sequence[Sequence[Generation]],
-                   rewards: Sequence[RewardResult], batch: dict, start_step: int | None = None,
-                   sync_every: int = 1) -> Path | None:
+                   rewards: Sequence[RewardResult], batch: dict,
+                   policy_steps: Sequence[int | None] | None = None) -> Path | None:
     """Write step `step`'s trace when `logging.trace_every` says so; returns the file written.
-    `start_step`: the start step of the run that generated the samples (None: this run's; a batch a
-    one_step_off checkpoint saved was generated before the resume); `sync_every`: trainer steps per
-    weight push (fully_async's async.sync_every)."""
+    `policy_steps`: per sample, the trainer step whose weights generated it (mrl.modes.GeneratedBatch;
+    None: counted from this run's start)."""
     log = run.cfg.logging
     if not log.trace_every or step % log.trace_every:
         return None
-    records = trace_records(step, prompts, groups, rewards, batch,
-                            start_step=run.start if start_step is None else start_step,
-                            max_samples=log.trace_samples, max_chars=log.trace_chars, sync_every=sync_every)
+    records = trace_records(step, prompts, groups, rewards, batch, start_step=run.start,
+                            max_samples=log.trace_samples, max_chars=log.trace_chars, policy_steps=policy_steps)
     return write_trace(trace_path(run.out, step), records)
 
 
 def trace_records(step: int, prompts: Sequence[dict], groups: Sequence[Sequence[Generation]],
                   rewards: Sequence[RewardResult], batch: dict, *, start_step: int, max_samples: int,
-                  max_chars: int, sync_every: int = 1) -> list[dict]:
+                  max_chars: int, sync_every: int = 1, policy_steps: Sequence[int | None] | None = None) -> list[dict]:
     """The step's first `max_samples` samples as trace records (see the module docstring).
 
     `batch` is the one the actor trains on: rows may be missing (dynamic sampling); its
     `sample_ids` say which sample each remaining row is. `start_step` is the step the run started
-    or resumed from, whose weights the run's first sync carried."""
+    or resumed from, whose weights the run's first sync carried; `policy_steps`, where given, are
+    each sample's instead (a batch generated before a resume, or mixing groups of two runs)."""
     samples = [(g, prompt, generation) for g, (prompt, group) in enumerate(zip(prompts, groups))
                for generation in group]
     if len(samples) != len(rewards):
@@ -90,7 +89,8 @@ def trace_records(step: int, prompts: Sequence[dict], groups: Sequence[Sequence[
             "reward": None, "advantage": None, "logprob_drift_mean": None, "logprob_drift_max": None,
             "response_tokens": len(generation.token_ids), "finish_reason": generation.finish_reason,
             "weight_version": generation.weight_version,
-            "policy_step": policy_step(generation.weight_version, start_step, sync_every),
+            "policy_step": (policy_step(generation.weight_version, start_step, sync_every) if policy_steps is None
+                            else policy_steps[index]),
             "weight_versions": sorted(set(generation.versions())),
             "kept": index in trained,
         }

@@ -24,6 +24,7 @@ from mrl.config.schema import AlgoConfig
 from mrl.config.derived import data_parallel_size, epochs_of, mini_batches
 from mrl.experience import actor_inputs, critic_inputs, rollout_batch, select_rows, split_rows
 from mrl.launch.cluster import generate_once
+from mrl.launch.proxies import EngineHandle
 from mrl.metrics import MetricsLogger, plot_metrics, timer
 from mrl.modes import (AsyncPlan, BatchSource, GeneratedBatch, PendingBatch, continuation_seed, make_source,
                        overlap_metrics)
@@ -151,7 +152,7 @@ def learn(step: int, run: Run, rollout: Rollout, metrics: dict) -> None:
     metrics.update(algo.advantage_metrics(batch))
     # every logging.trace_every steps
     trace_rollouts(run, step, rollout.prompts, rollout.generated.groups, rollout.rewards, batch,
-                   start_step=rollout.generated.start_step, sync_every=rollout.generated.sync_every)
+                   policy_steps=rollout.generated.policy_steps())
     if cluster.critic is not None:
         with timer("update_critic", metrics):
             critic = cluster.critic
@@ -191,8 +192,10 @@ def batch_source(run: Run) -> BatchSource:
         return PendingBatch(step, [], pending, run.start)
 
     plan = AsyncPlan(run.sampler.next_batch, generate, run.start, a.max_staleness, a.sync_every, a.queue_size,
-                     a.chunk_prompts or cfg.data.batch_size, cfg.rollout.n_samples_per_prompt,
-                     cluster.interrupt_engines if a.partial_rollout else None, resume, detokenize)
+                     a.chunk_prompts or (1 if a.streaming else cfg.data.batch_size), cfg.rollout.n_samples_per_prompt,
+                     cluster.interrupt_engines if a.partial_rollout else None, resume, detokenize,
+                     streaming=a.streaming, batch_prompts=cfg.data.batch_size,
+                     wait_s=cfg.sync.timeout_s * EngineHandle.GENERATE_TIMEOUT_FACTOR)
     return make_source(cfg.trainer.mode, lambda step: generate(step, run.sampler.next_batch()), cluster.sync_weights,
                        cluster.release_engines, cfg.trainer.total_steps, GeneratedBatch.list_from_state(run.in_flight),
                        plan)

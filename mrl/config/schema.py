@@ -52,7 +52,13 @@ class AsyncConfig:
     max_staleness: int = 1
     sync_every: int = 1  # push the weights every N trainer steps (needs max_staleness >= N - 1)
     queue_size: int = 4  # at most this many steps' worth of prompts started and not yet trained
-    chunk_prompts: int | None = None  # prompts per generate call (None: a step's prompts, spread over the engines)
+    chunk_prompts: int | None = None  # prompts per generate call (None: a step's prompts, spread over the engines;
+    # with streaming, one)
+    # The trainer takes the first groups to finish, from any started step, within the staleness
+    # bound (earliest deadline first), instead of step k's prompts in the sampler's order; the
+    # engines run their generate calls at once, in one running batch. Not reproducible run to run
+    # (which groups finish first depends on timing); score_ahead does not apply
+    streaming: bool = False
     # A push interrupts the generations in flight and continues them from their prefix on the new
     # weights (each token keeps its version and engine log-prob) instead of waiting for them to end
     partial_rollout: bool = False

@@ -155,10 +155,11 @@ def _check_mode(cfg: RunConfig) -> list[str]:
                       "launch.placement: separate (with launch.rollout_gpus), or trainer.mode: sync.")
     if mode == "fully_async":
         errors += _check_async(cfg)
-    elif cfg.async_.partial_rollout:
-        errors.append(f"async.partial_rollout continues generations across a weight push, which only trainer.mode "
-                      f"fully_async has in flight (trainer.mode is {mode}): set trainer.mode: fully_async, or "
-                      "async.partial_rollout: false.")
+    else:
+        for key in ("partial_rollout", "streaming"):
+            if getattr(cfg.async_, key):
+                errors.append(f"async.{key} is a setting of trainer.mode fully_async's rollouter (trainer.mode is "
+                              f"{mode}): set trainer.mode: fully_async, or async.{key}: false.")
     return errors + _check_actor_offload(cfg)
 
 

@@ -25,13 +25,14 @@ from mrl.launch.rollout_actor import RolloutServer, launch_rollout_actor
 from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
 
 
-def assign_by_load(costs: Sequence[float], engines: int) -> list[list[int]]:
+def assign_by_load(costs: Sequence[float], engines: int, loads: Sequence[float] | None = None) -> list[list[int]]:
     """Prompt indices per engine, each list in batch order. Greedy longest-first: the costliest
     prompt left goes to the engine with the least work so far (ties: the lower index), which keeps
-    the slowest engine within 4/3 of the best possible split. One engine gets the batch as it is."""
+    the slowest engine within 4/3 of the best possible split. One engine gets the batch as it is.
+    `loads`: each engine's work already in flight (default none)."""
     if engines < 1:
         raise ValueError(f"an engine fleet needs at least one engine, got {engines}")
-    loads, parts = [0.0] * engines, [[] for _ in range(engines)]
+    loads, parts = list(loads or [0.0] * engines), [[] for _ in range(engines)]
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         engine = min(range(engines), key=lambda e: (loads[e], e))
         parts[engine].append(i)
@@ -48,11 +49,15 @@ def prompt_costs(prompt_ids: Sequence[list[int]],
 class EngineFleet:
     """N rollout engines (`handles`, with the node each runs on): the trainer's engine calls."""
 
-    def __init__(self, handles: list[EngineHandle], nodes: list[str]):
+    def __init__(self, handles: list[EngineHandle], nodes: list[str], streaming: bool = False):
         if not handles or len(nodes) != len(handles):
             raise ValueError(f"an engine fleet needs one node per engine, got {len(handles)} engines, {len(nodes)} nodes")
         self.handles, self.nodes = handles, nodes
         self.timeout_s = handles[0].timeout_s
+        # async.streaming: generate calls run at once on each engine (RolloutServer.generate_streaming),
+        # and a call's prompts go to the engines with the least work in flight (`in_flight`)
+        self.streaming = streaming
+        self.in_flight = [0.0] * len(handles)
         self._name_handles()
 
     def _name_handles(self) -> None:
@@ -68,7 +73,8 @@ class EngineFleet:
         the time of one); one that fails or hangs stops them all and raises EngineError naming it."""
         actors = [launch_rollout_actor(model, engine_options, num_cpus=num_cpus, num_gpus=num_gpus,
                                        sync_timeout_s=sync_timeout_s) for _ in range(count)]
-        fleet = cls([EngineHandle(actor, timeout_s) for actor in actors], ["not known: starting"] * count)
+        fleet = cls([EngineHandle(actor, timeout_s) for actor in actors], ["not known: starting"] * count,
+                    bool(engine_options.get("streaming")))
         try:
             nodes = fleet._gather({i: h.submit(RolloutServer.node_ip) for i, h in enumerate(fleet.handles)},
                                   f"start (model {model}; its log is in the Ray session's worker logs)",
@@ -102,14 +108,16 @@ class EngineFleet:
         sleep) starts only when its part of this generation has finished (or was interrupted).
         `sampling`: one for every prompt, or one per prompt."""
         settings = per_prompt(sampling, len(prompt_ids))
-        parts = assign_by_load(prompt_costs(prompt_ids, settings), len(self))
+        costs = prompt_costs(prompt_ids, settings)
+        parts = assign_by_load(costs, len(self), self.in_flight if self.streaming else None)
 
         def engine_sampling(part: list[int]) -> SamplingSettings | list[SamplingSettings]:
             return sampling if isinstance(sampling, SamplingSettings) else [settings[j] for j in part]
 
-        refs = {i: self.handles[i].submit(RolloutServer.generate, [prompt_ids[j] for j in part], engine_sampling(part))
+        method = RolloutServer.generate_streaming if self.streaming else RolloutServer.generate
+        refs = {i: self.handles[i].submit(method, [prompt_ids[j] for j in part], engine_sampling(part))
                 for i, part in enumerate(parts) if part}
-        return FleetGeneration(self, parts, refs, len(prompt_ids))
+        return FleetGeneration(self, parts, refs, len(prompt_ids), [sum(costs[j] for j in part) for part in parts])
 
     def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
         """Teacher-forced log-probs on the first engine (every engine holds the same weights)."""
@@ -163,13 +171,23 @@ class FleetGeneration:
     finishes (not when the driver asks), so `seconds` and the throughput metrics are the engines'
     own even when the driver was busy training meanwhile."""
 
-    def __init__(self, fleet: EngineFleet, parts: list[list[int]], refs: dict[int, Any], prompts: int):
+    def __init__(self, fleet: EngineFleet, parts: list[list[int]], refs: dict[int, Any], prompts: int,
+                 costs: list[float] | None = None):
         self.fleet, self.parts, self.refs, self.prompts = fleet, parts, refs, prompts
         self.started = time.perf_counter()
         self.finished: dict[int, float] = {}
         self.metrics: dict[str, float] = {}  # filled by result()
+        self.costs = costs or [0.0] * len(parts)  # each engine's share of the work: in flight until it finishes
         for i, ref in refs.items():
-            ref.future().add_done_callback(lambda _done, i=i: self.finished.setdefault(i, time.perf_counter()))
+            fleet.in_flight[i] += self.costs[i]
+            ref.future().add_done_callback(lambda _done, i=i: self._done(i))
+
+    def _done(self, i: int) -> None:
+        """Engine i's part came back (on Ray's thread, or result()'s, whichever is first): its
+        finishing time, and its work is no longer in flight."""
+        now = time.perf_counter()
+        if self.finished.setdefault(i, now) is now:  # atomic: the other caller finds it set
+            self.fleet.in_flight[i] -= self.costs[i]
 
     @property
     def seconds(self) -> float | None:
@@ -195,7 +213,6 @@ class FleetGeneration:
         engine that had prompts."""
         answers = self.fleet._gather(self.refs, "generate",
                                         self.fleet.timeout_s * EngineHandle.GENERATE_TIMEOUT_FACTOR)
-        now = time.perf_counter()
         groups: list[list[Generation]] = [[] for _ in range(self.prompts)]
         for i, answer in answers.items():
             part = self.parts[i]
@@ -204,7 +221,8 @@ class FleetGeneration:
             for j, generations in zip(part, answer):
                 groups[j] = generations
             # Ray runs the callback on its own thread, possibly just after get returned.
-            seconds = self.finished.setdefault(i, now) - self.started
+            self._done(i)
+            seconds = self.finished[i] - self.started
             tokens = sum(len(g.token_ids) for generations in answer for g in generations)
             self.metrics[f"rollout/engine{i}/tokens_per_s"] = tokens / max(seconds, 1e-9)
             self.metrics[f"rollout/engine{i}/gen_s"] = seconds

@@ -2,8 +2,11 @@
 
 The actor runs one call at a time (generate, score, a weight receipt), in order, except
 `interrupt`, which has a concurrency group of its own ("control") so that it reaches the engine
-while a generate runs: it only sets the engine's interrupt flag, never touches vLLM; and
-`shutdown`, which stops the engine before the actor is killed, whatever it was doing."""
+while a generate runs: it only sets the engine's interrupt flag, never touches vLLM; `shutdown`,
+which stops the engine before the actor is killed, whatever it was doing; and, for an engine
+started with `streaming` (async.streaming), `generate_streaming`, whose calls run at once on
+threads of their own ("generate"), their requests in one running batch (VLLMEngine.generate). The
+driver never sends a weight update while any generate is in flight (the engine refuses one)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,11 @@ import ray
 from mrl.rollout.engine import Generation, SamplingSettings
 from mrl.sync.channel import SyncEndpoint
 from mrl.sync.wire import WeightUpdateReport
+
+
+# A streaming engine's generate calls in flight at once (each holds a thread of the actor while it
+# waits for its requests); more queue in Ray until one returns.
+STREAMING_CALLS = 128
 
 
 class RolloutServer:
@@ -44,6 +52,12 @@ class RolloutServer:
                  sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[list[Generation]]:
         return self.engine.generate(prompts, sampling)
 
+    @ray.method(concurrency_group="generate")
+    def generate_streaming(self, prompts: Sequence[str | list[int]],
+                           sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[list[Generation]]:
+        """generate, beside the other generate_streaming calls in flight (async.streaming)."""
+        return self.engine.generate(prompts, sampling)
+
     @ray.method(concurrency_group="control")
     def interrupt(self) -> None:
         """async.partial_rollout: the generate running now returns its samples as they are, and so
@@ -68,8 +82,10 @@ def launch_rollout_actor(model: str, engine_options: dict[str, Any], *, num_cpus
                          num_gpus: float = 0, sync_timeout_s: float = 300.0) -> Any:
     """Start the actor without waiting for its engine (a fleet starts several, then waits once)."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-    # interrupt() runs in a group of its own; every other call in the default group, one at a time
-    return ray.remote(concurrency_groups={"control": 1})(RolloutServer).options(
+    # interrupt() runs in a group of its own, generate_streaming() in another (a thread per call in
+    # flight); every other call in the default group, one at a time
+    groups = {"control": 1, "generate": STREAMING_CALLS if engine_options.get("streaming") else 1}
+    return ray.remote(concurrency_groups=groups)(RolloutServer).options(
         num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env}
     ).remote(model, engine_options, sync_timeout_s)
 

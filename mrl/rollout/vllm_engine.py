@@ -362,6 +362,7 @@ class VLLMEngine:
 
     weight_apply = "in_place"  # sync.apply (per engine, set by __init__)
     interruptible = False  # async.partial_rollout: generate steps vLLM itself so interrupt() can stop it
+    streaming = False  # async.streaming: generate calls may run at once, their requests in one running batch
 
     def __init__(
         self,
@@ -377,6 +378,7 @@ class VLLMEngine:
         distributed_executor_backend: str = "mp",
         weight_apply: str = "in_place",
         interruptible: bool = False,
+        streaming: bool = False,
     ):
         from vllm import LLM
 
@@ -414,13 +416,21 @@ class VLLMEngine:
         self._param_sources: dict[str, set[str]] | None = None  # in_place: engine param → its HF tensors
         self.llm = LLM(**kwargs)
         self.dtype = self.llm.llm_engine.model_config.dtype
+        self._start_bookkeeping(interruptible, streaming)
+
+    def _start_bookkeeping(self, interruptible: bool = False, streaming: bool = False) -> None:
+        """The engine's own state around vLLM's (tests build an engine on a fake LLM with it)."""
         self._loaded: set[str] = set()
         self._report = WeightUpdateReport()
         self._sleeping = False
         self.weight_version = 0  # weight updates finished: the version each Generation carries
-        self.interruptible = interruptible
+        self.interruptible, self.streaming = interruptible, streaming
         self.interrupted = threading.Event()  # interrupt(): generate stops; cleared by a weight update
         self._request_ids = itertools.count()
+        # Stepping vLLM: one thread at a time, and each step advances the requests of every generate
+        # call in flight (async.streaming runs several at once); their latest outputs, by request id
+        self._stepping = threading.Lock()
+        self._latest: dict[str, Any] = {}
 
     # --- generation -------------------------------------------------------------------------
 
@@ -448,10 +458,16 @@ class VLLMEngine:
         An interrupted sample comes back with the tokens it has, finish_reason None (not finished:
         async.partial_rollout continues it on the next weights). An engine started without
         `interruptible` (no partial rollout) hands the settings to LLM.generate instead: the same
-        tokens, and measured 8-10 % more tokens/s on CPU than stepping (1.9 % on 2026-11-25)."""
-        self.wake_up()  # whoever slept the engine (colocated training), generating wakes it
+        tokens, and measured 8-10 % more tokens/s on CPU than stepping (1.9 % on 2026-11-25).
+
+        A streaming engine (async.streaming) takes several generate calls at once (its actor runs
+        them on threads): each call's requests join the running batch as it comes, whichever call
+        steps the engine steps them all, and each call returns as soon as its own requests end, so a
+        prompt group that finishes early is not held back by the long ones of other calls."""
+        with self._stepping:
+            self.wake_up()  # whoever slept the engine (colocated training), generating wakes it
         settings = per_prompt(sampling, len(prompts))
-        if not self.interruptible:
+        if not (self.interruptible or self.streaming):
             return self._generate_to_end(prompts, settings)
         requests = {}  # request id → (prompt index, sample index)
         for p, (prompt, s) in enumerate(zip(prompts, settings)):
@@ -484,28 +500,33 @@ class VLLMEngine:
     def _step_until_done(self, prompts: Sequence[str | list[int]], settings: list[SamplingSettings],
                          requests: dict[str, tuple[int, int]], outputs: dict[str, Any]) -> None:
         """Add the requests, step the engine until all finished or interrupt() was called; keep
-        each request's latest (cumulative) output. Interrupted requests are aborted in vLLM."""
+        each request's latest (cumulative) output. Interrupted requests are aborted in vLLM. Other
+        calls in flight (a streaming engine) step the same engine: whoever holds `_stepping` steps,
+        and every output goes to `_latest`, where its own call picks it up."""
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
         added = []
         try:
-            for request_id, (p, i) in requests.items():
-                s = settings[p]
-                params = self._params(replace(s, n=1, seed=None if s.seed is None else s.seed + i))
-                params.output_kind = RequestOutputKind.CUMULATIVE
-                engine.add_request(request_id, self._prompt(prompts[p]), params)
-                added.append(request_id)
-            finished = set()
-            while len(finished) < len(added) and not self.interrupted.is_set():
-                for out in engine.step():
-                    outputs[out.request_id] = out
-                    if out.finished:
-                        finished.add(out.request_id)
+            with self._stepping:
+                for request_id, (p, i) in requests.items():
+                    s = settings[p]
+                    params = self._params(replace(s, n=1, seed=None if s.seed is None else s.seed + i))
+                    params.output_kind = RequestOutputKind.CUMULATIVE
+                    engine.add_request(request_id, self._prompt(prompts[p]), params)
+                    added.append(request_id)
+            while not self.interrupted.is_set():
+                with self._stepping:
+                    if all(r in self._latest and self._latest[r].finished for r in added):
+                        break
+                    for out in engine.step():
+                        self._latest[out.request_id] = out
         finally:  # interrupted (or failed): nothing of this call stays in the engine
-            unfinished = [r for r in added if not (r in outputs and outputs[r].finished)]
-            if unfinished:
-                engine.abort_request(unfinished)
+            with self._stepping:
+                outputs.update((r, self._latest.pop(r)) for r in added if r in self._latest)
+                unfinished = [r for r in added if not (r in outputs and outputs[r].finished)]
+                if unfinished:
+                    engine.abort_request(unfinished)
 
     def _generation(self, prompt: str | list[int], out: Any, completion: Any = None) -> Generation:
         """One sample from its request's latest output (None: interrupted before its first token);
@@ -542,6 +563,9 @@ class VLLMEngine:
 
     def begin_weight_update(self) -> None:
         self.wake_up()  # weights load into the engine's memory: it must hold it again
+        if self.llm.llm_engine.has_unfinished_requests():  # a streaming engine's calls run beside this one
+            raise RuntimeError(f"a weight update reached the engine while {self.llm.llm_engine.get_num_unfinished_requests()} "
+                               "requests were generating: the driver must wait for (or interrupt) every generate first")
         self._loaded = set()
         self._report = WeightUpdateReport()
         if self.weight_apply == "in_place":

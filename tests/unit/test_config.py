@@ -470,10 +470,11 @@ def test_fully_async_settings_are_validated_and_async_is_the_yaml_key():
     assert any(e.startswith("trainer.mode fully_async generates while the actor trains") for e in gpu), gpu
 
 
-def test_partial_rollout_is_only_for_fully_async():
-    assert load_config(TINY, ["trainer.mode=fully_async", "async.partial_rollout=true"]).async_.partial_rollout
-    errors = errors_of(TINY, "trainer.mode=one_step_off", "async.partial_rollout=true")
-    assert any(e.startswith("async.partial_rollout continues generations across a weight push") and
+@pytest.mark.parametrize("key", ["partial_rollout", "streaming"])
+def test_partial_rollout_and_streaming_are_only_for_fully_async(key):
+    assert getattr(load_config(TINY, ["trainer.mode=fully_async", f"async.{key}=true"]).async_, key)
+    errors = errors_of(TINY, "trainer.mode=one_step_off", f"async.{key}=true")
+    assert any(e.startswith(f"async.{key} is a setting of trainer.mode fully_async's rollouter") and
                "trainer.mode is one_step_off" in e and "set trainer.mode: fully_async" in e for e in errors), errors
     assert load_config(CONFIGS / "tiny_cpu_async.yaml").async_.partial_rollout
 

@@ -1,8 +1,6 @@
 """A slept (colocated) engine wakes on whatever it is asked next: a step that skips the weight sync
 (dynamic sampling with no informative group) must not generate on a sleeping engine."""
 
-import itertools
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -47,6 +45,9 @@ class FakeLLM:
             def step(self):
                 return [self.out]
 
+            def has_unfinished_requests(self):
+                return False
+
         return Engine()
 
     def collective_rpc(self, fn, args=()):
@@ -58,9 +59,8 @@ class FakeLLM:
 def slept_engine() -> VLLMEngine:
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM: the sleep/wake bookkeeping is what is tested
     engine.weight_apply = "load_weights"  # the fake LLM has no parameters to plan; bookkeeping is the point
-    engine.llm, engine._sleeping, engine.weight_version = FakeLLM(), False, 0
-    engine.interrupted, engine._request_ids = threading.Event(), itertools.count()
-    engine.interruptible = True  # the stepping path (partial rollout's), whose bookkeeping is tested here
+    engine._start_bookkeeping(interruptible=True)  # the stepping path (partial rollout's), tested here
+    engine.llm = FakeLLM()
     engine.sleep()
     return engine
 

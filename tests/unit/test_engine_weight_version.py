@@ -1,8 +1,6 @@
 """The engine stamps each generation with the weight updates it has finished: the trace's weight
 version comes from the engine itself, not from the driver's count."""
 
-import itertools
-import threading
 from types import SimpleNamespace
 
 from mrl.rollout.engine import SamplingSettings
@@ -25,6 +23,9 @@ class FakeCore:
         return [SimpleNamespace(request_id=r, finished=True, prompt_token_ids=[1, 2], outputs=[completion])
                 for r in done]
 
+    def has_unfinished_requests(self):
+        return bool(self.added)
+
 
 class FakeLLM:
     def __init__(self):
@@ -41,9 +42,8 @@ def test_generations_carry_the_number_of_finished_weight_updates(monkeypatch):
     monkeypatch.setattr(VLLMEngine, "_params", lambda self, sampling, **extra: SimpleNamespace())
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM: the version bookkeeping is what is tested
     engine.weight_apply = "load_weights"  # the fake LLM has no parameters to plan; bookkeeping is the point
-    engine.llm, engine._sleeping, engine.weight_version = FakeLLM(), False, 0
-    engine.interrupted, engine._request_ids = threading.Event(), itertools.count()
-    engine.interruptible = True  # the stepping path (partial rollout's), whose bookkeeping is tested here
+    engine._start_bookkeeping(interruptible=True)  # the stepping path (partial rollout's), tested here
+    engine.llm = FakeLLM()
     generate = lambda: engine.generate([[1, 2]], SamplingSettings())[0][0]  # noqa: E731
     assert generate().weight_version == 0  # the weights it started with
     for expected in (1, 2):
@@ -76,14 +76,16 @@ class SlowCore:
     def abort_request(self, request_ids):
         self.aborted += request_ids
 
+    def has_unfinished_requests(self):
+        return bool(set(self.requests) - set(self.aborted))
+
 
 def test_an_interrupted_generate_returns_its_tokens_so_far_until_the_next_weight_update(monkeypatch):
     monkeypatch.setattr(VLLMEngine, "_params", lambda self, sampling, **extra: SimpleNamespace())
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.weight_apply = "load_weights"  # the fake LLM has no parameters to plan; bookkeeping is the point
-    engine.llm, engine._sleeping, engine.weight_version = FakeLLM(), False, 4
-    engine.interrupted, engine._request_ids = threading.Event(), itertools.count()
-    engine.interruptible = True  # the stepping path (partial rollout's), whose bookkeeping is tested here
+    engine._start_bookkeeping(interruptible=True)  # the stepping path (partial rollout's), tested here
+    engine.llm, engine.weight_version = FakeLLM(), 4
     engine.llm.llm_engine = core = SlowCore(engine)
     engine.llm.get_tokenizer = lambda: SimpleNamespace(decode=lambda ids, skip_special_tokens: f"<{len(ids)}>")
     (a, b), = engine.generate([[1, 2]], SamplingSettings(n=2, seed=3))
@@ -102,8 +104,8 @@ def test_an_engine_without_partial_rollout_runs_vllms_own_loop_and_refuses_inter
     its end (faster on CPU than stepping); interrupt() is an error, not a flag nobody reads."""
     monkeypatch.setattr(VLLMEngine, "_params", lambda self, sampling, **extra: SimpleNamespace())
     engine = VLLMEngine.__new__(VLLMEngine)
-    engine.llm, engine._sleeping, engine.weight_version = FakeLLM(), False, 3
-    engine.interrupted, engine._request_ids = threading.Event(), itertools.count()
+    engine._start_bookkeeping()
+    engine.llm, engine.weight_version = FakeLLM(), 3
     completions = [SimpleNamespace(token_ids=[t], text=str(t), logprobs=[{t: SimpleNamespace(logprob=-t / 10)}],
                                    finish_reason="length") for t in (4, 5)]
     engine.llm.generate = lambda prompts, params, use_tqdm: [

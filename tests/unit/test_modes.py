@@ -330,3 +330,115 @@ def test_the_next_batch_is_upcoming_once_generated_and_then_handed_over_unchange
         other = make_source(mode, engine.launch, engine.push, engine.release, 3)
         other.next(1, {})
         assert other.upcoming(2) is None, mode
+
+
+# --- async.streaming: the first groups to come back, within the staleness bound ---------------
+
+
+class HeldEngine(FakeEngine):
+    """FakeEngine whose chunks holding a prompt of `held` do not report themselves back (a long
+    generation) until released; result() still answers (the driver waiting it out)."""
+
+    def __init__(self, start_step: int = 0, held=()):
+        super().__init__(start_step)
+        self.held = set(held)
+
+    def generate(self, step: int, indices: list[int]) -> PendingBatch:
+        pending = super().generate(step, indices)
+        inner, engine = pending.generation, self
+
+        class Held:
+            metrics = inner.metrics
+
+            @property
+            def seconds(self):
+                return None if engine.held & set(indices) else inner.seconds
+
+            def result(self):
+                return inner.result()
+
+            def cancel(self):
+                inner.cancel()
+
+        return PendingBatch(step, indices, Held(), self.start_step)
+
+
+def _streaming_run(eta: int, steps: int, engine: HeldEngine, restored=None, first: int = 1, trained=None,
+                   queue: int = 8, until: int | None = None):
+    """Steps first..(until or steps) of a streaming fully_async run, chunks of one prompt; the source too."""
+    if engine.version == 0:
+        engine.push()
+    plan = AsyncPlan(engine.sample, engine.generate, first - 1, eta, 1, queue, 1, 1, streaming=True,
+                     batch_prompts=BATCH, wait_s=5.0)
+    source = make_source("fully_async", engine.launch, engine.push, engine.release, steps, restored, plan)
+    trained = [] if trained is None else trained
+    for step in range(first, (until or steps) + 1):
+        metrics = {}
+        batch = source.next(step, metrics)
+        engine.events.append(f"train {step}")
+        trained.append((step, batch.prompt_indices, batch.policy_steps()))
+        source.after_update(step, True, metrics)
+    return trained, source
+
+
+def test_streaming_trains_the_first_groups_to_come_back_within_the_bound():
+    """η = 1: step 1 may take any of steps 1 and 2's prompts (all due by step 2); prompt 0 is still
+    generating, so step 1 trains prompts 1 and 2, and prompt 0 (back at the push's drain) goes to
+    step 2 with prompt 3. Every prompt is trained once, none more than one version behind."""
+    engine = HeldEngine(held={0})
+    trained, _ = _streaming_run(1, 4, engine)
+    assert [indices for _, indices, _ in trained] == [[1, 2], [0, 3], [4, 5], [6, 7]]
+    staleness = [step - 1 - p for step, _, policies in trained for p in policies]
+    assert max(staleness) == 1 and min(staleness) == 0
+
+
+def test_streaming_with_staleness_0_is_sync():
+    """η = 0: every group is due at the step that sampled it, so a step waits for all of its own
+    (here for prompt 0, released while it waits) and trains sync's batch."""
+    import threading
+
+    _, sync_trained, _ = _run("sync", 4)
+    engine = HeldEngine(held={0})
+    threading.Timer(0.05, engine.held.clear).start()
+    trained, _ = _streaming_run(0, 4, engine)
+    assert trained == sync_trained
+
+
+def test_streaming_waits_rather_than_take_groups_that_would_make_a_later_step_miss_its_bound():
+    """Step 2, two groups a step: three groups due by step 3 are still generating, two due at step 4
+    have come back. Taking those two would leave three for step 3: the step waits; once one of the
+    three is back it takes it and one of the later two; once two are back, those two."""
+    from mrl.modes import _Chunk, _Group
+
+    engine = HeldEngine()
+    engine.push()
+    plan = AsyncPlan(engine.sample, engine.generate, 0, 2, 1, 8, 1, 1, streaming=True, batch_prompts=2, wait_s=5.0)
+    source = make_source("fully_async", engine.launch, engine.push, engine.release, 6, None, plan)
+    engine.held = {10, 11, 12}
+    source.running = {3: [_Chunk(engine.generate(3, [i]), 0.0, i - 10, 3) for i in (10, 11, 12)]}
+    source.pool = [_Group(4, i, 20 + i, [], 0, 4) for i in (0, 1)]
+    assert source._choose(2) is None
+    engine.held = {11, 12}
+    source._collect()
+    assert [g.index for g in source._choose(2)] == [10, 20]
+    engine.held = {12}
+    source._collect()
+    assert [g.index for g in source._choose(2)] == [10, 11]
+
+
+def test_a_streaming_checkpoint_resumes_with_every_untrained_group_and_none_twice():
+    """A checkpoint after step 2 (η = 2, prompt 1 held through step 1) saves the pool by the step
+    that sampled each group, and the last started step; the resumed run trains every other prompt
+    once, within the bound (its policy steps count from each group's own run)."""
+    engine = HeldEngine(held={1})
+    trained, source = _streaming_run(2, 6, engine, until=2)
+    engine.held.clear()
+    saved = [b.to_state() for b in source.in_flight()]
+    assert engine.in_flight == 0 and saved[-1]["step"] == source.next_step - 1
+    resumed = HeldEngine(start_step=2)
+    resumed.sampled = engine.sampled
+    _streaming_run(2, 6, resumed, GeneratedBatch.list_from_state(saved), first=3, trained=trained)
+    prompts = [i for _, indices, _ in trained for i in indices]
+    assert sorted(prompts) == list(range(12)) and [step for step, _, _ in trained] == [1, 2, 3, 4, 5, 6]
+    assert all(step - 1 - p <= 2 for step, _, policies in trained for p in policies)
+    assert any(step >= 3 and min(policies) < 2 for step, _, policies in trained)  # a group from before the resume

@@ -70,6 +70,7 @@ def test_a_fleet_generation_takes_each_engines_time_when_it_finishes():
 
         def __init__(self, answers):
             self.answers = answers
+            self.in_flight = [0.0, 0.0]  # each engine's work in flight (async.streaming spreads by it)
 
         def _gather(self, refs, what, timeout_s):
             return self.answers
@@ -79,13 +80,15 @@ def test_a_fleet_generation_takes_each_engines_time_when_it_finishes():
 
     one = Generation([1], [1, 2], "x", [-0.5, -0.25], "stop", 1)
     refs = {0: Ref(), 1: Ref()}
-    pending = FleetGeneration(Fleet({0: [[one]], 1: [[one], [one]]}), [[1], [0, 2]], refs, 3)
-    assert pending.seconds is None  # still generating
+    fleet = Fleet({0: [[one]], 1: [[one], [one]]})
+    pending = FleetGeneration(fleet, [[1], [0, 2]], refs, 3, [5.0, 9.0])
+    assert pending.seconds is None and fleet.in_flight == [5.0, 9.0]  # still generating
     refs[0].done.set_result(None)
-    assert pending.seconds is None  # engine 1 still generating
+    assert pending.seconds is None and fleet.in_flight == [0.0, 9.0]  # engine 1 still generating
     refs[1].done.set_result(None)
     seconds = pending.seconds
     assert seconds is not None and seconds >= 0
     groups = pending.result()
     assert [len(g) for g in groups] == [1, 1, 1] and pending.seconds == seconds  # batch order; time taken at finish
+    assert fleet.in_flight == [0.0, 0.0]  # counted off once, though result() and the callbacks both saw it
     assert set(pending.metrics) == {f"rollout/engine{i}/{k}" for i in (0, 1) for k in ("tokens_per_s", "gen_s")}
