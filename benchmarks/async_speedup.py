@@ -22,11 +22,13 @@ held-out accuracy after the last step (greedy, --heldout prompts: cheap, but the
 answers nothing right in so few steps; it only shows every mode ran its evaluation).
 
     .venv/bin/python benchmarks/async_speedup.py [--steps 8] [--batch 8] [--n 4] [--tokens 48]
-        [--modes sync,one_step_off,fully_async:1,fully_async:2,fully_async:2:partial,fully_async:2:noahead]
+        [--modes sync,one_step_off,fully_async:1,fully_async:2,fully_async:2:partial,fully_async:2:noahead,
+                 fully_async:2:stream]
         [--reward-sleep-ms 0] [--repeats 1] [--no-pin] [--workdir DIR]
 
 --reward-sleep-ms S scores with a reward that waits S ms per sample in the reward sandbox's
 workers (a verifier that waits, not computes): `:noahead` turns async.score_ahead off, to compare.
+`:stream` turns async.streaming on (the first groups back, one prompt a generate call).
 """
 
 from __future__ import annotations
@@ -159,12 +161,15 @@ def reward_overrides(args, workdir: Path) -> list[str]:
     return [f"reward.name={path}:score"]
 
 
-def run_mode(mode: str, eta: int | None, partial: bool, ahead: bool, args, model: Path, workdir: Path) -> dict:
+FLAGS = {"partial": "async.partial_rollout=true", "noahead": "async.score_ahead=false", "stream": "async.streaming=true"}
+
+
+def run_mode(mode: str, eta: int | None, flags: list[str], args, model: Path, workdir: Path) -> dict:
     """Train one mode; its per-step metrics and held-out accuracy."""
     from mrl.config import load_config
     from mrl.trainer import train
 
-    name = (mode if eta is None else f"{mode}_eta{eta}") + ("_partial" if partial else "") + ("" if ahead else "_noahead")
+    name = "_".join([mode if eta is None else f"{mode}_eta{eta}", *flags])
     out = workdir / f"{name}_{time.monotonic_ns()}"
     overrides = [
         f"trainer.total_steps={args.steps}", "trainer.sft_steps=0", "trainer.eval_every=0", "trainer.eval_samples=0",
@@ -174,8 +179,8 @@ def run_mode(mode: str, eta: int | None, partial: bool, ahead: bool, args, model
         "checkpoint.save_every=0", "checkpoint.export_hf=false", "logging.tensorboard=false",
         f"trainer.output_dir={out}", f"checkpoint.dir={out}_ckpt", f"model.path={model}", "model.tiny=null",
         "parallel.tp=1", "parallel.pp=1", "parallel.ep=1", f"optim.micro_batch_size={args.batch * args.n}",
-    ] + ([f"async.max_staleness={eta}"] if eta is not None else []) + (["async.partial_rollout=true"] if partial else [])
-    overrides += [f"async.score_ahead={str(ahead).lower()}"] + reward_overrides(args, workdir)
+    ] + ([f"async.max_staleness={eta}"] if eta is not None else []) + [FLAGS[flag] for flag in flags]
+    overrides += reward_overrides(args, workdir)
     summary = train(load_config(RECIPE, overrides))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1 and "timing_s/step" in r]
@@ -218,17 +223,16 @@ def balance(sync: dict) -> str:
             f"a perfect overlap of gen with the trainer's work: {bound:.2f}x")
 
 
-def parse_modes(text: str) -> list[tuple[str, int | None, bool, bool]]:
-    """`sync`, `one_step_off`, `fully_async[:η[:partial][:noahead]]` → (mode, η, partial rollout,
-    async.score_ahead)."""
+def parse_modes(text: str) -> list[tuple[str, int | None, list[str]]]:
+    """`sync`, `one_step_off`, `fully_async[:η[:partial][:noahead][:stream]]` → (mode, η, flags)."""
     modes = []
     for item in text.split(","):
         mode, _, rest = item.partition(":")
         eta, *flags = rest.split(":") if rest else [""]
-        if mode not in ("sync", "one_step_off", "fully_async") or set(flags) - {"partial", "noahead"}:
-            raise SystemExit(f"--modes: {item!r} is not sync, one_step_off or fully_async[:η[:partial][:noahead]]")
-        modes.append((mode, int(eta) if eta else (1 if mode == "fully_async" else None), "partial" in flags,
-                      "noahead" not in flags))
+        if mode not in ("sync", "one_step_off", "fully_async") or set(flags) - set(FLAGS):
+            raise SystemExit(f"--modes: {item!r} is not sync, one_step_off or "
+                             "fully_async[:η[:partial][:noahead][:stream]]")
+        modes.append((mode, int(eta) if eta else (1 if mode == "fully_async" else None), flags))
     if modes[0][0] != "sync":
         raise SystemExit("--modes must start with sync: the speedups are against it")
     return modes
@@ -268,13 +272,13 @@ def main() -> None:
     try:
         for round_ in range(args.repeats):
             sync = None
-            for mode, eta, partial, ahead in modes:
+            for mode, eta, flags in modes:
                 started = time.perf_counter()
                 if args.no_pin:
-                    result, pins = run_mode(mode, eta, partial, ahead, args, model, workdir), "not pinned"
+                    result, pins = run_mode(mode, eta, flags, args, model, workdir), "not pinned"
                 else:
                     with Pinner(args.trainer_core, args.engine_core) as pinner:
-                        result = run_mode(mode, eta, partial, ahead, args, model, workdir)
+                        result = run_mode(mode, eta, flags, args, model, workdir)
                     pins = pinner.report()
                 row = summarize(result, sync)
                 sync = sync or row
