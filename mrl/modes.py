@@ -363,7 +363,11 @@ class FullyAsyncSource(BatchSource):
         self.ready: dict[int, GeneratedBatch] = {b.step: b for b in self.restored}  # generated, not trained
         self.restored = []
         expected = list(range(plan.start_step + 1, plan.start_step + 1 + len(self.ready)))
-        if sorted(self.ready) != expected:
+        partial = [b.step for b in self.ready.values() if plan.batch_prompts and len(b.groups) != plan.batch_prompts]
+        if partial and not plan.streaming:
+            raise RuntimeError(f"the checkpoint's batches in flight for steps {partial} are not whole: a streaming run "
+                               "(async.streaming) saved them; resume it with async.streaming: true")
+        if sorted(self.ready) != expected and not plan.streaming:
             raise RuntimeError(f"the checkpoint's batches in flight are for steps {sorted(self.ready)} but the resumed "
                                f"run needs steps {expected}: the checkpoint is inconsistent; resume an earlier one")
         self.running: dict[int, list[_Chunk]] = {}  # started, not all collected
@@ -523,7 +527,7 @@ class _Group:
     index: int  # its prompt, in the training set
     samples: list[Generation]
     start_step: int  # its run's start step, from which its weight versions count
-    deadline: int  # the last step that may train it: its stalest token's policy step + η + 1
+    deadline: int  # the last step that may train it (StreamingAsyncSource)
     span: tuple[float, float] | None = None  # its chunk's launch and return (perf_counter; None: restored)
 
 
@@ -532,9 +536,9 @@ class StreamingAsyncSource(FullyAsyncSource):
     started step, instead of step k's prompts in the sampler's order. Admission, pushes, partial
     rollout and the queue bound (counted in groups) are FullyAsyncSource's.
 
-    The staleness bound holds by deadlines: a group may be trained up to step
-    d = (the policy step of its stalest token) + η + 1; before it comes back, d = the engines'
-    weights' step at its launch + η + 1. Step k takes the finished groups earliest deadline first
+    The staleness bound holds by deadlines: a group may be trained up to step d = (the step of the
+    engines' weights when it was launched) + η + 1, its stalest token's (a group restored from a
+    checkpoint: its stalest token's policy step + η + 1). Step k takes the finished groups earliest deadline first
     (then in the order they came back), and only a choice that keeps every later deadline D within
     reach: the groups due by D left behind (finished or still generating) must fit in steps
     k+1..D. When the finished groups allow no such choice, the step waits for more. One always
@@ -549,6 +553,10 @@ class StreamingAsyncSource(FullyAsyncSource):
 
     def __init__(self, push: Push, last_step: int, plan: AsyncPlan, restored: Restored = None):
         batches = [restored] if isinstance(restored, GeneratedBatch) else list(restored or [])
+        other = sorted({b.sync_every for b in batches} - {plan.sync_every})
+        if other:  # the policy steps of its groups count pushes of another length
+            raise RuntimeError(f"the checkpoint's groups in flight were generated with async.sync_every {other[0]}, "
+                               f"this run has {plan.sync_every}: resume with async.sync_every {other[0]}")
         super().__init__(push, last_step, plan)
         self.pool: list[_Group] = [
             _Group(b.step, offset, index, samples, start, self._deadline(samples, start))
@@ -557,6 +565,10 @@ class StreamingAsyncSource(FullyAsyncSource):
         if batches:  # the checkpoint's last entry is the last step it had started (possibly empty)
             self.next_step = max(b.step for b in batches) + 1
         self.came_back: list[dict[str, float]] = []  # engine metrics of the chunks back since the last step
+
+    def after_update(self, step: int, trained: bool, metrics: dict) -> None:
+        self._collect()  # what came back is no longer on the engines (FullyAsyncSource._busy_seconds)
+        super().after_update(step, trained, metrics)
 
     def next(self, step: int, metrics: dict) -> GeneratedBatch:
         self.window = time.perf_counter()
@@ -599,10 +611,13 @@ class StreamingAsyncSource(FullyAsyncSource):
         return started <= (self.plan.queue_size - 1) * self.plan.batch_prompts
 
     def _take(self, step: int) -> list[_Group]:
-        """Step `step`'s groups (module docstring), in the sampler's order; waits for them."""
-        limit = time.perf_counter() + self.plan.wait_s
+        """Step `step`'s groups (module docstring), in the sampler's order; waits for them, at
+        most plan.wait_s for each next group to come back."""
+        limit, back = time.perf_counter() + self.plan.wait_s, len(self.pool)
         while True:
             self._collect()
+            if len(self.pool) > back:
+                limit, back = time.perf_counter() + self.plan.wait_s, len(self.pool)
             chosen = self._choose(step)
             if chosen is not None:
                 taken = {id(g) for g in chosen}
@@ -613,8 +628,8 @@ class StreamingAsyncSource(FullyAsyncSource):
                                    f"came back and none is generating (the engines hold the weights after step "
                                    f"{self.weights_step}; async.max_staleness {self.plan.max_staleness})")
             if time.perf_counter() > limit:
-                raise TimeoutError(f"async.streaming: step {step} waited {self.plan.wait_s:.0f}s for its groups: no "
-                                   f"chunk of steps {sorted(self.running)} came back")
+                raise TimeoutError(f"async.streaming: step {step} waited {self.plan.wait_s:.0f}s for the next group to "
+                                   f"come back: none of steps {sorted(self.running)} did")
             time.sleep(self.POLL_S)
 
     def _choose(self, step: int) -> list[_Group] | None:
@@ -644,18 +659,17 @@ class StreamingAsyncSource(FullyAsyncSource):
                 continue  # interrupted: continued after the push (partial rollout)
             self.running[step].remove(chunk)
             self.came_back.append(part.engine_metrics)
-            self.pool += [_Group(step, chunk.offset + p, index, samples, part.start_step,
-                                 self._deadline(samples, part.start_step, chunk.deadline),
+            self.pool += [_Group(step, chunk.offset + p, index, samples, part.start_step, chunk.deadline,
                                  (chunk.launched, chunk.launched + part.gen_seconds))
                           for p, (index, samples) in enumerate(zip(part.prompt_indices, part.groups))]
         self.running = {step: chunks for step, chunks in self.running.items() if chunks}
 
-    def _deadline(self, samples: list[Generation], start_step: int, launched: int = 0) -> int:
-        """The last step that may train these samples: their stalest token's policy step + η + 1
-        (never before the deadline they were launched with)."""
+    def _deadline(self, samples: list[Generation], start_step: int) -> int:
+        """The last step that may train restored samples: their stalest token's policy step + η + 1
+        (a group of this run keeps its launch's: the engines' weights then, known exactly)."""
         steps = [policy_step(g.weight_version, start_step, self.plan.sync_every) for g in samples]
-        stalest = min((start_step if s is None else s for s in steps), default=None)
-        return launched if stalest is None else max(launched, stalest + self.plan.max_staleness + 1)
+        stalest = min((start_step if s is None else s for s in steps), default=start_step)
+        return stalest + self.plan.max_staleness + 1
 
 
 def _merge_engine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:

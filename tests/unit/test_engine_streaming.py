@@ -63,25 +63,31 @@ def engine(monkeypatch):
 
 
 def test_concurrent_generates_share_the_batch_and_each_returns_when_its_own_requests_end(engine):
-    results, returned = {}, {}
+    """Eight long calls (60 tokens) step the engine; a short one (3 tokens) joins their batch and
+    returns within a few steps of its own, not after theirs (nor starved of its turn)."""
+    core, results, steps_at = engine.llm.llm_engine, {}, {}
 
     def call(name, length):
         results[name] = engine.generate([[length]], SamplingSettings(n=2))
-        returned[name] = time.perf_counter()
+        steps_at[name] = len(core.batch_sizes)
 
-    long = threading.Thread(target=call, args=("long", 30))
-    long.start()
-    while not engine.llm.llm_engine.active:  # the long call's requests are in the batch
+    longs = [threading.Thread(target=call, args=(f"long{i}", 60)) for i in range(8)]
+    for thread in longs:
+        thread.start()
+    while len(core.batch_sizes) < 5:  # the long calls are stepping
         time.sleep(0.001)
+    started = len(core.batch_sizes)
     short = threading.Thread(target=call, args=("short", 3))
     short.start()
-    short.join(timeout=10)
-    assert "short" in results and "long" not in results, "the short call waited for the long one"
+    short.join(timeout=30)
+    assert "short" in results and steps_at["short"] - started <= 3 + 4, (started, steps_at)
     with pytest.raises(RuntimeError, match="requests were generating: the driver must wait for"):
-        engine.begin_weight_update()  # the long call is still in flight
-    long.join(timeout=10)
+        engine.begin_weight_update()  # the long calls are still in flight
+    for thread in longs:
+        thread.join(timeout=30)
     assert [len(g.token_ids) for g in results["short"][0]] == [3, 3]
-    assert [len(g.token_ids) for g in results["long"][0]] == [30, 30]
+    assert all([len(g.token_ids) for g in results[f"long{i}"][0]] == [60, 60] for i in range(8))
     assert all(g.finish_reason == "length" for r in results.values() for g in r[0])
-    assert max(engine.llm.llm_engine.batch_sizes) == 4  # both calls' samples in one step
+    assert max(core.batch_sizes) == 18  # every call's samples in one step
+    assert len(core.batch_sizes) <= 60 + 8  # one step advances them all
     assert engine._latest == {}  # every call took its outputs with it

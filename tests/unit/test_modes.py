@@ -442,3 +442,38 @@ def test_a_streaming_checkpoint_resumes_with_every_untrained_group_and_none_twic
     assert sorted(prompts) == list(range(12)) and [step for step, _, _ in trained] == [1, 2, 3, 4, 5, 6]
     assert all(step - 1 - p <= 2 for step, _, policies in trained for p in policies)
     assert any(step >= 3 and min(policies) < 2 for step, _, policies in trained)  # a group from before the resume
+
+
+def test_streaming_with_pushes_every_two_steps_keeps_the_bound():
+    """sync_every 2, η = 1, prompts 0 and 5 slow (back after 0.3 s): the groups are taken out of
+    the sampler's order, each once, none more than one version behind; step 2 waits for prompt 0,
+    due then (no push after step 1 drains it)."""
+    import threading
+
+    engine = HeldEngine(held={0, 5})
+    threading.Timer(0.3, engine.held.clear).start()
+    plan = AsyncPlan(engine.sample, engine.generate, 0, 1, 2, 8, 1, 1, streaming=True, batch_prompts=BATCH,
+                     wait_s=5.0)
+    engine.push()
+    source = make_source("fully_async", engine.launch, engine.push, engine.release, 6, None, plan)
+    trained = []
+    for step in range(1, 7):
+        batch = source.next(step, {})
+        trained.append((step, batch.prompt_indices, batch.policy_steps()))
+        source.after_update(step, True, {})
+    assert sorted(i for _, indices, _ in trained for i in indices) == list(range(12))
+    assert [indices for _, indices, _ in trained][:2] == [[1, 2], [0, 3]]
+    assert all(step - 1 - p <= 1 for step, _, policies in trained for p in policies)
+
+
+def test_a_streaming_checkpoint_is_refused_without_streaming_or_with_another_sync_every():
+    engine = HeldEngine(held={1})
+    _, source = _streaming_run(2, 6, engine, until=2)
+    engine.held.clear()
+    saved = GeneratedBatch.list_from_state([b.to_state() for b in source.in_flight()])
+    for streaming, sync_every, message in [(False, 1, "are not whole: a streaming run"),
+                                           (True, 2, "generated with async.sync_every 1, this run has 2")]:
+        plan = AsyncPlan(engine.sample, engine.generate, 2, 2, sync_every, 8, 1, 1, streaming=streaming,
+                         batch_prompts=BATCH)
+        with pytest.raises(RuntimeError, match=message):
+            make_source("fully_async", engine.launch, engine.push, engine.release, 6, saved, plan)
