@@ -29,6 +29,9 @@ fully_async   a rollouter (driven by this loop: it starts work at step boundarie
               which the staleness counts, is its oldest token's, so admission still bounds it by η.
               async/partial_ratio: the share of a step's samples with tokens of two or more versions;
               async/continued_samples: how many samples a push interrupted and continued.
+              async.streaming: instead of b_k whole, step k takes the first groups to come back
+              from any started step, earliest deadline first within the staleness bound
+              (StreamingAsyncSource); the engines run their generate calls at once.
 
 A checkpoint after step k in one_step_off must hold b_{k+1} (`in_flight()`): it was generated
 with w_{k-1}, which a resume cannot recreate; a source built with it (`restored`) trains it first.
@@ -364,10 +367,10 @@ class FullyAsyncSource(BatchSource):
         self.restored = []
         expected = list(range(plan.start_step + 1, plan.start_step + 1 + len(self.ready)))
         partial = [b.step for b in self.ready.values() if plan.batch_prompts and len(b.groups) != plan.batch_prompts]
-        if partial and not plan.streaming:
+        if partial:
             raise RuntimeError(f"the checkpoint's batches in flight for steps {partial} are not whole: a streaming run "
                                "(async.streaming) saved them; resume it with async.streaming: true")
-        if sorted(self.ready) != expected and not plan.streaming:
+        if sorted(self.ready) != expected:
             raise RuntimeError(f"the checkpoint's batches in flight are for steps {sorted(self.ready)} but the resumed "
                                f"run needs steps {expected}: the checkpoint is inconsistent; resume an earlier one")
         self.running: dict[int, list[_Chunk]] = {}  # started, not all collected
@@ -537,11 +540,12 @@ class StreamingAsyncSource(FullyAsyncSource):
     rollout and the queue bound (counted in groups) are FullyAsyncSource's.
 
     The staleness bound holds by deadlines: a group may be trained up to step d = (the step of the
-    engines' weights when it was launched) + η + 1, its stalest token's (a group restored from a
-    checkpoint: its stalest token's policy step + η + 1). Step k takes the finished groups earliest deadline first
-    (then in the order they came back), and only a choice that keeps every later deadline D within
-    reach: the groups due by D left behind (finished or still generating) must fit in steps
-    k+1..D. When the finished groups allow no such choice, the step waits for more. One always
+    engines' weights at its launch, which its stalest token has at most) + η + 1; a group restored
+    from a checkpoint: its stalest token's policy step + η + 1. Step k takes the finished groups
+    earliest deadline first (then in the order they came back), and only a choice that keeps
+    every later deadline D within reach: the groups due by D left behind (finished or still
+    generating) must fit in steps k+1..D. When the finished groups allow no such choice, the step
+    waits for more. One always
     comes: admission starts step j's prompts only on the weights of step j - η - 1 or later, so at
     most (D - k + 1) steps' worth of groups are due by D at step k.
 
