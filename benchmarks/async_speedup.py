@@ -24,7 +24,7 @@ answers nothing right in so few steps; it only shows every mode ran its evaluati
     .venv/bin/python benchmarks/async_speedup.py [--steps 8] [--batch 8] [--n 4] [--tokens 48]
         [--modes sync,one_step_off,fully_async:1,fully_async:2,fully_async:2:partial,fully_async:2:noahead,
                  fully_async:2:stream]
-        [--reward-sleep-ms 0] [--repeats 1] [--no-pin] [--stop S] [--workdir DIR]
+        [--reward-sleep-ms 0] [--repeats 1] [--no-pin] [--stop S] [--set KEY=VALUE ...] [--workdir DIR]
 
 --reward-sleep-ms S scores with a reward that waits S ms per sample in the reward sandbox's
 workers (a verifier that waits, not computes): `:noahead` turns async.score_ahead off, to compare.
@@ -183,6 +183,7 @@ def run_mode(mode: str, eta: int | None, flags: list[str], args, model: Path, wo
         "parallel.tp=1", "parallel.pp=1", "parallel.ep=1", f"optim.micro_batch_size={args.batch * args.n}",
     ] + ([f"async.max_staleness={eta}"] if eta is not None else []) + [FLAGS[flag] for flag in flags]
     overrides += reward_overrides(args, workdir) + ([f"rollout.stop=[{json.dumps(args.stop)}]"] if args.stop else [])
+    overrides += [o for o in args.set if mode == "fully_async"]
     summary = train(load_config(RECIPE, overrides))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1 and "timing_s/step" in r]
@@ -256,6 +257,7 @@ def main() -> None:
     parser.add_argument("--engine-core", type=int, default=1)
     parser.add_argument("--no-pin", action="store_true", help="leave the processes where the OS puts them")
     parser.add_argument("--stop", default=None, help="a stop string (responses of varied lengths)")
+    parser.add_argument("--set", action="append", default=[], help="a config override for the fully_async modes")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     modes = parse_modes(args.modes)
