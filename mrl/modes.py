@@ -507,10 +507,12 @@ class FullyAsyncSource(BatchSource):
 
     def _busy_seconds(self, now: float) -> float:
         """How long since the step began at least one chunk was on the engines (queued behind
-        another counts: that engine was busy)."""
+        another counts: that engine was busy). A chunk back but not yet collected was busy until
+        it came back."""
         chunks = [c for step_chunks in self.running.values() for c in step_chunks]
-        spans = (self.busy + [(c.launched, now) for c in chunks if c.done is None]
-                 + [(c.resumed.launched, now) for c in chunks if c.resumed is not None])
+        spans = (self.busy + [(c.launched, _ended(c.launched, c.pending, now)) for c in chunks if c.done is None]
+                 + [(c.resumed.launched, _ended(c.resumed.launched, c.resumed.pending, now))
+                    for c in chunks if c.resumed is not None])
         spans = sorted((max(a, self.window), min(b, now)) for a, b in spans if b > self.window)
         self.busy = [(a, b) for a, b in self.busy if b > self.window]
         total, end = 0.0, self.window
@@ -674,6 +676,12 @@ class StreamingAsyncSource(FullyAsyncSource):
         steps = [policy_step(g.weight_version, start_step, self.plan.sync_every) for g in samples]
         stalest = min((start_step if s is None else s for s in steps), default=start_step)
         return stalest + self.plan.max_staleness + 1
+
+
+def _ended(launched: float, pending: PendingBatch, now: float) -> float:
+    """When a generation came back (`now` while it runs)."""
+    seconds = pending.generation.seconds
+    return now if seconds is None else launched + seconds
 
 
 def _merge_engine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:

@@ -265,11 +265,21 @@ def test_chunks_engine_metrics_add_up_per_engine():
 
 
 def test_the_rollouter_is_busy_while_any_chunk_is_on_the_engines_within_the_step():
-    """Overlapping chunks (one queued behind another) count once; time before the step does not."""
+    """Overlapping chunks (one queued behind another) count once; time before the step does not;
+    a chunk back and not yet collected counts until it came back."""
+    from types import SimpleNamespace
+
+    from mrl.modes import _Chunk
+
     _, _, _, source = _async_run(1, 1)
     source.window, source.running = 10.0, {}
     source.busy = [(8.0, 11.0), (10.5, 12.0), (11.5, 12.5), (14.0, 15.0), (2.0, 3.0)]
     assert source._busy_seconds(16.0) == pytest.approx((12.5 - 10.0) + (15.0 - 14.0))
+    # chunks not collected yet: one came back after 0.5 s (busy until then, not until now), one runs
+    source.window, source.busy = 10.0, []
+    source.running = {2: [_Chunk(PendingBatch(2, [0], SimpleNamespace(seconds=seconds), 0), launched)
+                          for launched, seconds in ((11.0, 0.5), (13.0, None))]}
+    assert source._busy_seconds(16.0) == pytest.approx(0.5 + 3.0)
 
 
 @pytest.mark.parametrize("cancel_fails", [False, True])
