@@ -392,12 +392,21 @@ class FullyAsyncSource(BatchSource):
             with timer("gen", metrics):  # the part of the generation the trainer waited for
                 batch = self._collect(step)
         self._refill()  # this step left the queue: room for one more
-        metrics["async/queue_size"] = float(sum(len(b.groups) for b in self.ready.values()) + sum(
-            len(c.pending.prompt_indices) for chunks in self.running.values() for c in chunks if c.finished()))
-        metrics["async/dropped_samples"] = float(len(batch.prompt_indices) * self.plan.samples_per_prompt
-                                                 - sum(len(group) for group in batch.groups))
-        metrics["async/partial_ratio"] = partial_ratio(batch)
+        metrics.update(self._taken_metrics(batch))
         return batch
+
+    def _taken_metrics(self, batch: GeneratedBatch) -> dict[str, float]:
+        """async/queue_size (groups back and not trained), async/dropped_samples and
+        async/partial_ratio of the batch a step takes."""
+        return {"async/queue_size": float(self._queued()),
+                "async/dropped_samples": float(len(batch.prompt_indices) * self.plan.samples_per_prompt
+                                               - sum(len(group) for group in batch.groups)),
+                "async/partial_ratio": partial_ratio(batch)}
+
+    def _queued(self) -> int:
+        """Prompt groups generated and not yet trained."""
+        return sum(len(b.groups) for b in self.ready.values()) + sum(
+            len(c.pending.prompt_indices) for chunks in self.running.values() for c in chunks if c.finished())
 
     def after_update(self, step: int, trained: bool, metrics: dict) -> None:
         if step % self.plan.sync_every == 0 or step == self.last_step:
@@ -588,11 +597,11 @@ class StreamingAsyncSource(FullyAsyncSource):
                                seconds, _merge_engine_metrics(self.came_back), self.plan.sync_every,
                                starts if set(starts) != {self.plan.start_step} else None)
         self.came_back = []
-        n = self.plan.samples_per_prompt
-        metrics["async/queue_size"] = float(len(self.pool))
-        metrics["async/dropped_samples"] = float(len(groups) * n - sum(len(g.samples) for g in groups))
-        metrics["async/partial_ratio"] = partial_ratio(batch)
+        metrics.update(self._taken_metrics(batch))
         return batch
+
+    def _queued(self) -> int:
+        return len(self.pool)
 
     def upcoming(self, step: int) -> GeneratedBatch | None:
         return None  # which groups a step takes is known only when it starts
