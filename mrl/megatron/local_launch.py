@@ -48,7 +48,20 @@ def init_process_group(rank: int, world_size: int, port: int, timeout_s: float =
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+def _context() -> Any:
+    """Ranks fork from a server that holds mrl.megatron.rank_imports and nothing else (no threads,
+    process groups or tensors of a caller: a fork of the caller itself is not safe); multiprocessing
+    starts it on first use and keeps it for the caller's lifetime."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["mrl.megatron.rank_imports"])
+    return ctx
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any,
+           environ: dict[str, str]) -> None:
+    # the fork server's environment is the caller's when the server started: this call's instead
+    os.environ.clear()
+    os.environ.update(environ)
     try:
         init_process_group(rank, world_size, port)
         value = fn(rank, world_size, *args)
@@ -68,11 +81,12 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 900.
 
     Values must be tensors, numbers, strings, or lists/tuples/dicts of them.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     store = rendezvous_store()
     port = store.port
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, results, dict(os.environ)))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     values: dict[int, Any] = {}

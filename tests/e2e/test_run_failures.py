@@ -182,7 +182,10 @@ def _mrl_train(tmp: Path, model: Path, env: dict, *extra: str) -> subprocess.Pop
     (Ctrl-C sends SIGINT to every process in it)."""
     # Steps take 0.1–0.2 s here: with SMALL's 4 steps the run could end before the stop after step 1
     # lands (it did once). 200 steps keep it running until stopped; nothing runs them all.
-    command = [sys.executable, "-c", "import sys; from mrl.cli import main; sys.exit(main())", "train", str(RECIPE),
+    # SIGINT at its default, as in a terminal's foreground job: a suite started in the background by a
+    # shell without job control inherits it ignored, and the Ctrl-C tests then ran all 200 steps
+    command = [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+               "from mrl.cli import main; sys.exit(main())", "train", str(RECIPE),
                *_overrides(tmp, model, "trainer.mode=fully_async", "async.max_staleness=1", "trainer.total_steps=200",
                            *extra)]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
