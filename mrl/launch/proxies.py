@@ -228,7 +228,7 @@ class EngineHandle:
 
 
 def close_engines(handles: Sequence[EngineHandle]) -> None:
-    """Stop every engine (its worker processes and their shared memory, all at once), then its
+    """Stop every engine (its workers, and the shared memory of worker processes, all at once), then its
     actor. A dead or unresponsive engine is killed all the same, after at most SHUTDOWN_S."""
     stopping, errors = [], []
     for handle in handles:

@@ -73,8 +73,8 @@ class RolloutServer:
 
     @ray.method(concurrency_group="control")
     def shutdown(self) -> None:
-        """Stop the engine's worker processes before the actor is killed: a killed actor leaves
-        vLLM's message queues behind in /dev/shm (measured: two files an engine, never freed)."""
+        """Stop the engine's workers before the actor is killed: a killed actor whose engine has worker
+        processes (TP > 1) leaves vLLM's message queues behind in /dev/shm (two files an engine, never freed)."""
         self.engine.shutdown()
 
 

@@ -51,7 +51,11 @@ def init_process_group(rank: int, world_size: int, port: int, timeout_s: float =
 def _context() -> Any:
     """Ranks fork from a server that holds mrl.megatron.rank_imports and nothing else (no threads,
     process groups or tensors of a caller: a fork of the caller itself is not safe); multiprocessing
-    starts it on first use and keeps it for the caller's lifetime."""
+    starts it on first use and keeps it for the caller's lifetime. With CUDA, spawned ranks as
+    before: Megatron imports Transformer Engine where it is installed, whose import may initialise
+    CUDA, which no process forked from the server could then use."""
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["mrl.megatron.rank_imports"])
     return ctx

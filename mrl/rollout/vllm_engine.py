@@ -713,7 +713,7 @@ class VLLMEngine:
             self._sleeping = True
 
     def shutdown(self) -> None:
-        """Stop vLLM's worker processes and free their message queues (shared memory)."""
+        """Stop vLLM's workers; worker processes (TP > 1) free their message queues (shared memory)."""
         self.llm.llm_engine.engine_core.shutdown()
 
     def wake_up(self) -> None:
