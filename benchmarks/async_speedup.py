@@ -183,7 +183,7 @@ def run_mode(mode: str, eta: int | None, flags: list[str], args, model: Path, wo
         "parallel.tp=1", "parallel.pp=1", "parallel.ep=1", f"optim.micro_batch_size={args.batch * args.n}",
     ] + ([f"async.max_staleness={eta}"] if eta is not None else []) + [FLAGS[flag] for flag in flags]
     overrides += reward_overrides(args, workdir) + ([f"rollout.stop=[{json.dumps(args.stop)}]"] if args.stop else [])
-    overrides += [o for o in args.set if mode == "fully_async"]
+    overrides += args.set if mode == "fully_async" else []
     summary = train(load_config(RECIPE, overrides))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1 and "timing_s/step" in r]

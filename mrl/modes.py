@@ -519,9 +519,8 @@ class FullyAsyncSource(BatchSource):
         another counts: that engine was busy). A chunk back but not yet collected was busy until
         it came back."""
         chunks = [c for step_chunks in self.running.values() for c in step_chunks]
-        spans = (self.busy + [(c.launched, _ended(c.launched, c.pending, now)) for c in chunks if c.done is None]
-                 + [(c.resumed.launched, _ended(c.resumed.launched, c.resumed.pending, now))
-                    for c in chunks if c.resumed is not None])
+        spans = (self.busy + [(c.launched, _ended(c, now)) for c in chunks if c.done is None]
+                 + [(c.resumed.launched, _ended(c.resumed, now)) for c in chunks if c.resumed is not None])
         spans = sorted((max(a, self.window), min(b, now)) for a, b in spans if b > self.window)
         self.busy = [(a, b) for a, b in self.busy if b > self.window]
         total, end = 0.0, self.window
@@ -687,10 +686,10 @@ class StreamingAsyncSource(FullyAsyncSource):
         return stalest + self.plan.max_staleness + 1
 
 
-def _ended(launched: float, pending: PendingBatch, now: float) -> float:
-    """When a generation came back (`now` while it runs)."""
-    seconds = pending.generation.seconds
-    return now if seconds is None else launched + seconds
+def _ended(run: _Chunk | _Resumed, now: float) -> float:
+    """When a chunk's (or its continuations') generation came back (`now` while it runs)."""
+    seconds = run.pending.generation.seconds
+    return now if seconds is None else run.launched + seconds
 
 
 def _merge_engine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
