@@ -75,20 +75,55 @@ def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float]:
 
 
 def checksums(tensors: Sequence[torch.Tensor]) -> list[tuple[float, float]]:
-    """tensor_checksum of each tensor, batched: the samples of all tensors of one device and dtype
-    are summed by one scatter-add and read back once. Per tensor, four small ops and two read-backs
-    cost the demo's sync ~2 ms a side for its 180 tensors (and a GPU a wait per tensor)."""
-    groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+    """tensor_checksum of each tensor, batched, with a few tensor operations per batch whatever the
+    number of tensors: per-tensor slicing cost the demo's sync ~3 ms for each of its four checksum
+    passes (sender, receipt, copies, read-back; ~180 small tensors each).
+
+    Tensors that share a storage (a bucket's views, the regions of one parameter) are sampled by one
+    gather from that storage at computed offsets; the others are concatenated per device and dtype
+    and summed by one scatter-add. Either way a batch is read back once (a GPU waits once)."""
+    shared: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     for index, tensor in enumerate(tensors):
-        flat = _sampled(tensor)
-        groups.setdefault((flat.device, flat.dtype), []).append((index, flat))
+        flat = _sampled(tensor)  # a non-contiguous tensor: a copy, in a storage of its own
+        storage = flat.untyped_storage()
+        shared.setdefault((flat.device, flat.dtype, storage.data_ptr(), storage.nbytes()), []).append((index, flat))
     out: list[tuple[float, float]] = [(0.0, 0.0)] * len(tensors)
-    for members in groups.values():
+    alone: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+    for key, members in shared.items():
+        if len(members) == 1:
+            alone.setdefault(key[:2], []).extend(members)
+        else:
+            for batch in _batches(members):
+                _store(out, batch, _gathered_sums(batch))
+    for members in alone.values():
         for batch in _batches(members):
-            sums = torch.stack([_segment_sums([flat[offset::61] for _, flat in batch]) for offset in (0, 30)], dim=1)
-            for (index, _), pair in zip(batch, sums.tolist()):
-                out[index] = tuple(pair)
+            _store(out, batch, torch.stack([_segment_sums([flat[offset::61] for _, flat in batch])
+                                            for offset in (0, 30)], dim=1))
     return out
+
+
+def _store(out: list[tuple[float, float]], batch: list[tuple[int, torch.Tensor]], sums: torch.Tensor) -> None:
+    for (index, _), pair in zip(batch, sums.tolist()):
+        out[index] = tuple(pair)
+
+
+def _gathered_sums(members: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """[n, 2]: the two sample sums of each flat tensor of `members`, which share one storage: the
+    samples' element offsets in it (start + 61·k, start + 30 + 61·k) are built as tensors, so the
+    work per tensor is reading its offset and size."""
+    first = members[0][1]
+    device = first.device
+    whole = torch.as_strided(first, (first.untyped_storage().nbytes() // first.element_size(),), (1,), 0)
+    offsets = torch.tensor([flat.storage_offset() for _, flat in members], device=device)
+    numels = torch.tensor([flat.numel() for _, flat in members], device=device)
+    starts = torch.stack([offsets, offsets + 30], dim=1).reshape(-1)
+    counts = (torch.stack([numels, numels - 30], dim=1).reshape(-1) + 60) // 61  # ceil((numel - start) / 61)
+    segment = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
+    # sample k of a segment lies at start + 61·k = (start − 61·(samples before it)) + 61·(its index overall)
+    shifted = (starts - 61 * (torch.cumsum(counts, 0) - counts)).index_select(0, segment)
+    values = whole.index_select(0, shifted + torch.arange(0, 61 * len(segment), 61, device=device))
+    values = values.to(torch.float64)
+    return torch.zeros(len(counts), dtype=torch.float64, device=device).index_add_(0, segment, values).view(-1, 2)
 
 
 def _batches(members: list[tuple[int, torch.Tensor]]) -> list[list[tuple[int, torch.Tensor]]]:

@@ -94,6 +94,28 @@ def test_batched_checksums_equal_one_by_one(batch, monkeypatch):
     assert checksums([]) == []
 
 
+@pytest.mark.parametrize("batch", [1 << 30, 700], ids=["one batch", "batches of 700 elements"])
+def test_views_of_one_storage_are_checksummed_as_each_alone(batch, monkeypatch):
+    """Views that share a storage (a bucket's tensors; the regions of one parameter) are sampled by
+    one gather at computed offsets: each pair equals tensor_checksum's, whatever the view's offset
+    and size (none or one sample, exact multiples of 61), the dtypes one byte buffer is viewed as,
+    and a region that is not contiguous (copied, so checksummed alone)."""
+    flat = torch.randn(4000)
+    param = torch.randn(8, 16, 32)
+    tensors = [flat[3:3 + 61 * 5], flat[400:400 + 30], flat[500:531], flat[600:600], flat[700:1900].view(40, 30),
+               flat[61:62], param[2], param[5, 3:9], param[:, :, 4:7], flat[1900:4000]]
+    raw = torch.zeros(3000, dtype=torch.uint8)  # one buffer, viewed as three dtypes (finite values)
+    raw[8:1208] = torch.randn(300).view(torch.uint8)
+    raw[1208:2208] = torch.randn(500).to(torch.bfloat16).view(torch.uint8)
+    raw[2208:2708] = (torch.randn(500) * 100).to(torch.float8_e4m3fn).view(torch.uint8)
+    tensors += [raw[8:8 + 4 * 300].view(torch.float32), raw[1208:1208 + 2 * 500].view(torch.bfloat16),
+                raw[2208:2208 + 500].view(torch.float8_e4m3fn)]
+    monkeypatch.setattr(wire, "CHECKSUM_BATCH", batch)
+    batched = checksums(tensors)
+    assert [checksums_match(a, b) for a, b in zip(batched, map(tensor_checksum, tensors))] == [True] * len(tensors)
+    assert batched[3] == (0.0, 0.0) and batched[1][1] == 0.0 and batched[2][1] != 0.0
+
+
 def test_a_cuda_ipc_handle_for_a_gpu_the_engine_cannot_see_names_the_fix():
     from mrl.sync.cuda_ipc import open_shared
 
