@@ -447,7 +447,7 @@ def policy_loss_fn(algo: Any, vocab_size: int | None = None) -> LossFn:
     train_step reports each as the mean over micro-batches (ratio_max included); pg_loss is
     weighted like the loss itself, so it is the batch's loss whatever the micro-batching.
     """
-    from mrl.algo import KL_ESTIMATORS, entropy_bonus, kl_loss, policy_loss
+    from mrl.algo import KL_ESTIMATORS, aggregate, entropy_bonus, policy_loss
     from mrl.algo.aggregation import whole_mean
 
     config = ActorLoss.of(algo)
@@ -471,11 +471,10 @@ def policy_loss_fn(algo: Any, vocab_size: int | None = None) -> LossFn:
         bonus, metrics["actor/entropy"] = entropy_bonus(entropy, mask, config.entropy_coef, aggregation, parts)
         if config.entropy_coef != 0:
             loss = loss + bonus
-        if config.kl_in_loss:
-            loss = loss + config.kl_coef * kl_loss(logp, micro["ref_logprobs"], mask, config.kl_estimator,
-                                                   aggregation, parts)
-            metrics["actor/kl_loss"] = whole_mean(KL_ESTIMATORS.get(config.kl_estimator)(logp, micro["ref_logprobs"]),
-                                                  mask, aggregation, parts)
+        if config.kl_in_loss:  # the per-token estimate once, for the loss (this rank's share) and the metric
+            kl = KL_ESTIMATORS.get(config.kl_estimator)(logp, micro["ref_logprobs"])
+            loss = loss + config.kl_coef * aggregate(kl, mask, aggregation, parts)
+            metrics["actor/kl_loss"] = whole_mean(kl.detach(), mask, aggregation, parts)
         return loss * _loss_scale(micro, aggregation), metrics
 
     return loss_fn
