@@ -22,6 +22,11 @@ recipe (--plot-only redraws it from WORKDIR).
     .venv/bin/python benchmarks/learning.py [--modes grpo,ppo,fully_async] [--steps 40] [--seeds 0,1,2]
         [--eval-every 5] [--eval-samples 8] [--sft-steps N] [--set k=v ...] [--workdir DIR]
         [--plot docs/images/learning.png] [--late-from 1280]
+    .venv/bin/python benchmarks/learning.py --pool NAME=DIR[,DIR...] [--pool ...]   (compare finished runs only)
+
+`--pool` pairs each recipe with GRPO by seed within each group of workdirs (one SFT start, or one
+instance of the task) and pools the differences over the groups: the mean, its standard error and
+its 95 % confidence interval, i.e. how far below GRPO a recipe could be and still give these runs.
 """
 
 from __future__ import annotations
@@ -182,26 +187,74 @@ def table(runs: list[dict], late_from: int) -> str:
     return "\n".join(lines + paired(runs, late_from))
 
 
-def paired(runs: list[dict], late_from: int) -> list[str]:
-    """Table rows: each recipe's gain minus GRPO's on the same seed (the same prompts in the same
-    order and the same eval seeds), mean ± s.e. over the seeds both ran."""
+MEASURES = ("greedy, end", "greedy, late", "sampled, end", "sampled, late")
+
+
+def paired_differences(runs: list[dict], mode: str, late_from: int) -> list[list[float]]:
+    """Per measure (MEASURES): the mode's gain minus GRPO's on the same seed (the same prompts in the
+    same order and the same eval seeds), one value per seed both ran."""
     grpo = {r["seed"]: r for r in runs if r["mode"] == "grpo"}
+    mine = [(r, grpo[r["seed"]]) for r in runs if r["mode"] == mode and r["seed"] in grpo]
+    columns = []
+    for key in ("curve", "sampled"):
+        for gain in (lambda run: _end_gain(run, key), lambda run: _late_gain(run, key, late_from)):
+            pairs = [(gain(r), gain(g)) for r, g in mine]
+            columns.append([a - b for a, b in pairs if a is not None and b is not None])
+    return columns
+
+
+def paired(runs: list[dict], late_from: int) -> list[str]:
+    """Table rows: each recipe's gain minus GRPO's paired by seed, mean ± s.e. over the seeds both ran."""
     rows = []
     for mode in RECIPES:
-        mine = [(r, grpo[r["seed"]]) for r in runs if r["mode"] == mode != "grpo" and r["seed"] in grpo]
-        if not mine:
-            continue
-        cells = []
-        for key in ("curve", "sampled"):
-            for gain in (lambda run: _end_gain(run, key), lambda run: _late_gain(run, key, late_from)):
-                pairs = [(gain(r), gain(g)) for r, g in mine]
-                cells.append(_mean_se([a - b for a, b in pairs if a is not None and b is not None]))
-        rows.append(f"| {mode} − grpo | {len(mine)} | " + " | ".join(cells) + " |")
+        columns = paired_differences(runs, mode, late_from) if mode != "grpo" else [[]]
+        if columns[0]:
+            rows.append(f"| {mode} − grpo | {len(columns[0])} | " + " | ".join(map(_mean_se, columns)) + " |")
     if not rows:
         return []
     return ["", "Paired by seed against GRPO, points, mean ± s.e.", "",
-            "| recipe | seeds | greedy, end | greedy, late | sampled, end | sampled, late |",
-            "|---|---|---|---|---|---|"] + rows
+            "| recipe | seeds | " + " | ".join(MEASURES) + " |", "|---|---|---|---|---|---|"] + rows
+
+
+def _t_quantile_975(dof: int) -> float:
+    """Student's t 97.5 % quantile: the Cornish-Fisher expansion around the normal's, to the third
+    order in 1/dof (2.769 at 4 degrees of freedom against the exact 2.776; 2.306 at 8; 2.093 at 19)."""
+    z = 1.959964
+    return (z + (z ** 3 + z) / (4 * dof) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * dof ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * dof ** 3))
+
+
+def _interval(values: list[float]) -> str:
+    """Points: mean ± s.e. and the two-sided 95 % confidence interval of the mean."""
+    if len(values) < 2:
+        return _mean_se(values)
+    mean = sum(values) / len(values)
+    se = (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
+    half = _t_quantile_975(len(values) - 1) * se
+    return f"{100 * mean:+.1f} ± {100 * se:.1f} [{100 * (mean - half):+.1f}, {100 * (mean + half):+.1f}]"
+
+
+def pooled(groups: dict[str, list[dict]], late_from: int) -> str:
+    """Each recipe's gain minus GRPO's, paired by seed within each group (an SFT start or task
+    instance) and pooled over the groups: the mean difference, its s.e. and 95 % interval."""
+    lines = ["| recipe | group | pairs | " + " | ".join(MEASURES) + " |", "|---|---|---|---|---|---|---|"]
+    for mode in [m for m in RECIPES if m != "grpo"]:
+        per_group = {name: paired_differences(runs, mode, late_from) for name, runs in groups.items()}
+        per_group = {name: columns for name, columns in per_group.items() if columns[0]}
+        if not per_group:
+            continue
+        for name, columns in per_group.items():
+            lines.append(f"| {mode} − grpo | {name} | {len(columns[0])} | " + " | ".join(map(_interval, columns)) + " |")
+        everything = [sum((columns[i] for columns in per_group.values()), []) for i in range(len(MEASURES))]
+        lines.append(f"| {mode} − grpo | **pooled** | {len(everything[0])} | "
+                     + " | ".join(map(_interval, everything)) + " |")
+    return "\n".join(["Paired by seed against GRPO within each group, points: mean ± s.e. [95 % interval]", ""] + lines)
+
+
+def read_runs(workdirs: list[Path]) -> list[dict]:
+    """Every finished run in these workdirs (named MODE-seedN)."""
+    return [read_run(d, d.name.rsplit("-seed", 1)[0], int(d.name.rsplit("-seed", 1)[1]), SAMPLES_PER_STEP)
+            for w in workdirs for d in sorted(w.glob("*-seed*")) if (d / "metrics.jsonl").exists()]
 
 
 def main() -> None:
@@ -217,12 +270,19 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "images" / "learning.png")
     parser.add_argument("--plot-only", action="store_true", help="re-read WORKDIR's finished runs and plot them")
     parser.add_argument("--late-from", type=int, default=1280, help="trained samples from which the table's late mean counts")
+    parser.add_argument("--pool", action="append", default=[], metavar="NAME=DIR[,DIR...]",
+                        help="only compare: the finished runs of these workdirs are one group (an SFT start); "
+                             "prints each recipe minus GRPO paired by seed per group and pooled over the groups")
     args = parser.parse_args()
+    if args.pool:
+        groups = {name: read_runs([Path(d) for d in dirs.split(",")])
+                  for name, dirs in (spec.split("=", 1) for spec in args.pool)}
+        print(pooled(groups, args.late_from))
+        return
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="mrl-learning-"))
     workdir.mkdir(parents=True, exist_ok=True)
     if args.plot_only:
-        runs = [read_run(d, d.name.rsplit("-seed", 1)[0], int(d.name.rsplit("-seed", 1)[1]), SAMPLES_PER_STEP)
-                for d in sorted(workdir.glob("*-seed*")) if (d / "metrics.jsonl").exists()]
+        runs = read_runs([workdir])
         plot(runs, args.plot)
         print(table(runs, args.late_from))
         return
