@@ -216,9 +216,14 @@ def paired(runs: list[dict], late_from: int) -> list[str]:
             "| recipe | seeds | " + " | ".join(MEASURES) + " |", "|---|---|---|---|---|---|"] + rows
 
 
+T_975_SMALL = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776}  # Student's t 97.5 % quantiles, exact
+
+
 def _t_quantile_975(dof: int) -> float:
-    """Student's t 97.5 % quantile: the Cornish-Fisher expansion around the normal's, to the third
-    order in 1/dof (2.769 at 4 degrees of freedom against the exact 2.776; 2.306 at 8; 2.093 at 19)."""
+    """Student's t 97.5 % quantile: exact to 4 degrees of freedom, then the Cornish-Fisher expansion
+    around the normal's to the third order in 1/dof (2.568 at 5 against the exact 2.571; 2.306 at 8; 2.093 at 19)."""
+    if dof in T_975_SMALL:
+        return T_975_SMALL[dof]
     z = 1.959964
     return (z + (z ** 3 + z) / (4 * dof) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * dof ** 2)
             + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * dof ** 3))
@@ -252,9 +257,14 @@ def pooled(groups: dict[str, list[dict]], late_from: int) -> str:
 
 
 def read_runs(workdirs: list[Path]) -> list[dict]:
-    """Every finished run in these workdirs (named MODE-seedN)."""
-    return [read_run(d, d.name.rsplit("-seed", 1)[0], int(d.name.rsplit("-seed", 1)[1]), SAMPLES_PER_STEP)
+    """Every finished run in these workdirs (named MODE-seedN); a mode and seed found twice is an error
+    (it would be paired twice)."""
+    runs = [read_run(d, d.name.rsplit("-seed", 1)[0], int(d.name.rsplit("-seed", 1)[1]), SAMPLES_PER_STEP)
             for w in workdirs for d in sorted(w.glob("*-seed*")) if (d / "metrics.jsonl").exists()]
+    seen = [(r["mode"], r["seed"]) for r in runs]
+    if twice := sorted({run for run in seen if seen.count(run) > 1}):
+        raise SystemExit(f"runs found twice in {', '.join(map(str, workdirs))}: {twice}; give each run's workdir once")
+    return runs
 
 
 def main() -> None:
@@ -275,8 +285,10 @@ def main() -> None:
                              "prints each recipe minus GRPO paired by seed per group and pooled over the groups")
     args = parser.parse_args()
     if args.pool:
-        groups = {name: read_runs([Path(d) for d in dirs.split(",")])
-                  for name, dirs in (spec.split("=", 1) for spec in args.pool)}
+        specs = [spec.split("=", 1) for spec in args.pool]
+        if any(len(spec) != 2 or not spec[1] for spec in specs) or len({name for name, *_ in specs}) != len(specs):
+            parser.error(f"--pool takes NAME=DIR[,DIR...] with a name of its own for each group; got {args.pool}")
+        groups = {name: read_runs([Path(d) for d in dirs.split(",") if d]) for name, dirs in specs}
         print(pooled(groups, args.late_from))
         return
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="mrl-learning-"))

