@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -157,12 +158,16 @@ def _late_gain(run: dict, key: str, late_from: int) -> float | None:
     return sum(late) / len(late) - run[key][0][1] if late else None
 
 
+def _mean_and_se(values: list[float]) -> tuple[float, float]:
+    """The mean and its standard error (0 for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+
+
 def _mean_se(values: list[float]) -> str:
     """Points: mean ± standard error over the seeds."""
     if not values:
         return "–"
-    mean = sum(values) / len(values)
-    se = (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5 if len(values) > 1 else 0.0
+    mean, se = _mean_and_se(values)
     return f"{100 * mean:+.1f} ± {100 * se:.1f}"
 
 
@@ -233,10 +238,9 @@ def _interval(values: list[float]) -> str:
     """Points: mean ± s.e. and the two-sided 95 % confidence interval of the mean."""
     if len(values) < 2:
         return _mean_se(values)
-    mean = sum(values) / len(values)
-    se = (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
+    mean, se = _mean_and_se(values)
     half = _t_quantile_975(len(values) - 1) * se
-    return f"{100 * mean:+.1f} ± {100 * se:.1f} [{100 * (mean - half):+.1f}, {100 * (mean + half):+.1f}]"
+    return f"{_mean_se(values)} [{100 * (mean - half):+.1f}, {100 * (mean + half):+.1f}]"
 
 
 def pooled(groups: dict[str, list[dict]], late_from: int) -> str:
