@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
-from mrl.sync.wire import (Bucket, WeightLoadError, WeightUpdateReport, checksums, checksums_match, shared_bytes, unpack,
-                           wire_dtype)
+from mrl.sync.wire import (Bucket, WeightLoadError, WeightUpdateReport, bucket_checksums, checksums, checksums_match,
+                           shared_bytes, unpack, wire_dtype)
 
 # The engine lives in the caller's process (one engine per process): no hidden engine core process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -689,7 +689,8 @@ class VLLMEngine:
 
     def load_weights(self, bucket: Bucket) -> None:
         bucket = [(name, t.to(wire_dtype(name, self.dtype, t.dtype))) for name, t in bucket]  # no-op when sent cast
-        self._received(bucket)
+        self._received([name for name, _ in bucket], checksums([t for _, t in bucket]),
+                       sum(t.numel() * t.element_size() for _, t in bucket))
         self._apply(_copy_in_place if self.weight_apply == "in_place" else _load, bucket)
 
     def load_shared(self, header: dict, flat: torch.Tensor) -> None:
@@ -697,13 +698,14 @@ class VLLMEngine:
         which the receipt's checksums are read; each worker maps the bytes itself (_load_shared)
         instead of receiving a pickled copy through collective_rpc (measured: 8 of the demo's ~70 ms
         sync). The sender casts to the dtype this engine declared, so the bytes need no cast."""
-        self._received(unpack(header, flat))
+        entries = header["tensors"]
+        self._received([e["name"] for e in entries], bucket_checksums(entries, flat), header["nbytes"])
         self._apply(_load_shared, header, self.weight_apply)
 
-    def _received(self, bucket: Bucket) -> None:
-        self._report.checksums.update(zip([name for name, _ in bucket], checksums([t for _, t in bucket])))
-        self._report.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        self._report.tensors += len(bucket)
+    def _received(self, names: list[str], sums: list[tuple[float, float]], nbytes: int) -> None:
+        self._report.checksums.update(zip(names, sums))
+        self._report.bytes += nbytes
+        self._report.tensors += len(names)
 
     def _apply(self, apply: Any, *args: Any) -> None:
         start = time.perf_counter()

@@ -71,6 +71,7 @@ class WeightSender:
         self.group, self.leader, self.stage = self._export_group()
         self.plan = self._export_plan()
         self.writes_shared = self._can_write_shared(endpoints[0])
+        self.shared: Any = None  # mrl.sync.shared_export.SharedExport, at the first push that writes shared
         self.buckets = BucketSender(endpoints, transport=transport, timeout_s=timeout_s, pipeline=pipeline,
                                     who=f"rank {coords.rank} (PP stage {self.stage})", stage=self.stage)
 
@@ -118,6 +119,15 @@ class WeightSender:
                 unlink_quietly(probe)
         return all(seen)
 
+    def _shared_export(self) -> Any:
+        """This rank's SharedExport, made at the first push and kept (the plan never changes)."""
+        if self.shared is None:
+            from mrl.sync.shared_export import SharedExport  # trainer side only: engines never load the bridge
+
+            self.shared = SharedExport(self.built, self.coords, self.plan, self.bucket_bytes,
+                                       self.buckets.endpoint.dtype)
+        return self.shared
+
     @property
     def channels(self) -> int:
         """How many channels each engine must open for this layout."""
@@ -126,14 +136,10 @@ class WeightSender:
     def push(self, sync_id: str) -> SentReport | None:
         """Export and send every tensor to every engine; returns the leader's report (None on other ranks)."""
         if self.writes_shared:
-            from mrl.sync.shared_export import export_shared  # trainer side only: engines never load the bridge
-
             port = self.buckets.endpoint.port
-            buckets = export_shared(self.built, self.coords, self.plan,
-                                    path=lambda index: bucket_path(port, sync_id, self.stage, index),
-                                    bucket_bytes=self.bucket_bytes, engine_dtype=self.buckets.endpoint.dtype,
-                                    leader=self.leader, group=self.group, timeout_s=self.timeout_s,
-                                    leader_wait_s=open_limit_s(self.timeout_s) + self.timeout_s)
+            buckets = self._shared_export().export(path=lambda index: bucket_path(port, sync_id, self.stage, index),
+                                                   leader=self.leader, group=self.group, timeout_s=self.timeout_s,
+                                                   leader_wait_s=open_limit_s(self.timeout_s) + self.timeout_s)
         else:
             from mrl.bridge.export import export_hf_weights
 

@@ -9,9 +9,10 @@ byte offset and checksum. unpack() gives views into the received buffer (no copy
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -112,34 +113,85 @@ def _store(out: list[tuple[float, float]], batch: list[tuple[int, torch.Tensor]]
 
 def _gathered_sums(members: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
     """[n, 2]: the two sample sums of each flat contiguous tensor of `members`, which share one
-    storage: the samples' element offsets in it (start + 61·k, start + 30 + 61·k) are built as
-    tensors, so the work per tensor is reading its offset and size (sizes known on the host: no
-    wait for a GPU to size the index)."""
+    storage (sizes known on the host: no wait for a GPU to size the index)."""
     first = members[0][1]
-    device = first.device
     whole = torch.as_strided(first, (first.untyped_storage().nbytes() // first.element_size(),), (1,), 0)
-    sizes = [flat.numel() for _, flat in members]
-    counts = [c for n in sizes for c in ((n + 60) // 61, (n + 30) // 61)]  # ceil((numel − start) / 61)
-    starts = torch.tensor([flat.storage_offset() + start for _, flat in members for start in (0, 30)], device=device)
-    counts_t, total = torch.tensor(counts, device=device), sum(counts)
-    segment = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t, output_size=total)
-    # sample k of a segment lies at start + 61·k = (start − 61·(samples before it)) + 61·(its index overall)
-    shifted = (starts - 61 * (torch.cumsum(counts_t, 0) - counts_t)).index_select(0, segment)
-    values = whole.index_select(0, shifted + torch.arange(0, 61 * total, 61, device=device)).to(torch.float64)
-    return torch.zeros(len(counts), dtype=torch.float64, device=device).index_add_(0, segment, values).view(-1, 2)
+    return _Samples.of([flat.storage_offset() for _, flat in members], [flat.numel() for _, flat in members],
+                       first.device).sums(whole)
 
 
-def _batches(members: list[tuple[int, torch.Tensor]]) -> list[list[tuple[int, torch.Tensor]]]:
-    """Members in batches of at most CHECKSUM_BATCH elements (a larger tensor alone): the samples'
+@dataclass(frozen=True)
+class _Samples:
+    """Where the checksum samples of some tensors lie in one 1-D buffer: each tensor's start (in
+    elements) and its samples' counts. The samples' offsets (start + 61·k, start + 30 + 61·k) are
+    built as tensors, so the work per tensor is only reading these lists."""
+
+    starts: torch.Tensor  # [2n]: each tensor's start, then start + 30
+    counts: torch.Tensor  # [2n]: how many samples each of the two takes
+    total: int
+
+    @staticmethod
+    def of(starts: Sequence[int], sizes: Sequence[int], device: torch.device) -> _Samples:
+        counts = [c for n in sizes for c in ((n + 60) // 61, (n + 30) // 61)]  # ceil((numel − start) / 61)
+        return _Samples(torch.tensor([s + start for s in starts for start in (0, 30)], dtype=torch.int64, device=device),
+                        torch.tensor(counts, dtype=torch.int64, device=device), sum(counts))
+
+    def sums(self, whole: torch.Tensor) -> torch.Tensor:
+        """[n, 2]: the sample sums of each tensor, read from `whole`."""
+        device, counts = whole.device, self.counts
+        segment = torch.repeat_interleave(torch.arange(len(counts), device=device), counts, output_size=self.total)
+        # sample k of a segment lies at start + 61·k = (start − 61·(samples before it)) + 61·(its index overall)
+        shifted = (self.starts - 61 * (torch.cumsum(counts, 0) - counts)).index_select(0, segment)
+        values = whole.index_select(0, shifted + torch.arange(0, 61 * self.total, 61, device=device)).to(torch.float64)
+        return torch.zeros(len(counts), dtype=torch.float64, device=device).index_add_(0, segment, values).view(-1, 2)
+
+
+def bucket_checksums(entries: list[dict], flat: torch.Tensor) -> list[tuple[float, float]]:
+    """checksums() of a bucket's tensors (its header entries), read from its bytes `flat` without a
+    view per tensor: where a layout's samples lie is worked out once per process (a sync sends the
+    same layouts every time), and each sync is a few tensor operations per dtype. Equal to
+    checksums(unpack(...)) (the same samples, summed in the same order)."""
+    key = tuple((e["offset"], e["dtype"], math.prod(e["shape"])) for e in entries)
+    if flat.storage_offset() % 16:  # the dtype views below need an aligned start
+        return checksums([tensor for _, tensor in unpack({"tensors": entries}, flat)])
+    out = [(0.0, 0.0)] * len(entries)
+    for dtype, batches in _bucket_samples(key, flat.device):
+        whole = flat[: flat.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+        for slots, samples in batches:
+            for slot, pair in zip(slots, samples.sums(whole).tolist()):
+                out[slot] = tuple(pair)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _bucket_samples(key: tuple, device: torch.device) -> list[tuple[torch.dtype, list]]:
+    """Per sample dtype, batches of (entry indices, _Samples) for a bucket layout `key` ((byte
+    offset, dtype name, numel) per entry; `layout` puts each at a multiple of its element size)."""
+    groups: dict[torch.dtype, list[tuple[int, int, int]]] = {}
+    for slot, (offset, name, numel) in enumerate(key):
+        dtype = _DTYPES[name]
+        sampled = torch.uint8 if dtype == torch.float8_e4m3fn else dtype  # as _sampled: FP8 by its bytes
+        groups.setdefault(sampled, []).append((slot, offset // sampled.itemsize, numel))
+    out = []
+    for dtype, members in groups.items():
+        batches = _batches(members, size=lambda member: member[2])
+        out.append((dtype, [([slot for slot, _, _ in batch], _Samples.of([start for _, start, _ in batch],
+                                                                         [numel for _, _, numel in batch], device))
+                            for batch in batches]))
+    return out
+
+
+def _batches(members: list, size: Callable[[Any], int] = lambda member: member[1].numel()) -> list[list]:
+    """Members in batches of at most CHECKSUM_BATCH elements (a larger one alone): the samples'
     fp64 copy and their indices take up to ~1 byte an element, which a GPU whose memory vLLM holds may lack."""
-    batches: list[list[tuple[int, torch.Tensor]]] = []
-    size = 0
+    batches: list[list] = []
+    total = 0
     for member in members:
-        if not batches or size + member[1].numel() > CHECKSUM_BATCH:
+        if not batches or total + size(member) > CHECKSUM_BATCH:
             batches.append([])
-            size = 0
+            total = 0
         batches[-1].append(member)
-        size += member[1].numel()
+        total += size(member)
     return batches
 
 
@@ -204,6 +256,7 @@ def layout(tensors: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> tuple[l
     for buckets every rank writes into (mrl.sync.shared_export)."""
     entries, offset = [], 0
     for name, shape, dtype in tensors:
+        offset += -offset % dtype.itemsize  # each tensor at a multiple of its element size (a dtype view needs it)
         entries.append({"name": name, "shape": list(shape), "dtype": str(dtype), "offset": offset})
         offset += math.prod(shape) * dtype.itemsize
     return entries, offset
@@ -216,7 +269,7 @@ def pack(bucket: Bucket, engine_dtype: torch.dtype, out: torch.Tensor | None = N
     from `bucket` once it is copied."""
     entries, offset = layout((name, tensor.shape, wire_dtype(name, engine_dtype, tensor.dtype)) for name, tensor in bucket)
     flat = out if out is not None else torch.empty(offset, dtype=torch.uint8)
-    views, waiting = [], False
+    waiting = False
     for index, entry in enumerate(entries):
         view, tensor = _view(flat, entry), bucket[index][1]
         if tensor.device != flat.device and tensor.is_cuda:
@@ -225,23 +278,19 @@ def pack(bucket: Bucket, engine_dtype: torch.dtype, out: torch.Tensor | None = N
             waiting = True
         else:
             view.copy_(tensor)
-        views.append(view)
         del tensor
         if consume:  # the packed copy replaces the tensor: one bucket plus one tensor alive, not two buckets
             bucket[index] = (entry["name"], None)  # type: ignore[assignment]
     if waiting:
         torch.cuda.current_stream().synchronize()
-    for entry, checksum in zip(entries, checksums(views)):  # of the bytes that travel
+    for entry, checksum in zip(entries, bucket_checksums(entries, flat)):  # of the bytes that travel
         entry["checksum"] = checksum
     return {"tensors": entries, "nbytes": offset}, flat
 
 
 def _view(flat: torch.Tensor, entry: dict) -> torch.Tensor:
     dtype = _DTYPES[entry["dtype"]]
-    numel = 1
-    for d in entry["shape"]:
-        numel *= d
-    size = numel * torch.empty((), dtype=dtype).element_size()
+    size = math.prod(entry["shape"]) * dtype.itemsize
     return flat[entry["offset"] : entry["offset"] + size].view(dtype).view(entry["shape"])
 
 

@@ -119,6 +119,28 @@ def test_views_of_one_storage_are_checksummed_as_each_alone(batch, monkeypatch):
     assert batched[3] == (0.0, 0.0) and batched[1][1] == 0.0 and batched[2][1] != 0.0
 
 
+@pytest.mark.parametrize("batch", [1 << 30, 300], ids=["one batch", "batches of 300 elements"])
+def test_a_buckets_checksums_read_from_its_bytes_equal_its_views(batch, monkeypatch):
+    """bucket_checksums (from a bucket's bytes and header, no view per tensor; its sample offsets
+    kept per layout) equals checksums of the unpacked views, in every dtype the wire carries, for
+    sizes with none, one or two samples, twice on one layout (the kept offsets) and on a bucket
+    that starts inside a larger buffer. A float32 after an odd number of bfloat16s is placed at a
+    multiple of 4: a dtype view needs it."""
+    specs = [("a", [7, 300], torch.float32), ("b", [3], torch.bfloat16), ("c", [61 * 2 + 31], torch.float32),
+             ("d", [0], torch.float32), ("e", [501], torch.float8_e4m3fn), ("f", [9, 5], torch.bfloat16),
+             ("g", [40], torch.float32), ("h", [1], torch.float32)]
+    entries, size = wire.layout(specs)
+    assert [e["offset"] % torch.empty((), dtype=d).element_size() for e, (_, _, d) in zip(entries, specs)] == [0] * 8
+    assert entries[2]["offset"] == 8400 + 8  # after b's 6 bytes, at a multiple of 4
+    monkeypatch.setattr(wire, "CHECKSUM_BATCH", batch)
+    generator = torch.Generator().manual_seed(1)
+    for start in (0, 16, 16):
+        flat = torch.randint(0, 120, (start + size,), dtype=torch.uint8, generator=generator)[start:]  # finite values
+        views = [t for _, t in wire.unpack({"tensors": entries}, flat)]
+        assert wire.bucket_checksums(entries, flat) == checksums(views)
+        assert [checksums_match(a, b) for a, b in zip(checksums(views), map(tensor_checksum, views))] == [True] * 8
+
+
 def test_a_cuda_ipc_handle_for_a_gpu_the_engine_cannot_see_names_the_fix():
     from mrl.sync.cuda_ipc import open_shared
 
