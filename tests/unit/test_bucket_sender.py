@@ -94,10 +94,12 @@ def test_batched_checksums_equal_one_by_one(batch, monkeypatch):
     assert checksums([]) == []
 
 
+@pytest.mark.parametrize("gather_min", [2, wire.GATHER_MIN], ids=["gathered", "concatenated"])
 @pytest.mark.parametrize("batch", [1 << 30, 700], ids=["one batch", "batches of 700 elements"])
-def test_views_of_one_storage_are_checksummed_as_each_alone(batch, monkeypatch):
+def test_views_of_one_storage_are_checksummed_as_each_alone(batch, gather_min, monkeypatch):
     """Views that share a storage (a bucket's tensors; the regions of one parameter) are sampled by
-    one gather at computed offsets: each pair equals tensor_checksum's, whatever the view's offset
+    one gather at computed offsets (from GATHER_MIN of them on; fewer are concatenated, as other
+    tensors are): each pair equals tensor_checksum's, whatever the view's offset
     and size (none or one sample, exact multiples of 61), the dtypes one byte buffer is viewed as,
     and a region that is not contiguous (copied, so checksummed alone)."""
     flat = torch.randn(4000, generator=torch.Generator().manual_seed(0))
@@ -114,6 +116,7 @@ def test_views_of_one_storage_are_checksummed_as_each_alone(batch, monkeypatch):
                 raw[2400:2800].view(torch.bfloat16), raw[2800:3400].view(torch.bfloat16),
                 raw[3400:3700].view(torch.float8_e4m3fn), raw[3700:4000].view(torch.float8_e4m3fn)]
     monkeypatch.setattr(wire, "CHECKSUM_BATCH", batch)
+    monkeypatch.setattr(wire, "GATHER_MIN", gather_min)
     batched = checksums(tensors)
     assert [checksums_match(a, b) for a, b in zip(batched, map(tensor_checksum, tensors))] == [True] * len(tensors)
     assert batched[3] == (0.0, 0.0) and batched[1][1] == 0.0 and batched[2][1] != 0.0
