@@ -99,8 +99,8 @@ class RolloutEngine(Protocol):
     def begin_weight_update(self) -> None: ...
 
     def load_weights(self, bucket: Bucket) -> None:
-        """One bucket, whose tensors may be views of the sender's memory (CUDA IPC): keep copies,
-        not views, past the return. An engine that loads in other processes may also offer
+        """One bucket, whose tensors may be views of the sender's memory (CUDA IPC, or a /dev/shm
+        file it reuses: mrl.sync.wire.reused), rewritten later: keep copies, not views, past the return. An engine that loads in other processes may also offer
         `load_shared(header, flat)`: the receiver then hands it buckets left in shared memory as
         their header (mrl.sync.wire.shared_bytes maps them in any process) and its own view."""
 

@@ -29,7 +29,7 @@ import torch
 
 from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
 from mrl.sync.wire import (Bucket, WeightLoadError, WeightUpdateReport, bucket_checksums, checksums, checksums_match,
-                           shared_bytes, unpack, wire_dtype)
+                           reused, shared_bytes, unpack, wire_dtype)
 
 # The engine lives in the caller's process (one engine per process): no hidden engine core process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -233,10 +233,10 @@ def _load_shared(worker: Any, header: dict, apply: str, received: dict[str, Any]
     itself: _copy_in_place (apply "in_place", with the receipt's checksums) or _load, on views of
     the mapping."""
     bucket = unpack(header, shared_bytes(header))
-    if apply != "in_place" and "cuda_ipc" in header:
+    if apply != "in_place" and reused(header):
         # The layer-wise reload keeps a layer's tensors until its last one arrives, possibly in a
-        # later bucket, and the sender's GPU memory is reused once this bucket is loaded: copies.
-        # (A file's mapping stays valid after the sender unlinks it: its views need no copy.)
+        # later bucket, and the sender rewrites this memory once this bucket is loaded: copies.
+        # (A file made for one bucket stays valid after the sender unlinks it: no copy.)
         bucket = [(name, tensor.clone()) for name, tensor in bucket]
     loaded = _copy_in_place(worker, bucket, received) if apply == "in_place" else _load(worker, bucket)
     if "cuda_ipc" in header:  # the sender frees the memory once the engine reports this bucket loaded

@@ -21,8 +21,9 @@ offsets, checksums) and then the bytes to all engines at once:
   shared-memory file that every engine maps (same node). When every trainer rank sees the
   leader's /dev/shm and the engine takes the bytes as they are (a CPU engine, no FP8), each rank writes
   its own shards into that file (shared_export.py: no gather to the leader, which only checksums
-  and announces the bucket); otherwise the leader gathers and packs. The leader unlinks each file once every
-  engine has loaded it (a barrier), or at the end after a failure: exactly once either way. When
+  and announces the bucket; the same two files serve every push, each process keeping its mapping);
+  otherwise the leader gathers and packs. The leader unlinks each file's name once every
+  engine has loaded it (a barrier), or at the end after a failure. When
   the engines declare a CUDA device and the export's buckets are on a GPU, the bucket is packed in
   GPU memory instead and each engine maps it through a CUDA IPC handle (cuda_ipc.py): no host copy.
   An engine that loads in other processes (vLLM's workers: `load_shared`) is handed the header and

@@ -45,6 +45,11 @@ def bucket_path(port: int, sync_id: str, stage: int, index: int) -> str:
     return f"{bucket_prefix(port, sync_id, stage)}{index}"
 
 
+def slot_path(port: int, generation: int, stage: int, slot: int) -> str:
+    """A /dev/shm file reused from push to push (mrl.sync.shared_export), by its generation and slot."""
+    return bucket_path(port, f"g{generation:x}", stage, slot)
+
+
 def bucket_prefix(port: int, sync_id: str, stage: int) -> str:
     return os.path.join(SHM_DIR, f"mrl-sync-{port}-{sync_id.replace('/', '_')}-s{stage}-")
 

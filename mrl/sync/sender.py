@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from mrl.sync.channel import (IDENTITY_KEY, SHM_DIR, Channel, SyncEndpoint, bucket_path, bucket_prefix,
-                              channel_count, offer_kept, unlink_quietly)
+                              channel_count, offer_kept, slot_path, unlink_quietly)
 from mrl.sync.wire import (Bucket, Packed, SyncError, describe, describe_failure, dtype_named, error_key,
-                           in_shared_memory, nbytes, pack)
+                           in_shared_memory, pack, packed_layout)
 
 TRANSPORTS = ("colocated", "broadcast")
 QUANTIZATIONS = (None, "fp8")  # what the sender can produce for an engine: as is, or DeepSeek's block FP8
@@ -137,9 +137,10 @@ class WeightSender:
         """Export and send every tensor to every engine; returns the leader's report (None on other ranks)."""
         if self.writes_shared:
             port = self.buckets.endpoint.port
-            buckets = self._shared_export().export(path=lambda index: bucket_path(port, sync_id, self.stage, index),
-                                                   leader=self.leader, group=self.group, timeout_s=self.timeout_s,
-                                                   leader_wait_s=open_limit_s(self.timeout_s) + self.timeout_s)
+            buckets = self._shared_export().export(
+                path=lambda generation, slot: slot_path(port, generation, self.stage, slot),
+                leader=self.leader, group=self.group, timeout_s=self.timeout_s,
+                leader_wait_s=open_limit_s(self.timeout_s) + self.timeout_s)
         else:
             from mrl.bridge.export import export_hf_weights
 
@@ -149,7 +150,12 @@ class WeightSender:
             for _ in buckets:  # drives this rank's part: its sends to the leader, or its writes
                 pass
             return None
-        return self.buckets.send(sync_id, buckets)
+        try:
+            return self.buckets.send(sync_id, buckets)
+        except BaseException:
+            if self.shared is not None:  # the engines may hold half a generation: the next push makes new files
+                self.shared.drop()
+            raise
 
 
 def _endpoints(endpoints: SyncEndpoint | list[SyncEndpoint], transport: str) -> list[SyncEndpoint]:
@@ -382,7 +388,8 @@ class _Link:
 
     def close(self) -> None:
         """Unlink what is left of this sync's buckets in /dev/shm (after a failure; none after a
-        success): the leader's files, whether packed here or written by every rank."""
+        success): the files the leader packed here. The files every rank writes, reused from push
+        to push, go by SharedExport.drop."""
         if self.sender.transport != "colocated":
             return
         folder, stem = os.path.split(bucket_prefix(self.sender.endpoint.port, self.sync_id, self.sender.stage))
@@ -396,7 +403,7 @@ class _Link:
 
     def _pack(self, bucket: Bucket, index: int) -> tuple[dict, torch.Tensor]:
         dtype = self.sender.engine_dtype
-        size = sum(nbytes(n, t, dtype) for n, t in bucket)
+        size = packed_layout(bucket, dtype)[1]  # as pack lays it out (each tensor aligned to its element size)
         on_gpu = next((t.device for _, t in bucket if t.is_cuda), None)
         if self.sender.transport != "colocated":  # the wire (gloo) carries host memory: pinned for a GPU's tensors
             return pack(bucket, dtype, out=self.sender.staging.take(size) if on_gpu else None, consume=True)

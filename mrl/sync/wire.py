@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
+import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -167,14 +170,14 @@ def bucket_checksums(entries: list[dict], flat: torch.Tensor) -> list[tuple[floa
     return out
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=None)  # a sync cycles through all its buckets' layouts: an LRU of a few would never hit
 def _bucket_samples(key: tuple, device: torch.device) -> list[tuple[torch.dtype, list]]:
     """Per sample dtype, batches of (entry indices, _Samples) for a bucket layout `key` ((byte
     offset, dtype name, numel) per entry; `layout` puts each at a multiple of its element size)."""
     groups: dict[torch.dtype, list[tuple[int, int, int]]] = {}
     for slot, (offset, name, numel) in enumerate(key):
         dtype = _DTYPES[name]
-        sampled = torch.uint8 if dtype == torch.float8_e4m3fn else dtype  # as _sampled: FP8 by its bytes
+        sampled = _sample_dtype(dtype)
         groups.setdefault(sampled, []).append((slot, offset // sampled.itemsize, numel))
     out = []
     for dtype, members in groups.items():
@@ -199,9 +202,13 @@ def _batches(members: list, size: Callable[[Any], int] = lambda member: member[1
     return batches
 
 
+def _sample_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype == torch.float8_e4m3fn else dtype  # FP8: no sum in torch; its bytes
+
+
 def _sampled(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype == torch.float8_e4m3fn else flat  # FP8: no sum in torch; its bytes
+    return flat.view(_sample_dtype(flat.dtype))
 
 
 def _segment_sums(samples: list[torch.Tensor]) -> torch.Tensor:
@@ -250,8 +257,9 @@ def wire_dtype(name: str, engine_dtype: torch.dtype, dtype: torch.dtype | None =
     return torch.float32 if name.endswith(_KEEP_FP32) else engine_dtype
 
 
-def nbytes(name: str, tensor: torch.Tensor, engine_dtype: torch.dtype) -> int:
-    return tensor.numel() * torch.empty((), dtype=wire_dtype(name, engine_dtype, tensor.dtype)).element_size()
+def packed_layout(bucket: Bucket, engine_dtype: torch.dtype) -> tuple[list[dict], int]:
+    """layout() of a bucket's tensors as they travel (cast to the engine's dtype, FP8 as is)."""
+    return layout((name, tensor.shape, wire_dtype(name, engine_dtype, tensor.dtype)) for name, tensor in bucket)
 
 
 def layout(tensors: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> tuple[list[dict], int]:
@@ -271,7 +279,7 @@ def pack(bucket: Bucket, engine_dtype: torch.dtype, out: torch.Tensor | None = N
     """Cast and concatenate a bucket's tensors into one uint8 buffer (`out` if given: host memory,
     pinned for a GPU's tensors, or GPU memory); the header says where. `consume` drops each tensor
     from `bucket` once it is copied."""
-    entries, offset = layout((name, tensor.shape, wire_dtype(name, engine_dtype, tensor.dtype)) for name, tensor in bucket)
+    entries, offset = packed_layout(bucket, engine_dtype)
     flat = out if out is not None else torch.empty(offset, dtype=torch.uint8)
     waiting = False
     for index, entry in enumerate(entries):
@@ -318,11 +326,57 @@ def shared_bytes(header: dict) -> torch.Tensor | None:
 
         return open_shared(header["cuda_ipc"])[: header["nbytes"]]
     if "shm" in header:
-        # Read-only (a private mapping of the file, no copy): a file that is gone (a sender that
-        # failed and cleaned up) is an error here, where shared=True would create it, full of zeros.
-        flat = torch.from_file(header["shm"], shared=False, size=max(header["nbytes"], 1), dtype=torch.uint8)
-        return flat[: header["nbytes"]]  # the mapping outlives the file's name
+        if not reused(header):  # a file made for this bucket alone
+            return map_file(header["shm"], max(header["nbytes"], 1), "engine")[: header["nbytes"]]
+        return _KEPT.mapping(header)[: header["nbytes"]]
     return None
+
+
+def reused(header: dict) -> bool:
+    """Whether a bucket's memory is rewritten with a later bucket once the engines say they loaded
+    it (GPU memory, or a /dev/shm file the sender reuses): an engine that keeps the tensors it is
+    given past that (vLLM's layer-wise reload) must copy them."""
+    return "cuda_ipc" in header or "shm_generation" in header
+
+
+class _KeptMappings:
+    """This process's mappings of the files a colocated sender reuses from one sync to the next
+    (mrl.sync.shared_export), of the current generation, by path: their names are gone after the
+    sync that first sent them, so the mapping is the only way back to them."""
+
+    def __init__(self):
+        self.lock = threading.Lock()  # the receiving threads and the engine's thread map alike
+        self.generation: str | None = None
+        self.files: dict[str, torch.Tensor] = {}
+
+    def mapping(self, header: dict) -> torch.Tensor:
+        with self.lock:
+            if header["shm_generation"] != self.generation:  # the sender made new files: the old ones go
+                self.generation, self.files = header["shm_generation"], {}
+            if header["shm"] not in self.files:
+                self.files[header["shm"]] = map_file(header["shm"], max(header["shm_bytes"], 1), "engine")
+            return self.files[header["shm"]]
+
+
+_KEPT = _KeptMappings()
+
+
+def map_file(path: str, size: int, who: str, writable: bool = False) -> torch.Tensor:
+    """A /dev/shm file, `size` bytes: shared and writable for the ranks that write a bucket,
+    else read-only and private (this process cannot write into the sender's file; Linux shows
+    other processes' later writes through a private mapping of pages it never wrote). A file that
+    is gone (a sender that failed and cleaned up, or reused files whose names went before this
+    process mapped them) is an error here, where torch.from_file would create one."""
+    try:
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    except FileNotFoundError as err:
+        raise SyncError(f"{who}: the bucket file {path} is gone (the sender failed and cleaned up, or this "
+                        "process lost its mapping of a file the sender reuses)") from err
+    try:
+        buffer = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 

@@ -31,20 +31,22 @@ class RecordingEngine:
     dtype = torch.float32
 
     def __init__(self, holds: str = "same", die_at: int | None = None, fail_on: str | None = None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, fail_in_update: int | None = None):
         self.holds, self.die_at, self.fail_on, self.buckets = holds, die_at, fail_on, 0
+        self.fail_in_update, self.updates = fail_in_update, 0  # fail_on in that update only (1: the first)
         self.quantization = quantization  # declared to the sender: "fp8" asks for DeepSeek's block FP8
         self.digests: dict[str, str] = {}  # every byte received, per tensor
 
     def begin_weight_update(self):
         self.report = WeightUpdateReport()
+        self.updates += 1
 
     def load_weights(self, bucket):
         if self.buckets == self.die_at:
             os._exit(3)
         self.buckets += 1
         for name, tensor in bucket:
-            if name == self.fail_on:
+            if name == self.fail_on and self.fail_in_update in (None, self.updates):
                 raise WeightLoadError(name, "RuntimeError: The size of tensor a (64) must match the size of tensor b (32)")
             kept = tensor.to(torch.bfloat16).float() if self.holds == "bf16" and name.endswith("o_proj.weight") else tensor
             self.report.checksums[name] = tensor_checksum(kept)
@@ -58,7 +60,7 @@ class RecordingEngine:
 class MappingEngine(RecordingEngine):
     """Loads as vLLM's workers do (VLLMEngine.load_shared): each bucket mapped anew from its header
     by path or handle, as another process would, not from the receiver's view. `calls`: a file
-    that gets a line per bucket loaded this way."""
+    that gets a line per bucket loaded this way (the update's number and the bucket's path)."""
 
     def __init__(self, calls: str | None = None, **kwargs):
         super().__init__(**kwargs)
@@ -69,7 +71,7 @@ class MappingEngine(RecordingEngine):
 
         if self.calls:
             with open(self.calls, "a") as f:
-                f.write(header["shm"] + "\n")
+                f.write(f"{self.updates} {header['shm']}\n")
         self.load_weights(unpack(header, shared_bytes(header)))
 
 
@@ -191,7 +193,7 @@ def test_off_the_wire_an_engine_that_maps_gets_a_file_of_its_own_when_there_is_r
     assert status == "ok" and not mismatched
     ckpt = HFCheckpoint(hf_dir)
     assert {n: held[n] for n in ckpt.names()} == {n: tensor_checksum(ckpt.read(n).float()) for n in ckpt.names()}
-    files = calls.read_text().split() if calls.exists() else []
+    files = [line.split()[1] for line in calls.read_text().splitlines()] if calls.exists() else []
     assert (not files) if shm_full else len(set(files)) == len(files) > 0  # a file a bucket, or none
     assert all("/mrl-recv-" in f for f in files)
     assert not any(os.path.exists(f) for f in files)
@@ -457,3 +459,75 @@ def test_next_push_reuses_the_channel_and_a_new_sender_makes_its_own(tiny_model_
     stages = range(layout.pp if transport == "broadcast" else 1)
     kept = [r[5] for r in received]  # the channels the engine held after each update
     assert kept == [[f"{sync}/channel{stage}" for stage in stages] for sync in ("s1", "s1", "s3")]
+
+
+def _push_negated_between(rank, world, hf_dir, layout, endpoint, sync_ids):
+    """Push once, then every later push with this rank's weights negated (new bytes to send);
+    each push's outcome: "ok", or its error."""
+    from mrl.sync.wire import SyncError
+
+    sender, out = _sender(hf_dir, layout, endpoint, "colocated", 60), []
+    for i, sync_id in enumerate(sync_ids):
+        if i == 1:
+            with torch.no_grad():
+                for chunk in sender.built.chunks:
+                    for param in chunk.parameters():
+                        param.neg_()
+        try:
+            sender.push(sync_id)
+            out.append("ok")
+        except SyncError as err:
+            out.append(str(err))
+    return sender.writes_shared, out
+
+
+def test_colocated_pushes_reuse_their_bucket_files_and_a_failed_push_makes_new_ones(tiny_model_dir, tmp_path):
+    """Every rank writes into the same two /dev/shm files push after push (mapped once: their
+    names are gone after the first push, so nothing is left behind), and the engine, mapping each
+    bucket as vLLM's workers do, holds each push's new bytes, not the last's. After a push that
+    failed (the engine refused a tensor) the next makes new files, which arrive intact too."""
+    from mrl.bridge.hf_checkpoint import HFCheckpoint
+
+    hf_dir, calls, layout = tiny_model_dir("qwen3"), tmp_path / "calls", ParallelLayout(tp=2)
+    ckpt = HFCheckpoint(hf_dir)
+    victim = next(n for n in ckpt.names() if n.endswith("o_proj.weight"))
+    proc, endpoint, results = _start_engine(maps=True, calls=str(calls), sync_id=("s1", "s2", "s3", "s4"),
+                                            fail_on=victim, fail_in_update=3)
+    ranks = run_local(_push_negated_between, 2, str(hf_dir), layout, endpoint, ["s1", "s2", "s3", "s4"])
+    received = [results.get(timeout=60) for _ in range(4)]
+    proc.join(timeout=10)
+    assert [shared for shared, _ in ranks] == [True, True]
+    assert ranks[0][1][:2] == ["ok", "ok"] and victim in ranks[0][1][2] and ranks[0][1][3] == "ok", ranks[0][1]
+    assert [r[0] for r in received] == ["ok", "ok", "error", "ok"], received
+    negated = {n: hashlib.sha256((-ckpt.read(n).float()).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+               for n in ckpt.names()}
+    assert received[1][4] == negated and received[3][4] == negated  # the new bytes, each time
+    paths = [[p for u, p in map(str.split, calls.read_text().splitlines()) if u == str(update)] for update in "1234"]
+    assert len(paths[0]) > 2 and len(set(paths[0])) == 2  # more buckets than files: two slots
+    assert paths[1] == paths[0] and set(paths[2]) <= set(paths[0])  # the same files push after push
+    assert len(paths[3]) == len(paths[0]) and not set(paths[3]) & set(paths[0])  # after the failure: new ones
+    assert not glob.glob(f"/dev/shm/mrl-sync-{endpoint.port}-*")
+
+
+def _barrier_at(rank, world, indices):
+    import torch.distributed as dist
+
+    from mrl.sync.shared_export import _Barrier
+    from mrl.sync.wire import SyncError
+
+    barrier = _Barrier(dist.group.WORLD, torch.device("cpu"), 30, f"rank {rank}")
+    try:
+        return barrier.wait("the test's barrier", indices[rank], word=7 if rank == 0 else 0)
+    except SyncError as err:
+        return str(err)
+
+
+@pytest.mark.parametrize("indices", [(2, 2), (0, 3)], ids=["in step", "out of step"])
+def test_the_shared_exports_barrier_passes_the_leaders_word_and_fails_ranks_out_of_step(indices):
+    """Ranks at the same bucket hear the leader's word (the generation); ranks at different buckets
+    (left behind by a push abandoned half-way) fail, rather than write one bucket into another's file."""
+    out = run_local(_barrier_at, 2, list(indices))
+    if indices[0] == indices[1]:
+        assert out == [7, 7]
+    else:
+        assert all("different buckets" in o for o in out), out
