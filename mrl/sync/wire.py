@@ -156,8 +156,8 @@ class _Samples:
 def bucket_checksums(entries: list[dict], flat: torch.Tensor) -> list[tuple[float, float]]:
     """checksums() of a bucket's tensors (its header entries), read from its bytes `flat` without a
     view per tensor: where a layout's samples lie is worked out once per process (a sync sends the
-    same layouts every time), and each sync is a few tensor operations per dtype. Equal to
-    checksums(unpack(...)) (the same samples, summed in the same order)."""
+    same layouts every time), and each sync is a few tensor operations per dtype. The samples of
+    checksums(unpack(...)), summed in the same order on a CPU (checksums_match on any device)."""
     key = tuple((e["offset"], e["dtype"], math.prod(e["shape"])) for e in entries)
     if flat.storage_offset() % 16:  # the dtype views below need an aligned start
         return checksums([tensor for _, tensor in unpack({"tensors": entries}, flat)])
