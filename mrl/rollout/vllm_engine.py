@@ -220,7 +220,7 @@ def _copy_tensor(worker: Any, name: str, tensor: torch.Tensor) -> tuple[list[Any
 def _indices(worker: Any, c: Any) -> tuple[tuple[slice, ...] | None, tuple[slice, ...]]:
     """A plan entry's slices of its HF tensor (None: all of it) and of its parameter, worked out at
     its first copy and kept, by the entry itself (an entry changed after planning is a new key)."""
-    cache = worker.__dict__.setdefault("mrl_sync_indices", {})
+    cache = worker.mrl_sync_indices  # made empty by _install_plan
     found = cache.get(c)
     if found is None:
         whole = c.hf_box == tuple((0, n) for n in worker.mrl_sync_shapes[c.hf_name])
