@@ -11,8 +11,13 @@ runs too, with the CUDA specifics skipped, to debug the script itself.
              over gloo from a pinned host buffer; `_fp8` cases: the engine holds DeepSeek's block FP8
              and the sender quantises each bucket on the way. The engine copies each tensor into its own
              parameter (sync.apply in_place's work, without vLLM) and checks every tensor bitwise
-             against the values the trainer sent. Timed from the send's start to the engine holding
+             against the values the trainer sent. `_tp2_workers` cases: mrl's VLLMEngine itself (no
+             vLLM: its collective_rpc goes to two worker processes that run mrl's worker functions,
+             as vLLM's multi-process executor would) as a TP2 engine: each worker maps the bucket
+             itself and copies its half of each matrix in place; checked bitwise per worker. Timed from the send's start to the engine holding
              the weights; the trainer's tensors exist beforehand (the export is not timed).
+  checksums  the sync's checksums on the device: summing runs of samples three ways, then a model's
+             and a bucket's checksums as the sync computes them.
   offload    mrl.megatron.offload.StateOffloader on a CUDA model with Adam state: GPU memory freed,
              a bitwise round trip, training after a round trip identical to training without.
   fp8        mrl.quant.fp8's block quantize/dequantize on the GPU bitwise equal to the CPU's, and
@@ -44,6 +49,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -186,44 +192,159 @@ class TensorEngine:
         return self.report
 
 
-def _engine(specs, announce: str, versions: list[int], endpoints, results, quantization=None) -> None:
+def _engine(specs, announce: str, versions: list[int], endpoints, results, quantization=None, workers: int = 0) -> None:
+    """The engine's process: a TensorEngine, or with `workers` a VLLMEngine whose workers are
+    processes of their own (_worker_engine)."""
     try:
-        from mrl.quant.fp8 import quantize_pairs
         from mrl.sync import WeightReceiver
 
-        engine = TensorEngine(specs, str(DEVICE), announce, quantization=quantization)
+        engine = _worker_engine(specs, announce, workers) if workers else TensorEngine(
+            specs, str(DEVICE), announce, quantization=quantization)
         receiver = WeightReceiver(engine, timeout_s=60)
         endpoints.put(receiver.endpoint)
-        held = sum(p.nbytes for p in engine.params.values())
+        held = 0 if workers else sum(p.nbytes for p in engine.params.values())
         for version in versions:
             if CUDA:
                 torch.cuda.reset_peak_memory_stats()
             report = receiver.receive(f"{announce}-v{version}", channels=1)
             peak = torch.cuda.max_memory_allocated() if CUDA else 0  # before the check's own copy below
-            expected = values(specs, version, DEVICE)
-            if quantization == "fp8":  # quantised here as the sender does (bitwise the CPU's on a GPU too)
-                expected = dict(quantize_pairs(expected.items()))
-            wrong = [n for n, p in engine.params.items()
-                     if not torch.equal(p.view(torch.uint8), expected[n].view(torch.uint8))]
-            del expected
+            wrong = engine.wrong(version) if workers else _wrong(engine.params, specs, version, quantization)
             results.put({"finished_at": report.finished_at, "load_s": round(report.load_seconds, 3),
                          "finish_s": round(report.finish_seconds, 3), "engine_tensors": report.tensors,
                          "mismatched": len(report.mismatched), "not_updated": len(report.not_updated),
-                         "bitwise_wrong": wrong[:3], "bitwise_wrong_count": len(wrong),
+                         "misapplied": len(report.misapplied), "bitwise_wrong": wrong[:3],
+                         "bitwise_wrong_count": len(wrong), "engine_workers": workers or None,
                          "engine_extra_gpu_mb": round((peak - held) / MB) if CUDA else None})
+        if workers:
+            engine.stop()
     except BaseException:  # noqa: BLE001 - the trainer reports it
         results.put({"error": traceback.format_exc()})
 
 
+def _wrong(params: dict[str, torch.Tensor], specs, version: int, quantization: str | None,
+           rows: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> list[str]:
+    """The parameters that differ bitwise from weight version `version` (`rows`: the part of each
+    full tensor the holder keeps)."""
+    from mrl.quant.fp8 import quantize_pairs
+
+    expected = values(specs, version, DEVICE)
+    if quantization == "fp8":  # quantised here as the sender does (bitwise the CPU's on a GPU too)
+        expected = dict(quantize_pairs(expected.items()))
+    return [n for n, p in params.items() if not torch.equal(p.view(torch.uint8), rows(expected[n]).view(torch.uint8))]
+
+
+# --- an engine whose workers are processes: VLLMEngine's own worker functions, without vLLM --------
+
+def _tp_rows(shape, rank: int, tp: int) -> tuple[int, int]:
+    """This TP rank's rows of a matrix (dim 0, as vLLM's column-parallel layers split); vectors whole."""
+    if len(shape) < 2:
+        return 0, shape[0]
+    per = shape[0] // tp
+    return rank * per, (rank + 1) * per
+
+
+def _worker_process(rank: int, tp: int, specs, conn) -> None:
+    """One stand-in vLLM worker (rank `rank` of a TP `tp` engine): its rows of every tensor as live
+    parameters, and the sync plan that mrl.rollout.vllm_engine._install_plan would keep for it.
+    It answers collective_rpc's calls by running mrl.rollout.vllm_engine's worker function of that
+    name on itself: _load_shared maps the bucket (CUDA IPC handle or /dev/shm file) in this process
+    and copies this rank's slices; _finish_in_place reads them back. Only _begin_in_place, which
+    reads vLLM's layer-wise reload metadata, is done here instead (the live parameters are already
+    in checkpoint format)."""
+    from types import SimpleNamespace
+
+    from mrl.rollout import vllm_engine
+    from mrl.sync.plan import Copy
+
+    model = torch.nn.Module()
+    plan, params = {}, {}
+    for index, (name, shape) in enumerate(specs):
+        lo, hi = _tp_rows(shape, rank, tp)
+        key = f"p{index}"  # module attribute names cannot hold dots
+        model.register_parameter(key, torch.nn.Parameter(
+            torch.empty((hi - lo, *shape[1:]), dtype=torch.bfloat16, device=DEVICE), requires_grad=False))
+        params[key] = getattr(model, key)
+        hf_box = ((lo, hi),) + tuple((0, n) for n in shape[1:])
+        plan[name] = [Copy(name, hf_box, key, tuple((0, b - a) for a, b in hf_box))]
+    worker = SimpleNamespace(rank=rank, model_runner=SimpleNamespace(get_model=lambda: model), mrl_sync_plan=plan,
+                             mrl_sync_indices={}, mrl_sync_shapes={n: tuple(s) for n, s in specs})
+    while True:
+        name, args = conn.recv()
+        try:
+            if name == "stop":
+                return
+            if name == "_begin_in_place":
+                worker.mrl_sync_targets, worker.mrl_sync_written = params, []
+                answer = None
+            elif name == "wrong":
+                names = {f"p{i}": n for i, (n, _) in enumerate(specs)}
+                held = {names[k]: p for k, p in params.items()}
+                answer = _wrong(held, specs, args[0], None, lambda t: t[slice(*_tp_rows(t.shape, rank, tp))])
+            else:
+                answer = getattr(vllm_engine, name)(worker, *args)
+        except BaseException:  # noqa: BLE001 - returned, as vLLM's executor returns a worker's failure
+            answer = {"tensor": "?", "error": traceback.format_exc()[-2000:]}
+        conn.send(answer)
+
+
+class _Executor:
+    """What VLLMEngine uses of vLLM's LLM with the multi-process executor: collective_rpc pickles a
+    worker function (by name) and its arguments to every worker process and returns their answers."""
+
+    def __init__(self, conns):
+        from types import SimpleNamespace
+
+        self.conns = conns
+        self.llm_engine = SimpleNamespace(has_unfinished_requests=lambda: False)
+
+    def collective_rpc(self, fn, args=()):
+        for conn in self.conns:
+            conn.send((fn if isinstance(fn, str) else fn.__name__, args))
+        return [conn.recv() for conn in self.conns]
+
+    def reset_prefix_cache(self):
+        pass
+
+
+def _worker_engine(specs, announce: str, tp: int):
+    """mrl.rollout.vllm_engine.VLLMEngine (sync.apply in_place, declaring `announce`) over _Executor:
+    its load_shared checksums the mapped bucket and hands the header to `tp` worker processes,
+    which map it themselves and copy their TP rows straight into their parameters. Its `wrong`
+    asks each worker for its rows that differ from a weight version; `stop` ends the workers."""
+    from mrl.rollout.vllm_engine import VLLMEngine
+
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(tp)]
+    procs = [ctx.Process(target=_worker_process, args=(r, tp, specs, pipes[r][1]), daemon=True) for r in range(tp)]
+    for proc in procs:
+        proc.start()
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine._start_bookkeeping()
+    engine.llm = _Executor([ours for ours, _ in pipes])
+    engine.dtype, engine.device, engine.quantization = torch.bfloat16, announce, None
+    engine.weight_apply, engine._hooks, engine.ipc_opens = "in_place", (), 1 + tp
+    engine._param_sources = {f"p{i}": {name} for i, (name, _) in enumerate(specs)}
+    engine.wrong = lambda version: [n for rank in engine.llm.collective_rpc("wrong", (version,)) for n in rank]
+
+    def stop() -> None:
+        for ours, _ in pipes:
+            ours.send(("stop", ()))
+        for proc in procs:
+            proc.join(30)
+
+    engine.stop = stop
+    return engine
+
+
 def sync_case(specs, transport: str, announce: str, repeats: int, bucket_bytes: int, d2d: float,
-              quantization: str | None = None) -> None:
+              quantization: str | None = None, workers: int = 0, case: str = "") -> None:
     from mrl.sync.sender import BucketSender
 
     ctx = mp.get_context("spawn")
     endpoints, results = ctx.Queue(), ctx.Queue()
     versions = list(range(1, repeats + 1))
-    proc = ctx.Process(target=_engine, args=(specs, announce, versions, endpoints, results, quantization),
-                       daemon=True)
+    # not a daemon: an engine with workers starts their processes
+    proc = ctx.Process(target=_engine, args=(specs, announce, versions, endpoints, results, quantization, workers))
     proc.start()
     try:
         endpoint = endpoints.get(timeout=180)
@@ -238,13 +359,20 @@ def sync_case(specs, transport: str, announce: str, repeats: int, bucket_bytes: 
             sent = sender.send(f"{announce}-v{version}", buckets(tensors, bucket_bytes))
             trainer_extra = round((torch.cuda.max_memory_allocated() - base) / MB) if CUDA else None
             got = results.get(timeout=150)
+            # what the trainer still holds once the engine has the weights: buckets torch keeps for
+            # an IPC reference not given back (freed by ipc_collect only once it is)
+            held = round((torch.cuda.memory_allocated() - base) / MB) if CUDA else None
+            if CUDA:
+                torch.cuda.ipc_collect()
             if "error" in got:
                 raise RuntimeError(got["error"])
             seconds = got.pop("finished_at") - sent.started_at
-            emit("sync", transport=transport, engine_declares=announce, quantization=quantization,
+            emit("sync", case=case, transport=transport, engine_declares=announce, quantization=quantization,
                  version=version, bytes=sent.bytes,
                  tensors=len(sent.checksums), seconds=round(seconds, 4), gbps=round(total / seconds / GB, 2),
                  ratio_to_d2d_copy=round(total / seconds / GB / d2d, 3), trainer_extra_gpu_mb=trainer_extra,
+                 trainer_held_after_mb=held,
+                 trainer_held_after_collect_mb=round((torch.cuda.memory_allocated() - base) / MB) if CUDA else None,
                  bucket_mb=bucket_bytes // MB, **got)
             del tensors
         if CUDA:
@@ -258,22 +386,54 @@ def sync_case(specs, transport: str, announce: str, repeats: int, bucket_bytes: 
 def sync(size_gb: float, repeats: int, bucket_mb: int, d2d: float, cases: list[str]) -> None:
     specs = model_specs(size_gb)
     emit("sync_model", tensors=len(specs), gb=round(bf16_bytes(specs) / GB, 3))
-    table = {"cuda_ipc": ("colocated", "cuda", None), "shm": ("colocated", "cpu", None),
-             "broadcast": ("broadcast", "cpu", None), "cuda_ipc_fp8": ("colocated", "cuda", "fp8"),
-             "shm_fp8": ("colocated", "cpu", "fp8")}
+    # case: (transport, the device the engine declares, its quantization, its worker processes)
+    table = {"cuda_ipc": ("colocated", "cuda", None, 0), "shm": ("colocated", "cpu", None, 0),
+             "broadcast": ("broadcast", "cpu", None, 0), "cuda_ipc_fp8": ("colocated", "cuda", "fp8", 0),
+             "shm_fp8": ("colocated", "cpu", "fp8", 0), "cuda_ipc_tp2_workers": ("colocated", "cuda", None, 2),
+             "shm_tp2_workers": ("colocated", "cpu", None, 2)}
     for case in cases:
-        transport, announce, quantization = table[case]
+        transport, announce, quantization, workers = table[case]
         if announce == "cuda" and not CUDA:
             emit("sync", transport=transport, engine_declares=announce, skipped="no CUDA")
             continue
         free = shutil.disk_usage("/dev/shm").free
-        if case == "shm" and free < 3 * bucket_mb * MB:  # a full /dev/shm kills the writer with SIGBUS
+        if announce == "cpu" and transport == "colocated" and free < 3 * bucket_mb * MB:  # a full /dev/shm kills the writer with SIGBUS
             emit("sync", transport=transport, engine_declares=announce, skipped=f"/dev/shm has {free // MB} MB free")
             continue
         try:
-            sync_case(specs, transport, announce, repeats, bucket_mb * MB, d2d, quantization)
+            sync_case(specs, transport, announce, repeats, bucket_mb * MB, d2d, quantization, workers, case)
         except Exception:  # noqa: BLE001 - the next case still runs
             emit("sync", transport=transport, engine_declares=announce, error=traceback.format_exc()[-3000:])
+
+
+# --- checksums -------------------------------------------------------------------------------------
+
+def checksum_rates(size_gb: float, bucket_mb: int) -> None:
+    """mrl.sync.wire's checksums on this device: the sum of runs of samples three ways (a scatter-add,
+    torch.segment_reduce, one sum a run), then the sync's own passes over the synthetic model
+    (every parameter a storage of its own, as an engine's) and over one packed bucket."""
+    from mrl.sync import wire
+
+    for samples, runs in ((1 << 20, 2), (1 << 20, 16), (1 << 20, 256)):
+        data = torch.randn(samples, dtype=torch.float64, device=DEVICE)
+        lengths = torch.full((runs,), samples // runs, device=DEVICE)
+        segment = torch.repeat_interleave(torch.arange(runs, device=DEVICE), lengths, output_size=samples)
+        ways = {"index_add": lambda: torch.zeros(runs, dtype=torch.float64, device=DEVICE).index_add_(0, segment, data),
+                "segment_reduce": lambda: torch.segment_reduce(data, "sum", lengths=lengths),
+                "sum_each": lambda: torch.stack([r.sum() for r in data.split(samples // runs)])}
+        emit("checksums", samples=samples, runs=runs, **{f"{k}_ms": round(timed(f) * 1e3, 3) for k, f in ways.items()})
+    specs = model_specs(size_gb)
+    tensors = values(specs, 1, DEVICE)
+    params = list(tensors.values())
+    bucket = next(buckets(tensors, bucket_mb * MB))
+    header, flat = wire.pack(list(bucket), torch.bfloat16, out=torch.empty(
+        wire.packed_layout(bucket, torch.bfloat16)[1], dtype=torch.uint8, device=DEVICE))
+    views = [t for _, t in wire.unpack(header, flat)]
+    emit("checksums", model_tensors=len(params), model_gb=round(sum(p.nbytes for p in params) / GB, 3),
+         model_ms=round(timed(lambda: wire.checksums(params), repeats=3) * 1e3, 2),
+         bucket_tensors=len(views), bucket_mb=round(flat.numel() / MB),
+         bucket_from_bytes_ms=round(timed(lambda: wire.bucket_checksums(header["tensors"], flat)) * 1e3, 3),
+         bucket_views_ms=round(timed(lambda: wire.checksums(views)) * 1e3, 3))
 
 
 # --- offload ---------------------------------------------------------------------------------------
@@ -641,6 +801,8 @@ def main() -> None:
                 emit("bandwidth", gbps=rates)
             elif section == "sync":
                 sync(args.size_gb, args.repeats, args.bucket_mb, d2d, args.sync_cases.split(","))
+            elif section == "checksums":
+                checksum_rates(args.size_gb, args.bucket_mb)
             elif section == "offload":
                 offload()
             elif section == "fp8":

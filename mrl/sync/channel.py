@@ -25,6 +25,7 @@ class SyncEndpoint:
     token: str = ""  # the engine's store holds it under IDENTITY_KEY: a sender checks it met this engine
     device: str = "cpu"  # where the engine's parameters live: "cuda" makes the colocated transport use CUDA IPC
     quantization: str | None = None  # "fp8": the engine holds DeepSeek's block FP8; the sender quantises each bucket
+    ipc_opens: int = 1  # CUDA IPC: how many times the engine's processes open each bucket (mrl.sync.cuda_ipc)
 
 
 IDENTITY_KEY = "mrl/engine-token"

@@ -2,12 +2,16 @@
 engine a CUDA IPC handle to it; each engine maps the same memory (no host copy on either side).
 
 The handle is torch's own (torch.multiprocessing.reductions), with an event that orders the
-engine's reads after the leader's packing. Its reference count is one per share, not per process
-that opens it (the engine's process and its workers may each open it): so the leader keeps each
-bucket until every engine has said it loaded it (mrl.sync.sender), and an engine copies what it
-keeps. It travels in the
-bucket's JSON header, with the GPU's UUID: the engine's process may number the same GPU differently
-(another CUDA_VISIBLE_DEVICES), so it is found by UUID, never by index.
+engine's reads after the leader's packing. Torch counts one reference per share and takes one
+back at every open (when the opening process drops the memory, or at once if it had it open),
+so each open needs a share of its own: opened by an engine's process and by each of its workers,
+one share was given back three times, and the trainer held on to every bucket of the sync (a TP2
+engine on an H200: the whole model). So the leader makes as many handles as each engine says it
+opens a bucket (SyncEndpoint.ipc_opens), the receiver keeps its engine's list (for_engine), and
+each opener takes its own (open_shared's `opener`). The leader keeps each bucket until every
+engine has said it loaded it (mrl.sync.sender), and an engine copies what it keeps. The handles
+travel in the bucket's JSON header, with the GPU's UUID: the engine's process may number the
+same GPU differently (another CUDA_VISIBLE_DEVICES), so it is found by UUID, never by index.
 """
 
 from __future__ import annotations
@@ -25,17 +29,34 @@ def device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def share(flat: torch.Tensor) -> dict:
-    """A JSON-able handle to `flat` (a CUDA tensor) that another process on this node can open."""
-    rebuild, args = reduce_tensor(flat)
-    if rebuild is not rebuild_cuda_tensor:
+def share(flat: torch.Tensor, opens: list[int]) -> dict:
+    """JSON-able handles to `flat` (a CUDA tensor) that other processes on this node can open: for
+    each engine, one per time it opens a bucket (`opens`, SyncEndpoint.ipc_opens)."""
+    if not flat.is_cuda:
         raise ValueError(f"only a CUDA tensor can be shared through CUDA IPC, not one on {flat.device}")
-    return {"handle": base64.b64encode(pickle.dumps(args)).decode(), "gpu": device_uuid(flat.device.index)}
+    return {"handles": [[_handle(flat) for _ in range(n)] for n in opens], "gpu": device_uuid(flat.device.index)}
 
 
-def open_shared(shared: dict) -> torch.Tensor:
-    """The tensor behind `share`'s handle, mapped into this process (on the GPU that holds it)."""
-    args = list(pickle.loads(base64.b64decode(shared["handle"])))
+def _handle(flat: torch.Tensor) -> str:
+    rebuild, args = reduce_tensor(flat)
+    assert rebuild is rebuild_cuda_tensor
+    return base64.b64encode(pickle.dumps(args)).decode()
+
+
+def for_engine(shared: dict, index: int) -> dict:
+    """The handles of engine `index` of a fan-out (the receiver's view of the header)."""
+    return {"handles": shared["handles"][index], "gpu": shared["gpu"]}
+
+
+def open_shared(shared: dict, opener: int = 0) -> torch.Tensor:
+    """The tensor behind handle `opener` of one engine's (for_engine): 0 for the engine's own
+    process, 1 + r for its worker of rank r. Mapped into this process, on the GPU that holds it."""
+    handles = shared["handles"]
+    if opener >= len(handles):
+        raise RuntimeError(f"the weight sync's bucket has {len(handles)} CUDA IPC handle(s) for this engine and "
+                           f"open number {opener} asked for one more: the engine must declare how many times its "
+                           "processes open a bucket (ipc_opens: its own process and each worker's)")
+    args = list(pickle.loads(base64.b64decode(handles[opener])))
     visible = {device_uuid(i): i for i in range(torch.cuda.device_count())}
     if shared["gpu"] not in visible:
         raise RuntimeError(f"the weight sync's bucket lives on GPU {shared['gpu']}, which this engine's process "

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from mrl.sync.channel import IDENTITY_KEY, SHM_DIR, Channel, SyncEndpoint, accept_kept, unlink_quietly
 from mrl.sync.wire import (SyncError, WeightUpdateReport, checksums_match, describe, describe_failure, error_key,
-                           in_shared_memory, shared_bytes, unpack)
+                           for_engine, in_shared_memory, shared_bytes, unpack)
 
 
 
@@ -34,7 +34,8 @@ class WeightReceiver:
                                    wait_for_workers=False)
         self.endpoint = SyncEndpoint(host, self.store.port, str(engine.dtype), token=uuid.uuid4().hex,
                                      device=torch.device(getattr(engine, "device", "cpu")).type,
-                                     quantization=getattr(engine, "quantization", None))
+                                     quantization=getattr(engine, "quantization", None),
+                                     ipc_opens=getattr(engine, "ipc_opens", 1))
         self.store.set(IDENTITY_KEY, self.endpoint.token)
         self._used_ids: set[str] = set()
         # Kept from the last sync that succeeded (mrl.sync.channel: reused when the sender still
@@ -192,6 +193,7 @@ class WeightReceiver:
                 header = channel.recv_json(f"waiting for bucket {index}")
                 if header.get("end"):
                     break
+                header = for_engine(header, engine_index)
                 shared = in_shared_memory(header)  # the sender's memory: given back once loaded
                 flat, header = self._data(channel, header, f"receiving bucket {index} ({describe(header)})")
                 done = threading.Event()

@@ -413,7 +413,7 @@ class _Link:
 
             header, flat = pack(bucket, dtype, out=torch.empty(max(size, 1), dtype=torch.uint8, device=on_gpu)[:size],
                                 consume=True)
-            header["cuda_ipc"] = share(flat)
+            header["cuda_ipc"] = share(flat, [e.ipc_opens for e in self.sender.endpoints])
             return header, flat
         # Pack straight into a shared-memory file: one copy on this side, none on the engines'.
         path = bucket_path(self.sender.endpoint.port, self.sync_id, self.sender.stage, index)

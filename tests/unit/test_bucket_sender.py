@@ -94,12 +94,14 @@ def test_batched_checksums_equal_one_by_one(batch, monkeypatch):
     assert checksums([]) == []
 
 
+@pytest.mark.parametrize("alone", [1 << 40, 500], ids=["none large", "from 500 elements alone"])
 @pytest.mark.parametrize("gather_min", [2, wire.GATHER_MIN], ids=["gathered", "concatenated"])
 @pytest.mark.parametrize("batch", [1 << 30, 700], ids=["one batch", "batches of 700 elements"])
-def test_views_of_one_storage_are_checksummed_as_each_alone(batch, gather_min, monkeypatch):
+def test_views_of_one_storage_are_checksummed_as_each_alone(batch, gather_min, alone, monkeypatch):
     """Views that share a storage (a bucket's tensors; the regions of one parameter) are sampled by
     one gather at computed offsets (from GATHER_MIN of them on; fewer are concatenated, as other
-    tensors are): each pair equals tensor_checksum's, whatever the view's offset
+    tensors are; from ALONE_NUMEL elements on, each is summed alone): each pair equals
+    tensor_checksum's, whatever the view's offset
     and size (none or one sample, exact multiples of 61), the dtypes one byte buffer is viewed as,
     and a region that is not contiguous (copied, so checksummed alone)."""
     flat = torch.randn(4000, generator=torch.Generator().manual_seed(0))
@@ -117,13 +119,15 @@ def test_views_of_one_storage_are_checksummed_as_each_alone(batch, gather_min, m
                 raw[3400:3700].view(torch.float8_e4m3fn), raw[3700:4000].view(torch.float8_e4m3fn)]
     monkeypatch.setattr(wire, "CHECKSUM_BATCH", batch)
     monkeypatch.setattr(wire, "GATHER_MIN", gather_min)
+    monkeypatch.setattr(wire, "ALONE_NUMEL", alone)
     batched = checksums(tensors)
     assert [checksums_match(a, b) for a, b in zip(batched, map(tensor_checksum, tensors))] == [True] * len(tensors)
     assert batched[3] == (0.0, 0.0) and batched[1][1] == 0.0 and batched[2][1] != 0.0
 
 
+@pytest.mark.parametrize("alone", [1 << 40, 300], ids=["none large", "from 300 elements alone"])
 @pytest.mark.parametrize("batch", [1 << 30, 300], ids=["one batch", "batches of 300 elements"])
-def test_a_buckets_checksums_read_from_its_bytes_equal_its_views(batch, monkeypatch):
+def test_a_buckets_checksums_read_from_its_bytes_equal_its_views(batch, alone, monkeypatch):
     """bucket_checksums (from a bucket's bytes and header, no view per tensor; its sample offsets
     kept per layout) equals checksums of the unpacked views, in every dtype the wire carries, for
     sizes with none, one or two samples, twice on one layout (the kept offsets) and on a bucket
@@ -136,6 +140,8 @@ def test_a_buckets_checksums_read_from_its_bytes_equal_its_views(batch, monkeypa
     assert [e["offset"] % torch.empty((), dtype=d).element_size() for e, (_, _, d) in zip(entries, specs)] == [0] * 8
     assert entries[2]["offset"] == 8400 + 8  # after b's 6 bytes, at a multiple of 4
     monkeypatch.setattr(wire, "CHECKSUM_BATCH", batch)
+    monkeypatch.setattr(wire, "ALONE_NUMEL", alone)
+    wire._bucket_samples.cache_clear()  # its layouts were routed by the other ALONE_NUMEL
     generator = torch.Generator().manual_seed(1)
     for start in (0, 16, 16):
         flat = torch.randint(0, 120, (start + size,), dtype=torch.uint8, generator=generator)[start:]  # finite values
@@ -147,6 +153,20 @@ def test_a_buckets_checksums_read_from_its_bytes_equal_its_views(batch, monkeypa
 def test_a_cuda_ipc_handle_for_a_gpu_the_engine_cannot_see_names_the_fix():
     from mrl.sync.cuda_ipc import open_shared
 
-    handle = {"handle": base64.b64encode(pickle.dumps([None] * 15)).decode(), "gpu": "GPU-0000-not-here"}
+    handle = {"handles": [base64.b64encode(pickle.dumps([None] * 15)).decode()], "gpu": "GPU-0000-not-here"}
     with pytest.raises(RuntimeError, match="GPU-0000-not-here.*sync.transport: broadcast"):
         open_shared(handle)
+
+
+def test_an_engine_opening_a_cuda_ipc_bucket_more_often_than_it_declared_is_told_to_declare_it():
+    """Each open of a CUDA IPC bucket needs a share of its own (torch gives one back per open);
+    an engine whose processes open it more often than its ipc_opens gets an error naming the fix,
+    and a fan-out's receiver keeps its own engine's handles."""
+    from mrl.sync.cuda_ipc import open_shared
+    from mrl.sync.wire import for_engine
+
+    header = {"nbytes": 4, "cuda_ipc": {"handles": [["a0"], ["b0", "b1", "b2"]], "gpu": "GPU-x"}}
+    assert for_engine(header, 1)["cuda_ipc"] == {"handles": ["b0", "b1", "b2"], "gpu": "GPU-x"}
+    assert for_engine({"nbytes": 4, "shm": "/dev/shm/x"}, 1) == {"nbytes": 4, "shm": "/dev/shm/x"}
+    with pytest.raises(RuntimeError, match="1 CUDA IPC handle.*open number 1.*ipc_opens"):
+        open_shared(for_engine(header, 0)["cuda_ipc"], opener=1)
