@@ -102,7 +102,11 @@ class RolloutEngine(Protocol):
         """One bucket, whose tensors may be views of the sender's memory (CUDA IPC, or a /dev/shm
         file it reuses: mrl.sync.wire.reused), rewritten later: keep copies, not views, past the return. An engine that loads in other processes may also offer
         `load_shared(header, flat)`: the receiver then hands it buckets left in shared memory as
-        their header (mrl.sync.wire.shared_bytes maps them in any process) and its own view."""
+        their header (mrl.sync.wire.shared_bytes maps them in any process) and its own view.
+        The sync reads three optional attributes: `device` ("cuda": a colocated trainer's GPU
+        buckets come as CUDA IPC handles), `quantization` ("fp8") and `ipc_opens` (how many
+        times its processes open a CUDA IPC bucket: the receiver's, then worker r's as opener
+        1 + r; each open needs a handle of its own, mrl.sync.cuda_ipc)."""
 
     def finish_weight_update(self) -> WeightUpdateReport:
         """Post-load processing (e.g. MLA's derived matrices), prefix-cache reset, the report; the
