@@ -14,7 +14,9 @@ runs too, with the CUDA specifics skipped, to debug the script itself.
              against the values the trainer sent. `_tp2_workers` cases: mrl's VLLMEngine itself (no
              vLLM: its collective_rpc goes to two worker processes that run mrl's worker functions,
              as vLLM's multi-process executor would) as a TP2 engine: each worker maps the bucket
-             itself and copies its half of each matrix in place; checked bitwise per worker. Timed from the send's start to the engine holding
+             itself and copies its half of each matrix in place; checked bitwise per worker.
+             `cuda_ipc_unopened`: an engine that declares three opens of each bucket and makes one:
+             the receiver gives the other two handles back (the trainer must hold nothing after). Timed from the send's start to the engine holding
              the weights; the trainer's tensors exist beforehand (the export is not timed).
   checksums  the sync's checksums on the device: summing runs of samples three ways, then a model's
              and a bucket's checksums as the sync computes them.
@@ -154,10 +156,11 @@ class TensorEngine:
     `quantization` "fp8": it holds DeepSeek's block FP8 (weights and scales), as the sender makes them."""
 
     def __init__(self, specs, device: str, announce: str, dtype: torch.dtype = torch.bfloat16,
-                 quantization: str | None = None):
+                 quantization: str | None = None, ipc_opens: int = 1):
         from mrl.quant.fp8 import FP8, QUANTIZED_WEIGHT, SCALE_SUFFIX, scale_grid
 
         self.dtype, self.device, self.quantization = dtype, announce, quantization
+        self.ipc_opens = ipc_opens  # more than its one open: the receiver gives the others back
         self.params = {}
         for name, shape in specs:
             if quantization == "fp8" and QUANTIZED_WEIGHT.match(name):
@@ -192,14 +195,15 @@ class TensorEngine:
         return self.report
 
 
-def _engine(specs, announce: str, versions: list[int], endpoints, results, quantization=None, workers: int = 0) -> None:
+def _engine(specs, announce: str, versions: list[int], endpoints, results, quantization=None, workers: int = 0,
+            ipc_opens: int = 1) -> None:
     """The engine's process: a TensorEngine, or with `workers` a VLLMEngine whose workers are
     processes of their own (_worker_engine)."""
     try:
         from mrl.sync import WeightReceiver
 
         engine = _worker_engine(specs, announce, workers) if workers else TensorEngine(
-            specs, str(DEVICE), announce, quantization=quantization)
+            specs, str(DEVICE), announce, quantization=quantization, ipc_opens=ipc_opens)
         receiver = WeightReceiver(engine, timeout_s=60)
         endpoints.put(receiver.endpoint)
         held = 0 if workers else sum(p.nbytes for p in engine.params.values())
@@ -337,14 +341,15 @@ def _worker_engine(specs, announce: str, tp: int):
 
 
 def sync_case(specs, transport: str, announce: str, repeats: int, bucket_bytes: int, d2d: float,
-              quantization: str | None = None, workers: int = 0, case: str = "") -> None:
+              quantization: str | None = None, workers: int = 0, case: str = "", ipc_opens: int = 1) -> None:
     from mrl.sync.sender import BucketSender
 
     ctx = mp.get_context("spawn")
     endpoints, results = ctx.Queue(), ctx.Queue()
     versions = list(range(1, repeats + 1))
     # not a daemon: an engine with workers starts their processes
-    proc = ctx.Process(target=_engine, args=(specs, announce, versions, endpoints, results, quantization, workers))
+    proc = ctx.Process(target=_engine, args=(specs, announce, versions, endpoints, results, quantization, workers,
+                                             ipc_opens))
     proc.start()
     try:
         endpoint = endpoints.get(timeout=180)
@@ -390,7 +395,9 @@ def sync(size_gb: float, repeats: int, bucket_mb: int, d2d: float, cases: list[s
     table = {"cuda_ipc": ("colocated", "cuda", None, 0), "shm": ("colocated", "cpu", None, 0),
              "broadcast": ("broadcast", "cpu", None, 0), "cuda_ipc_fp8": ("colocated", "cuda", "fp8", 0),
              "shm_fp8": ("colocated", "cpu", "fp8", 0), "cuda_ipc_tp2_workers": ("colocated", "cuda", None, 2),
-             "shm_tp2_workers": ("colocated", "cpu", None, 2)}
+             "shm_tp2_workers": ("colocated", "cpu", None, 2), "cuda_ipc_unopened": ("colocated", "cuda", None, 0)}
+    # declares three opens and makes one (no load_shared): the receiver gives two handles a bucket back
+    declared = {"cuda_ipc_unopened": 3}
     for case in cases:
         transport, announce, quantization, workers = table[case]
         if announce == "cuda" and not CUDA:
@@ -401,7 +408,8 @@ def sync(size_gb: float, repeats: int, bucket_mb: int, d2d: float, cases: list[s
             emit("sync", transport=transport, engine_declares=announce, skipped=f"/dev/shm has {free // MB} MB free")
             continue
         try:
-            sync_case(specs, transport, announce, repeats, bucket_mb * MB, d2d, quantization, workers, case)
+            sync_case(specs, transport, announce, repeats, bucket_mb * MB, d2d, quantization, workers, case,
+                      declared.get(case, 1))
         except Exception:  # noqa: BLE001 - the next case still runs
             emit("sync", transport=transport, engine_declares=announce, error=traceback.format_exc()[-3000:])
 

@@ -11,7 +11,7 @@ state, the KL reference and a critic leave before; mrl/launch/cluster.py). Not c
 allocator fragmentation (give --gpu-memory-gb what is left for tensors), vLLM's profiled
 activations and CUDA graphs (they come out of its budget, shrinking the KV cache), the backward
 pass's transient gradient tensors, the weight sync's buckets (one bucket plus the largest tensor
-on a sending rank, docs/benchmarks.md).
+on a sending rank; about two buckets on the leader's GPU with CUDA IPC, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -430,9 +430,9 @@ def _unpack_small_cpu_gemms() -> None:
 
 def _weights_device() -> str:
     """Where vLLM's workers hold the weights, declared to the sync (mrl.sync.receiver): "cuda" lets a
-    colocated trainer on GPUs hand each bucket over by a CUDA IPC handle that every worker maps
-    (mrl.sync.cuda_ipc), where "cpu" would stage it through /dev/shm (a TP2 engine's workers on an
-    H200: 4 GB in 0.10–0.11 s against 7.1–7.8 s; docs/benchmarks.md)."""
+    colocated trainer on GPUs hand each bucket over by CUDA IPC handles, each worker mapping its own
+    (mrl.sync.cuda_ipc), where "cpu" would stage it through /dev/shm (on one H200, mrl's engine over
+    two stand-in TP workers, no vLLM: 4 GB in 0.10–0.11 s against 7.1–7.8 s; docs/benchmarks.md)."""
     from vllm.platforms import current_platform
 
     return "cuda" if current_platform.is_cuda_alike() else "cpu"

@@ -24,8 +24,9 @@ offsets, checksums) and then the bytes to all engines at once:
   and announces the bucket; the same two files serve every push, each process keeping its mapping);
   otherwise the leader gathers and packs. The leader unlinks each file's name once every
   engine has loaded it (a barrier), or at the end after a failure. When
-  the engines declare a CUDA device and the export's buckets are on a GPU, the bucket is packed in
-  GPU memory instead and each engine maps it through a CUDA IPC handle (cuda_ipc.py): no host copy.
+  the engines declare a CUDA device and see the GPU that holds the export's buckets, the bucket is
+  packed in GPU memory instead and each engine's processes map it through CUDA IPC handles, one
+  per open (cuda_ipc.py): no host copy.
   An engine that loads in other processes (vLLM's workers: `load_shared`) is handed the header and
   its workers map the bytes themselves: nothing is pickled into a message to them, and each worker
   of a TP engine reads only the slices its sync plan copies.

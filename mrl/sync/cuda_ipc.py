@@ -39,8 +39,29 @@ def share(flat: torch.Tensor, opens: list[int]) -> dict:
 
 def _handle(flat: torch.Tensor) -> str:
     rebuild, args = reduce_tensor(flat)
-    assert rebuild is rebuild_cuda_tensor
+    if rebuild is not rebuild_cuda_tensor:
+        raise ValueError(f"torch shared {flat.device} memory without a CUDA IPC handle")
     return base64.b64encode(pickle.dumps(args)).decode()
+
+
+def reachable(gpu: str, endpoints) -> bool:
+    """Whether every engine's process sees the GPU (by UUID) that holds the leader's buckets:
+    an engine placed on other GPUs (Ray narrows CUDA_VISIBLE_DEVICES per actor) cannot map them,
+    and gets host-staged buckets instead."""
+    return all(gpu in e.gpus for e in endpoints)
+
+
+def visible_gpus() -> tuple[str, ...]:
+    """The UUIDs of the GPUs this process sees (none without CUDA)."""
+    return tuple(device_uuid(i) for i in range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
+
+
+def give_back(shared: dict, openers: range) -> None:
+    """Open and drop the handles `openers` of one engine's: each gives its reference back, as its
+    opener would have. For a bucket the engine never loaded (a failed update): otherwise the
+    leader would hold it until its process ends."""
+    for opener in openers:
+        open_shared(shared, opener)
 
 
 def for_engine(shared: dict, index: int) -> dict:

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from mrl.sync.channel import IDENTITY_KEY, SHM_DIR, Channel, SyncEndpoint, accept_kept, unlink_quietly
+from mrl.sync.cuda_ipc import visible_gpus
 from mrl.sync.wire import (SyncError, WeightUpdateReport, checksums_match, describe, describe_failure, error_key,
-                           for_engine, in_shared_memory, shared_bytes, unpack)
+                           for_engine, give_back_unopened, in_shared_memory, shared_bytes, unpack)
 
 
 
@@ -32,10 +33,11 @@ class WeightReceiver:
         # a port first and binding it later lost a race to another process once (EADDRINUSE in CI).
         self.store = dist.TCPStore(host, 0, is_master=True, timeout=timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
-        self.endpoint = SyncEndpoint(host, self.store.port, str(engine.dtype), token=uuid.uuid4().hex,
-                                     device=torch.device(getattr(engine, "device", "cpu")).type,
+        device = torch.device(getattr(engine, "device", "cpu")).type
+        self.endpoint = SyncEndpoint(host, self.store.port, str(engine.dtype), token=uuid.uuid4().hex, device=device,
                                      quantization=getattr(engine, "quantization", None),
-                                     ipc_opens=getattr(engine, "ipc_opens", 1))
+                                     ipc_opens=getattr(engine, "ipc_opens", 1),
+                                     gpus=visible_gpus() if device == "cuda" else ())
         self.store.set(IDENTITY_KEY, self.endpoint.token)
         self._used_ids: set[str] = set()
         # Kept from the last sync that succeeded (mrl.sync.channel: reused when the sender still
@@ -94,6 +96,8 @@ class WeightReceiver:
         for _, header, _, _ in pending:  # never loaded (the update failed): this engine's own files go
             if header and header.get("local"):
                 unlink_quietly(header["shm"])
+            if header:
+                give_back_unopened(header)
         late = [item[2] for item in pending if isinstance(item[2], BaseException)]
         if outcome or peers or late:  # the senders drop their channels after a failed update: so does this engine
             self._kept.clear()
@@ -137,6 +141,9 @@ class WeightReceiver:
                 elif flat is None and header.get("abort") and not outcome:
                     outcome.update(header["abort"])  # another engine failed: this update is void too
                 continue
+            # Handed to load_shared (even if it raises), the engine's processes open its other
+            # CUDA IPC handles; otherwise they are given back here.
+            handed = not outcome and self._shares(header)
             try:
                 if not outcome:
                     sent.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
@@ -144,6 +151,8 @@ class WeightReceiver:
             except Exception as err:  # noqa: BLE001 - reported to every sender, then raised
                 self._fail(sync_id, outcome, err, header, fanout)
             finally:
+                if not handed:
+                    give_back_unopened(header)
                 del flat
                 if header.get("local"):  # received into this engine's own file: loaded, or never will be
                     unlink_quietly(header["shm"])
@@ -154,13 +163,16 @@ class WeightReceiver:
         """One bucket into the engine. An engine that loads in other processes (vLLM's workers) is
         handed a bucket in shared memory as the header, which its processes map themselves: the
         bytes are never copied into a message to them."""
-        load_shared = getattr(self.engine, "load_shared", None)
-        if load_shared is not None and in_shared_memory(header):
-            load_shared(header, flat)
+        if self._shares(header):
+            self.engine.load_shared(header, flat)
         else:
             self.engine.load_weights(unpack(header, flat))
         if "cuda_ipc" in header:  # the leader's memory may be reused once the sender hears of this load:
             torch.cuda.synchronize()  # the engine's copies out of it must be done first
+
+    def _shares(self, header: dict) -> bool:
+        """Whether the engine loads this bucket by `load_shared` (its processes map it themselves)."""
+        return getattr(self.engine, "load_shared", None) is not None and in_shared_memory(header)
 
     def _fail(self, sync_id: str, outcome: dict, err: BaseException, header: dict | None, fanout: _Fanout) -> None:
         """Record the update's first error and post it in the store, where every sender looks for

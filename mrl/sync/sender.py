@@ -407,7 +407,8 @@ class _Link:
         on_gpu = next((t.device for _, t in bucket if t.is_cuda), None)
         if self.sender.transport != "colocated":  # the wire (gloo) carries host memory: pinned for a GPU's tensors
             return pack(bucket, dtype, out=self.sender.staging.take(size) if on_gpu else None, consume=True)
-        if on_gpu is not None and self.sender.endpoint.device == "cuda":
+        if (on_gpu is not None and self.sender.endpoint.device == "cuda"
+                and _seen_by_engines(on_gpu, self.sender.endpoints)):
             # GPU to GPU on one node: pack into GPU memory the engines map (CUDA IPC); no host copy
             from mrl.sync.cuda_ipc import share
 
@@ -421,6 +422,14 @@ class _Link:
         header, flat = pack(bucket, dtype, out=flat, consume=True)
         header["shm"] = path
         return header, flat
+
+
+def _seen_by_engines(device: torch.device, endpoints: list[SyncEndpoint]) -> bool:
+    """Whether every engine's process sees the GPU of the leader's buckets (mrl.sync.cuda_ipc.reachable);
+    else they are staged in host memory, as for an engine that declares no GPU."""
+    from mrl.sync.cuda_ipc import device_uuid, reachable
+
+    return reachable(device_uuid(device.index), endpoints)
 
 
 class Staging:

@@ -41,8 +41,8 @@ GATHER_MIN = 16
 CHECKSUM_BATCH = 64 << 20  # elements checksummed in one batch (checksums): ~64 MB of temporaries (~1 B an element)
 # A tensor this large is sampled alone, by two strided sums: batching pays for index arithmetic per
 # sample, which for large tensors cost more than two operations saved (a 448 MB bucket of 28
-# tensors: 111 ms batched, 37 ms alone on 2 CPU cores; the sender's share of a 4 GB broadcast from
-# an H200 went from ~0.2 to ~1.6 s with everything batched).
+# tensors on 2 CPU cores: 111 ms all batched, 42 ms with these alone; a 4 GB broadcast from an
+# H200 ~0.5 s shorter).
 ALONE_NUMEL = 1 << 20
 
 
@@ -178,7 +178,7 @@ def bucket_checksums(entries: list[dict], flat: torch.Tensor) -> list[tuple[floa
     if flat.storage_offset() % 16:  # the dtype views below need an aligned start
         return checksums([tensor for _, tensor in unpack({"tensors": entries}, flat)])
     out = [(0.0, 0.0)] * len(entries)
-    large, groups = _bucket_samples(key, flat.device)
+    large, groups = _bucket_samples(key, flat.device, ALONE_NUMEL, CHECKSUM_BATCH)
     if large:
         sums = _strided_sums([_sampled(_view(flat, entries[slot])) for slot in large])
         for slot, pair in zip(large, sums.tolist()):
@@ -192,34 +192,37 @@ def bucket_checksums(entries: list[dict], flat: torch.Tensor) -> list[tuple[floa
 
 
 @functools.lru_cache(maxsize=None)  # a sync cycles through all its buckets' layouts: an LRU of a few would never hit
-def _bucket_samples(key: tuple, device: torch.device) -> tuple[list[int], list[tuple[torch.dtype, list]]]:
+def _bucket_samples(key: tuple, device: torch.device, alone: int,
+                    batch: int) -> tuple[list[int], list[tuple[torch.dtype, list]]]:
     """For a bucket layout `key` ((byte offset, dtype name, numel) per entry; `layout` puts each at
-    a multiple of its element size): the entries summed alone (ALONE_NUMEL), and per sample dtype
-    batches of (entry indices, _Samples) for the others."""
-    large = [slot for slot, (_, _, numel) in enumerate(key) if numel >= ALONE_NUMEL]
+    a multiple of its element size): the entries summed alone (from `alone` elements), and per
+    sample dtype batches (of at most `batch` elements) of (entry indices, _Samples) for the others."""
+    large = [slot for slot, (_, _, numel) in enumerate(key) if numel >= alone]
     groups: dict[torch.dtype, list[tuple[int, int, int]]] = {}
     for slot, (offset, name, numel) in enumerate(key):
-        if numel >= ALONE_NUMEL:
+        if numel >= alone:
             continue
         dtype = _DTYPES[name]
         sampled = _sample_dtype(dtype)
         groups.setdefault(sampled, []).append((slot, offset // sampled.itemsize, numel))
     out = []
     for dtype, members in groups.items():
-        batches = _batches(members, size=lambda member: member[2])
+        batches = _batches(members, size=lambda member: member[2], limit=batch)
         out.append((dtype, [([slot for slot, _, _ in batch], _Samples.of([start for _, start, _ in batch],
                                                                          [numel for _, _, numel in batch], device))
                             for batch in batches]))
     return large, out
 
 
-def _batches(members: list, size: Callable[[Any], int] = lambda member: member[1].numel()) -> list[list]:
-    """Members in batches of at most CHECKSUM_BATCH elements (a larger one alone): the samples'
+def _batches(members: list, size: Callable[[Any], int] = lambda member: member[1].numel(),
+             limit: int | None = None) -> list[list]:
+    """Members in batches of at most `limit` (CHECKSUM_BATCH) elements (a larger one alone): the samples'
     fp64 copy and their indices take up to ~1 byte an element, which a GPU whose memory vLLM holds may lack."""
+    limit = CHECKSUM_BATCH if limit is None else limit
     batches: list[list] = []
     total = 0
     for member in members:
-        if not batches or total + size(member) > CHECKSUM_BATCH:
+        if not batches or total + size(member) > limit:
             batches.append([])
             total = 0
         batches[-1].append(member)
@@ -248,7 +251,8 @@ def _run_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     sums (index_add_) serialises on a GPU's atomics, every sample of a run adding into one address:
     a 4 GB model's checksums took 0.14 s that way on an H200. The runs are summed in order, as
     index_add_ did on a CPU (the same sums there, and faster for long runs)."""
-    return torch.segment_reduce(values.to(torch.float64), "sum", lengths=lengths)
+    # unsafe: no check of `lengths` (made here to fit), which would wait for a GPU twice
+    return torch.segment_reduce(values.to(torch.float64), "sum", lengths=lengths, unsafe=True)
 
 
 def checksums_match(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -369,6 +373,15 @@ def for_engine(header: dict, index: int) -> dict:
     from mrl.sync.cuda_ipc import for_engine as handles_for
 
     return {**header, "cuda_ipc": handles_for(header["cuda_ipc"], index)}
+
+
+def give_back_unopened(header: dict) -> None:
+    """For a bucket the engine will not load: give back the CUDA IPC handles its processes would
+    have opened (all but the receiver's, mrl.sync.cuda_ipc.give_back). Nothing for other buckets."""
+    if "cuda_ipc" in header:
+        from mrl.sync.cuda_ipc import give_back
+
+        give_back(header["cuda_ipc"], range(1, len(header["cuda_ipc"]["handles"])))
 
 
 def reused(header: dict) -> bool:

@@ -183,6 +183,8 @@ def _push_in_place(arch, layout, transport, options, tiny_model_dir, tmp_path, n
     actor = start_rollout_actor(str(start), options, num_cpus=num_cpus)
     try:
         endpoint = ray.get(actor.endpoint.remote())
+        # vLLM-CPU's workers hold host memory; its process and each worker would open a CUDA IPC bucket
+        assert (endpoint.device, endpoint.ipc_opens) == ("cpu", 1 + options.get("tensor_parallel_size", 1))
         receipt = actor.receive_weights.remote("in-place", channel_count(transport, layout.pp))
         results = run_local(_push, layout.min_world_size(), str(target), layout, endpoint, transport, "in-place",
                             probe, timeout_s=300)

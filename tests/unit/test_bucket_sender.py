@@ -141,7 +141,6 @@ def test_a_buckets_checksums_read_from_its_bytes_equal_its_views(batch, alone, m
     assert entries[2]["offset"] == 8400 + 8  # after b's 6 bytes, at a multiple of 4
     monkeypatch.setattr(wire, "CHECKSUM_BATCH", batch)
     monkeypatch.setattr(wire, "ALONE_NUMEL", alone)
-    wire._bucket_samples.cache_clear()  # its layouts were routed by the other ALONE_NUMEL
     generator = torch.Generator().manual_seed(1)
     for start in (0, 16, 16):
         flat = torch.randint(0, 120, (start + size,), dtype=torch.uint8, generator=generator)[start:]  # finite values
@@ -156,6 +155,24 @@ def test_a_cuda_ipc_handle_for_a_gpu_the_engine_cannot_see_names_the_fix():
     handle = {"handles": [base64.b64encode(pickle.dumps([None] * 15)).decode()], "gpu": "GPU-0000-not-here"}
     with pytest.raises(RuntimeError, match="GPU-0000-not-here.*sync.transport: broadcast"):
         open_shared(handle)
+
+
+def test_cuda_ipc_only_to_engines_that_see_the_leaders_gpu_and_unloaded_buckets_give_their_handles_back(monkeypatch):
+    """An engine placed on other GPUs than the leader's (Ray narrows CUDA_VISIBLE_DEVICES) cannot map
+    its buckets: the sender stages them in host memory then. A bucket an engine will not load (a
+    failed update) gives back every handle but the receiver's own, once each."""
+    from mrl.sync import cuda_ipc
+    from mrl.sync.wire import give_back_unopened
+
+    both = SyncEndpoint("127.0.0.1", 1, "torch.bfloat16", device="cuda", gpus=("GPU-a", "GPU-b"))
+    other = SyncEndpoint("127.0.0.1", 2, "torch.bfloat16", device="cuda", gpus=("GPU-b",))
+    assert cuda_ipc.reachable("GPU-b", [both, other]) and not cuda_ipc.reachable("GPU-a", [both, other])
+    assert not cuda_ipc.reachable("GPU-a", [SyncEndpoint("127.0.0.1", 3, "torch.bfloat16")])
+    opened = []
+    monkeypatch.setattr(cuda_ipc, "open_shared", lambda shared, opener=0: opened.append((shared["gpu"], opener)))
+    give_back_unopened({"nbytes": 4, "cuda_ipc": {"handles": ["r", "w0", "w1"], "gpu": "GPU-a"}})
+    give_back_unopened({"nbytes": 4, "shm": "/dev/shm/x"})
+    assert opened == [("GPU-a", 1), ("GPU-a", 2)]
 
 
 def test_an_engine_opening_a_cuda_ipc_bucket_more_often_than_it_declared_is_told_to_declare_it():
