@@ -29,7 +29,7 @@ import torch
 
 from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
 from mrl.sync.wire import (Bucket, WeightLoadError, WeightUpdateReport, bucket_checksums, checksums, checksums_match,
-                           reused, shared_bytes, unpack, wire_dtype)
+                           give_back_unopened, reused, shared_bytes, unpack, wire_dtype)
 
 # The engine lives in the caller's process (one engine per process): no hidden engine core process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -753,7 +753,12 @@ class VLLMEngine:
         which the receipt's checksums are read; each worker maps the bytes itself (_load_shared)
         instead of receiving a pickled copy through collective_rpc (measured: 8 of the demo's ~70 ms
         sync). The sender casts to the dtype this engine declared, so the bytes need no cast."""
-        names, sums = [e["name"] for e in header["tensors"]], bucket_checksums(header["tensors"], flat)
+        names = [e["name"] for e in header["tensors"]]
+        try:
+            sums = bucket_checksums(header["tensors"], flat)
+        except BaseException:
+            give_back_unopened(header)  # the workers never saw this bucket: their CUDA IPC handles go back here
+            raise
         self._received(names, sums, header["nbytes"])
         self._apply(_load_shared, header, self.weight_apply, dict(zip(names, sums)))
 

@@ -26,7 +26,7 @@ class SyncEndpoint:
     device: str = "cpu"  # where the engine's parameters live: "cuda" makes the colocated transport use CUDA IPC
     quantization: str | None = None  # "fp8": the engine holds DeepSeek's block FP8; the sender quantises each bucket
     ipc_opens: int = 1  # CUDA IPC: how many times the engine's processes open each bucket (mrl.sync.cuda_ipc)
-    gpus: tuple[str, ...] = ()  # CUDA IPC: the UUIDs of the GPUs the engine's process sees
+    gpus: tuple[str, ...] = ()  # CUDA IPC: the UUIDs of the GPUs the engine's processes see (its own, or declared)
 
 
 IDENTITY_KEY = "mrl/engine-token"

@@ -52,14 +52,18 @@ def reachable(gpu: str, endpoints) -> bool:
 
 
 def visible_gpus() -> tuple[str, ...]:
-    """The UUIDs of the GPUs this process sees (none without CUDA)."""
-    return tuple(device_uuid(i) for i in range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
+    """The UUIDs of the GPUs this process sees (none without CUDA, or where CUDA cannot start here:
+    the sync then stages buckets in host memory)."""
+    try:
+        return tuple(device_uuid(i) for i in range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
+    except RuntimeError:
+        return ()
 
 
 def give_back(shared: dict, openers: range) -> None:
     """Open and drop the handles `openers` of one engine's: each gives its reference back, as its
-    opener would have. For a bucket the engine never loaded (a failed update): otherwise the
-    leader would hold it until its process ends."""
+    opener would have. For a bucket not handed to the engine's processes (a failed update, or an
+    engine that loads in one process): otherwise the leader would hold it until its process ends."""
     for opener in openers:
         open_shared(shared, opener)
 

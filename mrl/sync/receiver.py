@@ -4,6 +4,7 @@ it), receives every channel in parallel and loads the buckets into the engine as
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -34,10 +35,11 @@ class WeightReceiver:
         self.store = dist.TCPStore(host, 0, is_master=True, timeout=timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
         device = torch.device(getattr(engine, "device", "cpu")).type
+        # the GPUs the engine's processes see: an engine whose workers see others declares them (gpus)
+        gpus = (getattr(engine, "gpus", None) or visible_gpus()) if device == "cuda" else ()
         self.endpoint = SyncEndpoint(host, self.store.port, str(engine.dtype), token=uuid.uuid4().hex, device=device,
                                      quantization=getattr(engine, "quantization", None),
-                                     ipc_opens=getattr(engine, "ipc_opens", 1),
-                                     gpus=visible_gpus() if device == "cuda" else ())
+                                     ipc_opens=getattr(engine, "ipc_opens", 1), gpus=tuple(gpus))
         self.store.set(IDENTITY_KEY, self.endpoint.token)
         self._used_ids: set[str] = set()
         # Kept from the last sync that succeeded (mrl.sync.channel: reused when the sender still
@@ -141,8 +143,9 @@ class WeightReceiver:
                 elif flat is None and header.get("abort") and not outcome:
                     outcome.update(header["abort"])  # another engine failed: this update is void too
                 continue
-            # Handed to load_shared (even if it raises), the engine's processes open its other
-            # CUDA IPC handles; otherwise they are given back here.
+            # A bucket handed to load_shared is the engine's: its workers open its other CUDA IPC
+            # handles (VLLMEngine.load_shared gives them back if it fails before they run).
+            # Otherwise they are given back here.
             handed = not outcome and self._shares(header)
             try:
                 if not outcome:
@@ -152,7 +155,10 @@ class WeightReceiver:
                 self._fail(sync_id, outcome, err, header, fanout)
             finally:
                 if not handed:
-                    give_back_unopened(header)
+                    # A failure here leaves the bucket with the trainer until it exits; this
+                    # update's outcome, and telling its channel the bucket is done, come first.
+                    with contextlib.suppress(Exception):
+                        give_back_unopened(header)
                 del flat
                 if header.get("local"):  # received into this engine's own file: loaded, or never will be
                     unlink_quietly(header["shm"])

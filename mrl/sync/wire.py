@@ -193,10 +193,10 @@ def bucket_checksums(entries: list[dict], flat: torch.Tensor) -> list[tuple[floa
 
 @functools.lru_cache(maxsize=None)  # a sync cycles through all its buckets' layouts: an LRU of a few would never hit
 def _bucket_samples(key: tuple, device: torch.device, alone: int,
-                    batch: int) -> tuple[list[int], list[tuple[torch.dtype, list]]]:
+                    limit: int) -> tuple[list[int], list[tuple[torch.dtype, list]]]:
     """For a bucket layout `key` ((byte offset, dtype name, numel) per entry; `layout` puts each at
     a multiple of its element size): the entries summed alone (from `alone` elements), and per
-    sample dtype batches (of at most `batch` elements) of (entry indices, _Samples) for the others."""
+    sample dtype batches (of at most `limit` elements) of (entry indices, _Samples) for the others."""
     large = [slot for slot, (_, _, numel) in enumerate(key) if numel >= alone]
     groups: dict[torch.dtype, list[tuple[int, int, int]]] = {}
     for slot, (offset, name, numel) in enumerate(key):
@@ -207,7 +207,7 @@ def _bucket_samples(key: tuple, device: torch.device, alone: int,
         groups.setdefault(sampled, []).append((slot, offset // sampled.itemsize, numel))
     out = []
     for dtype, members in groups.items():
-        batches = _batches(members, size=lambda member: member[2], limit=batch)
+        batches = _batches(members, size=lambda member: member[2], limit=limit)
         out.append((dtype, [([slot for slot, _, _ in batch], _Samples.of([start for _, start, _ in batch],
                                                                          [numel for _, _, numel in batch], device))
                             for batch in batches]))
@@ -376,8 +376,9 @@ def for_engine(header: dict, index: int) -> dict:
 
 
 def give_back_unopened(header: dict) -> None:
-    """For a bucket the engine will not load: give back the CUDA IPC handles its processes would
-    have opened (all but the receiver's, mrl.sync.cuda_ipc.give_back). Nothing for other buckets."""
+    """For a bucket not handed to the engine's load_shared: give back the CUDA IPC handles its
+    processes would have opened (all but the receiver's, mrl.sync.cuda_ipc.give_back). Nothing for
+    other buckets."""
     if "cuda_ipc" in header:
         from mrl.sync.cuda_ipc import give_back
 

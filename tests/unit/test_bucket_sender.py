@@ -187,3 +187,57 @@ def test_an_engine_opening_a_cuda_ipc_bucket_more_often_than_it_declared_is_told
     assert for_engine({"nbytes": 4, "shm": "/dev/shm/x"}, 1) == {"nbytes": 4, "shm": "/dev/shm/x"}
     with pytest.raises(RuntimeError, match="1 CUDA IPC handle.*open number 1.*ipc_opens"):
         open_shared(for_engine(header, 0)["cuda_ipc"], opener=1)
+
+
+def test_the_cuda_ipc_handles_of_a_bucket_no_engine_process_opens_are_given_back(monkeypatch):
+    """Each CUDA IPC handle is opened exactly once, or given back (else the trainer holds the
+    bucket until it exits): an engine that loads in its own process gives back its workers' share;
+    one with load_shared leaves them to its workers, unless its receipt fails before they run; a
+    bucket skipped after a failed one (or another engine's) is given back whole but the receiver's."""
+    import queue
+
+    from mrl.rollout.vllm_engine import VLLMEngine
+    from mrl.sync import cuda_ipc
+    from mrl.sync.receiver import _Fanout
+
+    opened: list[str] = []
+    monkeypatch.setattr(cuda_ipc, "open_shared", lambda shared, opener=0: opened.append(shared["handles"][opener]))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # no GPU copies to wait for here
+
+    class SharingEngine(HoldingEngine):
+        def __init__(self, fail: bool):
+            super().__init__({"w": (4,)})
+            self.fail = fail
+
+        def load_shared(self, header, flat):
+            if self.fail:
+                raise RuntimeError("a worker's copy failed")
+
+    def header(name: str) -> dict:
+        return {"nbytes": 16, "tensors": [{"name": "w", "shape": [4], "dtype": "torch.float32", "offset": 0,
+                                           "checksum": [0.0, 0.0]}],
+                "cuda_ipc": {"handles": [f"{name}.0", f"{name}.1", f"{name}.2"], "gpu": "GPU-a"}}
+
+    def drain(engine, outcome: dict, names: list[str]) -> list[str]:
+        receiver = WeightReceiver(engine, timeout_s=5)
+        engine.begin_weight_update()
+        arrivals: queue.Queue = queue.Queue()
+        for name in names:
+            arrivals.put((0, header(name), torch.zeros(16, dtype=torch.uint8), threading.Event()))
+        arrivals.put((0, {"end": True}, None, None))
+        opened.clear()
+        receiver._drain("s", 1, arrivals, outcome, _Fanout(receiver.store, 0, 1, receiver.endpoint))
+        return list(opened)
+
+    assert drain(HoldingEngine({"w": (4,)}), {}, ["a"]) == ["a.1", "a.2"]
+    assert drain(SharingEngine(fail=False), {}, ["a"]) == []
+    assert drain(SharingEngine(fail=True), {}, ["a", "b"]) == ["b.1", "b.2"]  # a's went to its workers
+    assert drain(SharingEngine(fail=False), {"error": "engine 1 of 2 failed"}, ["a"]) == ["a.1", "a.2"]
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine._start_bookkeeping()
+    monkeypatch.setattr("mrl.rollout.vllm_engine.bucket_checksums", lambda *_: 1 / 0)
+    opened.clear()
+    with pytest.raises(ZeroDivisionError):
+        engine.load_shared(header("c"), torch.zeros(16, dtype=torch.uint8))
+    assert opened == ["c.1", "c.2"]  # the receipt failed before any worker saw the bucket
