@@ -83,8 +83,7 @@ def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float]:
     sums; a handful of corrupted elements may not. It names the tensor behind a failed parity
     check; it is not a hash.
     """
-    flat = _sampled(tensor)
-    return flat[::61].sum(dtype=torch.float64).item(), flat[30::61].sum(dtype=torch.float64).item()
+    return tuple(_strided_sums([_sampled(tensor)])[0].tolist())
 
 
 def checksums(tensors: Sequence[torch.Tensor]) -> list[tuple[float, float]]:
@@ -197,10 +196,11 @@ def _bucket_samples(key: tuple, device: torch.device, alone: int,
     """For a bucket layout `key` ((byte offset, dtype name, numel) per entry; `layout` puts each at
     a multiple of its element size): the entries summed alone (from `alone` elements), and per
     sample dtype batches (of at most `limit` elements) of (entry indices, _Samples) for the others."""
-    large = [slot for slot, (_, _, numel) in enumerate(key) if numel >= alone]
+    large: list[int] = []
     groups: dict[torch.dtype, list[tuple[int, int, int]]] = {}
     for slot, (offset, name, numel) in enumerate(key):
         if numel >= alone:
+            large.append(slot)
             continue
         dtype = _DTYPES[name]
         sampled = _sample_dtype(dtype)
