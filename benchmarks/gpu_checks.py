@@ -16,7 +16,10 @@ runs too, with the CUDA specifics skipped, to debug the script itself.
              as vLLM's multi-process executor would) as a TP2 engine: each worker maps the bucket
              itself and copies its half of each matrix in place; checked bitwise per worker.
              `cuda_ipc_unopened`: an engine that declares three opens of each bucket and makes one:
-             the receiver gives the other two handles back (the trainer must hold nothing after). Timed from the send's start to the engine holding
+             the receiver gives the other two handles back (the trainer must hold nothing after).
+             `cuda_ipc_tp2_open_fails`: the TP2 engine's worker 1 cannot open a bucket: the sync
+             fails naming it and the trainer holds nothing after (`_kept`: the control, the worker
+             does not give its handle back). Timed from the send's start to the engine holding
              the weights; the trainer's tensors exist beforehand (the export is not timed).
   checksums  the sync's checksums on the device: summing runs of samples three ways, then a model's
              and a bucket's checksums as the sync computes them.
@@ -196,13 +199,14 @@ class TensorEngine:
 
 
 def _engine(specs, announce: str, versions: list[int], endpoints, results, quantization=None, workers: int = 0,
-            ipc_opens: int = 1) -> None:
+            ipc_opens: int = 1, fail_open: str = "", done=None) -> None:
     """The engine's process: a TensorEngine, or with `workers` a VLLMEngine whose workers are
-    processes of their own (_worker_engine)."""
+    processes of their own (_worker_engine). After a failure it waits for `done` (an event), so
+    that its processes live until the trainer has measured what it still holds."""
     try:
         from mrl.sync import WeightReceiver
 
-        engine = _worker_engine(specs, announce, workers) if workers else TensorEngine(
+        engine = _worker_engine(specs, announce, workers, fail_open) if workers else TensorEngine(
             specs, str(DEVICE), announce, quantization=quantization, ipc_opens=ipc_opens)
         receiver = WeightReceiver(engine, timeout_s=60)
         endpoints.put(receiver.endpoint)
@@ -223,6 +227,8 @@ def _engine(specs, announce: str, versions: list[int], endpoints, results, quant
             engine.stop()
     except BaseException:  # noqa: BLE001 - the trainer reports it
         results.put({"error": traceback.format_exc()})
+        if done is not None:
+            done.wait(120)
 
 
 def _wrong(params: dict[str, torch.Tensor], specs, version: int, quantization: str | None,
@@ -247,18 +253,28 @@ def _tp_rows(shape, rank: int, tp: int) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-def _worker_process(rank: int, tp: int, specs, conn) -> None:
+def _worker_process(rank: int, tp: int, specs, conn, fail_open: str = "") -> None:
     """One stand-in vLLM worker (rank `rank` of a TP `tp` engine): its rows of every tensor as live
     parameters, and the sync plan that mrl.rollout.vllm_engine._install_plan would keep for it.
     It answers collective_rpc's calls by running mrl.rollout.vllm_engine's worker function of that
     name on itself: _load_shared maps the bucket (CUDA IPC handle or /dev/shm file) in this process
     and copies this rank's slices; _finish_in_place reads them back. Only _begin_in_place, which
     reads vLLM's layer-wise reload metadata, is done here instead (the live parameters are already
-    in checkpoint format)."""
+    in checkpoint format). With `fail_open`, rank 1's every open of a CUDA IPC handle fails (as a
+    failed cudaIpcOpenMemHandle would); "kept": and it does not give its handle back (the control)."""
     from types import SimpleNamespace
 
     from mrl.rollout import vllm_engine
+    from mrl.sync import cuda_ipc
     from mrl.sync.plan import Copy
+
+    if fail_open and rank == 1:
+        def refused(*args):
+            raise RuntimeError("injected by gpu_checks: this worker's CUDA IPC open failed")
+
+        cuda_ipc.rebuild_cuda_tensor = refused
+        if fail_open == "kept":
+            vllm_engine.give_back_unopened = lambda *args: None
 
     model = torch.nn.Module()
     plan, params = {}, {}
@@ -310,7 +326,7 @@ class _Executor:
         pass
 
 
-def _worker_engine(specs, announce: str, tp: int):
+def _worker_engine(specs, announce: str, tp: int, fail_open: str = ""):
     """mrl.rollout.vllm_engine.VLLMEngine (sync.apply in_place, declaring `announce`) over _Executor:
     its load_shared checksums the mapped bucket and hands the header to `tp` worker processes,
     which map it themselves and copy their TP rows straight into their parameters. Its `wrong`
@@ -319,7 +335,8 @@ def _worker_engine(specs, announce: str, tp: int):
 
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in range(tp)]
-    procs = [ctx.Process(target=_worker_process, args=(r, tp, specs, pipes[r][1]), daemon=True) for r in range(tp)]
+    procs = [ctx.Process(target=_worker_process, args=(r, tp, specs, pipes[r][1], fail_open), daemon=True)
+             for r in range(tp)]
     for proc in procs:
         proc.start()
     engine = VLLMEngine.__new__(VLLMEngine)
@@ -388,6 +405,41 @@ def sync_case(specs, transport: str, announce: str, repeats: int, bucket_bytes: 
             proc.kill()
 
 
+def open_fails_case(specs, bucket_bytes: int, case: str, fail_open: str) -> None:
+    """A TP2 engine whose worker 1 cannot open the buckets: the sync must fail naming it, and the
+    trainer must hold none of its buckets once ipc_collect ran. Measured while the engine's
+    process still lives: a reference a dead process never gave back is never given back."""
+    from mrl.sync.sender import BucketSender
+
+    ctx = mp.get_context("spawn")
+    endpoints, results, done = ctx.Queue(), ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_engine, args=(specs, "cuda", [1], endpoints, results, None, 2, 1, fail_open, done))
+    proc.start()
+    try:
+        sender = BucketSender(endpoints.get(timeout=180), transport="colocated", timeout_s=60, who=f"trainer ({case})")
+        tensors = values(specs, 1, DEVICE)
+        sync_device()
+        base = torch.cuda.memory_allocated()
+        try:
+            sender.send(f"{case}-v1", buckets(tensors, bucket_bytes))
+            error = None
+        except Exception as err:  # noqa: BLE001 - the failure is the expected outcome
+            error = str(err)
+        got = results.get(timeout=150)
+        held = round((torch.cuda.memory_allocated() - base) / MB)
+        torch.cuda.ipc_collect()
+        emit("sync_failure", case=case, sync_failed=error is not None, names_the_open="injected by gpu_checks" in (error or ""),
+             engine_failed="error" in got, trainer_held_after_mb=held,
+             trainer_held_after_collect_mb=round((torch.cuda.memory_allocated() - base) / MB),
+             bucket_mb=bucket_bytes // MB, error=(error or "")[-400:])
+        del tensors
+    finally:
+        done.set()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
 def sync(size_gb: float, repeats: int, bucket_mb: int, d2d: float, cases: list[str]) -> None:
     specs = model_specs(size_gb)
     emit("sync_model", tensors=len(specs), gb=round(bf16_bytes(specs) / GB, 3))
@@ -399,6 +451,10 @@ def sync(size_gb: float, repeats: int, bucket_mb: int, d2d: float, cases: list[s
     # declares three opens and makes one (no load_shared): the receiver gives two handles a bucket back
     declared = {"cuda_ipc_unopened": 3}
     for case in cases:
+        if case in ("cuda_ipc_tp2_open_fails", "cuda_ipc_tp2_open_fails_kept"):  # a failed sync, not a timed one
+            if CUDA:
+                open_fails_case(specs, bucket_mb * MB, case, "kept" if case.endswith("kept") else "give_back")
+            continue
         transport, announce, quantization, workers = table[case]
         if announce == "cuda" and not CUDA:
             emit("sync", transport=transport, engine_declares=announce, skipped="no CUDA")

@@ -29,7 +29,7 @@ import torch
 
 from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
 from mrl.sync.wire import (Bucket, WeightLoadError, WeightUpdateReport, bucket_checksums, checksums, checksums_match,
-                           give_back_unopened, reused, shared_bytes, unpack, wire_dtype)
+                           give_back_unopened, payload_bytes, reused, shared_bytes, unpack, wire_dtype)
 
 # The engine lives in the caller's process (one engine per process): no hidden engine core process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -232,7 +232,13 @@ def _load_shared(worker: Any, header: dict, apply: str, received: dict[str, Any]
     """A bucket the sender left in shared memory (mrl.sync.wire.shared_bytes), mapped by this worker
     itself: _copy_in_place (apply "in_place", with the receipt's checksums) or _load, on views of
     the mapping."""
-    bucket = unpack(header, shared_bytes(header, opener=1 + worker.rank))  # 0 is the engine's process
+    opener = 1 + worker.rank  # 0 is the engine's process
+    try:
+        bucket = unpack(header, shared_bytes(header, opener=opener))
+    except BaseException:
+        with contextlib.suppress(Exception):  # a failed open took no reference: the leader would keep the bucket
+            give_back_unopened(header, range(opener, opener + 1))
+        raise
     if apply != "in_place" and reused(header):
         # The layer-wise reload keeps a layer's tensors until its last one arrives, possibly in a
         # later bucket, and the sender rewrites this memory once this bucket is loaded: copies.
@@ -759,7 +765,7 @@ class VLLMEngine:
         except BaseException:
             give_back_unopened(header)  # the workers never saw this bucket: their CUDA IPC handles go back here
             raise
-        self._received(names, sums, header["nbytes"])
+        self._received(names, sums, payload_bytes(header))
         self._apply(_load_shared, header, self.weight_apply, dict(zip(names, sums)))
 
     def _received(self, names: list[str], sums: list[tuple[float, float]], nbytes: int) -> None:

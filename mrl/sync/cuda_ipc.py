@@ -23,6 +23,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 _DEVICE = 6  # rebuild_cuda_tensor's storage_device argument
+_REF_COUNTER = 11  # and its ref_counter_handle (ref_counter_offset follows)
 
 
 def device_uuid(index: int) -> str:
@@ -61,11 +62,14 @@ def visible_gpus() -> tuple[str, ...]:
 
 
 def give_back(shared: dict, openers: range) -> None:
-    """Open and drop the handles `openers` of one engine's: each gives its reference back, as its
-    opener would have. For a bucket not handed to the engine's processes (a failed update, or an
-    engine that loads in one process): otherwise the leader would hold it until its process ends."""
+    """Give back the references of handles `openers` of one engine's without opening them: torch's
+    own release of a share (what an open does in a process that has the memory mapped already), a
+    decrement in the leader's counter file, with no mapping and no CUDA context. For a bucket not
+    handed to the engine's processes (a failed update, or an engine that loads in one process), and
+    an open that failed (it took no reference): otherwise the leader holds the bucket until it exits."""
     for opener in openers:
-        open_shared(shared, opener)
+        args = _args(shared, opener)
+        torch.UntypedStorage._release_ipc_counter(args[_REF_COUNTER], args[_REF_COUNTER + 1])
 
 
 def for_engine(shared: dict, index: int) -> dict:
@@ -76,12 +80,7 @@ def for_engine(shared: dict, index: int) -> dict:
 def open_shared(shared: dict, opener: int = 0) -> torch.Tensor:
     """The tensor behind handle `opener` of one engine's (for_engine): 0 for the engine's own
     process, 1 + r for its worker of rank r. Mapped into this process, on the GPU that holds it."""
-    handles = shared["handles"]
-    if opener >= len(handles):
-        raise RuntimeError(f"the weight sync's bucket has {len(handles)} CUDA IPC handle(s) for this engine and "
-                           f"open number {opener} asked for one more: the engine must declare how many times its "
-                           "processes open a bucket (ipc_opens: its own process and each worker's)")
-    args = list(pickle.loads(base64.b64decode(handles[opener])))
+    args = _args(shared, opener)
     visible = {device_uuid(i): i for i in range(torch.cuda.device_count())}
     if shared["gpu"] not in visible:
         raise RuntimeError(f"the weight sync's bucket lives on GPU {shared['gpu']}, which this engine's process "
@@ -89,3 +88,13 @@ def open_shared(shared: dict, opener: int = 0) -> torch.Tensor:
                            "engine on the trainer's GPUs; use sync.transport: broadcast otherwise")
     args[_DEVICE] = visible[shared["gpu"]]
     return rebuild_cuda_tensor(*args)
+
+
+def _args(shared: dict, opener: int) -> list:
+    """rebuild_cuda_tensor's arguments in handle `opener` of one engine's."""
+    handles = shared["handles"]
+    if opener >= len(handles):
+        raise RuntimeError(f"the weight sync's bucket has {len(handles)} CUDA IPC handle(s) for this engine and "
+                           f"open number {opener} asked for one more: the engine must declare how many times its "
+                           "processes open a bucket (ipc_opens: its own process and each worker's)")
+    return list(pickle.loads(base64.b64decode(handles[opener])))

@@ -269,7 +269,13 @@ class WeightReceiver:
         loads in other processes (`load_shared`), are received straight into a shared-memory file
         of this engine's own ("local" in the header: unlinked once loaded), which its workers map
         as they map a colocated sender's: no pickled copy to them either."""
-        flat = shared_bytes(header)
+        try:
+            flat = shared_bytes(header)
+        except BaseException:
+            if "cuda_ipc" in header:  # nobody opens this bucket now (a failed open took no reference)
+                with contextlib.suppress(Exception):
+                    give_back_unopened(header, range(len(header["cuda_ipc"]["handles"])))
+            raise
         if flat is not None:
             return flat, header
         if getattr(self.engine, "load_shared", None) is None or not _shm_has_room(header["nbytes"]):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from mrl.sync.channel import (IDENTITY_KEY, SHM_DIR, Channel, SyncEndpoint, bucket_path, bucket_prefix,
                               channel_count, offer_kept, slot_path, unlink_quietly)
 from mrl.sync.wire import (Bucket, Packed, SyncError, describe, describe_failure, dtype_named, error_key,
-                           in_shared_memory, pack, packed_layout)
+                           in_shared_memory, pack, packed_layout, payload_bytes)
 
 TRANSPORTS = ("colocated", "broadcast")
 QUANTIZATIONS = (None, "fp8")  # what the sender can produce for an engine: as is, or DeepSeek's block FP8
@@ -330,7 +330,7 @@ class _Link:
         what = f"sending bucket {index} ({describe(header)})"
         channel.send_json(header, what)
         report.checksums.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
-        report.bytes += header["nbytes"]
+        report.bytes += payload_bytes(header)
         if not in_shared_memory(header):
             channel.send_bytes(flat, what)
             return 1

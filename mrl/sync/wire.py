@@ -339,6 +339,11 @@ def _view(flat: torch.Tensor, entry: dict) -> torch.Tensor:
     return flat[entry["offset"] : entry["offset"] + size].view(dtype).view(entry["shape"])
 
 
+def payload_bytes(header: dict) -> int:
+    """The bytes of a bucket's tensors, without the alignment between them (what a report counts)."""
+    return sum(math.prod(e["shape"]) * _DTYPES[e["dtype"]].itemsize for e in header["tensors"])
+
+
 def unpack(header: dict, flat: torch.Tensor) -> Bucket:
     """Views into `flat`: no copy on the receiving side."""
     return [(entry["name"], _view(flat, entry)) for entry in header["tensors"]]
@@ -375,14 +380,15 @@ def for_engine(header: dict, index: int) -> dict:
     return {**header, "cuda_ipc": handles_for(header["cuda_ipc"], index)}
 
 
-def give_back_unopened(header: dict) -> None:
-    """For a bucket not handed to the engine's load_shared: give back the CUDA IPC handles its
-    processes would have opened (all but the receiver's, mrl.sync.cuda_ipc.give_back). Nothing for
-    other buckets."""
+def give_back_unopened(header: dict, openers: range | None = None) -> None:
+    """Give back the CUDA IPC handles `openers` of a bucket that will not open them (by default all
+    but the receiver's: a bucket not handed to the engine's load_shared), mrl.sync.cuda_ipc.give_back.
+    Nothing for other buckets."""
     if "cuda_ipc" in header:
         from mrl.sync.cuda_ipc import give_back
 
-        give_back(header["cuda_ipc"], range(1, len(header["cuda_ipc"]["handles"])))
+        shared = header["cuda_ipc"]
+        give_back(shared, range(1, len(shared["handles"])) if openers is None else openers)
 
 
 def reused(header: dict) -> bool:

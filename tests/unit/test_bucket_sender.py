@@ -41,6 +41,22 @@ class HoldingEngine:
         return self.report
 
 
+def _handle(name: str) -> str:
+    """A CUDA IPC handle as mrl.sync.cuda_ipc writes it (rebuild_cuda_tensor's arguments), whose
+    reference counter is called `name`."""
+    args = [None] * 15
+    args[11], args[12] = name.encode(), 0
+    return base64.b64encode(pickle.dumps(args)).decode()
+
+
+def _released(monkeypatch) -> list[str]:
+    """The reference counters given back through torch (in the order given back), without a GPU."""
+    released: list[str] = []
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter",
+                        staticmethod(lambda handle, offset, device=None: released.append(handle.decode())))
+    return released
+
+
 def _model() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     return {f"layers.{i}.weight": torch.randn(64, 32 + i, generator=generator) for i in range(6)}
@@ -168,11 +184,10 @@ def test_cuda_ipc_only_to_engines_that_see_the_leaders_gpu_and_unloaded_buckets_
     other = SyncEndpoint("127.0.0.1", 2, "torch.bfloat16", device="cuda", gpus=("GPU-b",))
     assert cuda_ipc.reachable("GPU-b", [both, other]) and not cuda_ipc.reachable("GPU-a", [both, other])
     assert not cuda_ipc.reachable("GPU-a", [SyncEndpoint("127.0.0.1", 3, "torch.bfloat16")])
-    opened = []
-    monkeypatch.setattr(cuda_ipc, "open_shared", lambda shared, opener=0: opened.append((shared["gpu"], opener)))
-    give_back_unopened({"nbytes": 4, "cuda_ipc": {"handles": ["r", "w0", "w1"], "gpu": "GPU-a"}})
+    released = _released(monkeypatch)
+    give_back_unopened({"nbytes": 4, "cuda_ipc": {"handles": [_handle(n) for n in ("r", "w0", "w1")], "gpu": "GPU-a"}})
     give_back_unopened({"nbytes": 4, "shm": "/dev/shm/x"})
-    assert opened == [("GPU-a", 1), ("GPU-a", 2)]
+    assert released == ["w0", "w1"]
 
 
 def test_an_engine_opening_a_cuda_ipc_bucket_more_often_than_it_declared_is_told_to_declare_it():
@@ -190,18 +205,19 @@ def test_an_engine_opening_a_cuda_ipc_bucket_more_often_than_it_declared_is_told
 
 
 def test_the_cuda_ipc_handles_of_a_bucket_no_engine_process_opens_are_given_back(monkeypatch):
-    """Each CUDA IPC handle is opened exactly once, or given back (else the trainer holds the
+    """Each CUDA IPC handle is released exactly once, or given back (else the trainer holds the
     bucket until it exits): an engine that loads in its own process gives back its workers' share;
     one with load_shared leaves them to its workers, unless its receipt fails before they run; a
-    bucket skipped after a failed one (or another engine's) is given back whole but the receiver's."""
+    bucket skipped after a failed one (or another engine's) is given back whole but the receiver's.
+    An open that fails takes no reference: a worker gives back its own handle, the receiver's
+    process every handle of the bucket (none of them will be opened now)."""
     import queue
 
     from mrl.rollout.vllm_engine import VLLMEngine
     from mrl.sync import cuda_ipc
     from mrl.sync.receiver import _Fanout
 
-    opened: list[str] = []
-    monkeypatch.setattr(cuda_ipc, "open_shared", lambda shared, opener=0: opened.append(shared["handles"][opener]))
+    released = _released(monkeypatch)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # no GPU copies to wait for here
 
     class SharingEngine(HoldingEngine):
@@ -216,7 +232,7 @@ def test_the_cuda_ipc_handles_of_a_bucket_no_engine_process_opens_are_given_back
     def header(name: str) -> dict:
         return {"nbytes": 16, "tensors": [{"name": "w", "shape": [4], "dtype": "torch.float32", "offset": 0,
                                            "checksum": [0.0, 0.0]}],
-                "cuda_ipc": {"handles": [f"{name}.0", f"{name}.1", f"{name}.2"], "gpu": "GPU-a"}}
+                "cuda_ipc": {"handles": [_handle(f"{name}.{i}") for i in range(3)], "gpu": "GPU-a"}}
 
     def drain(engine, outcome: dict, names: list[str]) -> list[str]:
         receiver = WeightReceiver(engine, timeout_s=5)
@@ -225,9 +241,9 @@ def test_the_cuda_ipc_handles_of_a_bucket_no_engine_process_opens_are_given_back
         for name in names:
             arrivals.put((0, header(name), torch.zeros(16, dtype=torch.uint8), threading.Event()))
         arrivals.put((0, {"end": True}, None, None))
-        opened.clear()
+        released.clear()
         receiver._drain("s", 1, arrivals, outcome, _Fanout(receiver.store, 0, 1, receiver.endpoint))
-        return list(opened)
+        return list(released)
 
     assert drain(HoldingEngine({"w": (4,)}), {}, ["a"]) == ["a.1", "a.2"]
     assert drain(SharingEngine(fail=False), {}, ["a"]) == []
@@ -237,7 +253,24 @@ def test_the_cuda_ipc_handles_of_a_bucket_no_engine_process_opens_are_given_back
     engine = VLLMEngine.__new__(VLLMEngine)
     engine._start_bookkeeping()
     monkeypatch.setattr("mrl.rollout.vllm_engine.bucket_checksums", lambda *_: 1 / 0)
-    opened.clear()
+    released.clear()
     with pytest.raises(ZeroDivisionError):
         engine.load_shared(header("c"), torch.zeros(16, dtype=torch.uint8))
-    assert opened == ["c.1", "c.2"]  # the receipt failed before any worker saw the bucket
+    assert released == ["c.1", "c.2"]  # the receipt failed before any worker saw the bucket
+
+    from types import SimpleNamespace
+
+    from mrl.rollout.vllm_engine import _load_shared
+
+    monkeypatch.setattr(cuda_ipc, "rebuild_cuda_tensor", lambda *args: 1 / 0)  # e.g. cudaIpcOpenMemHandle failed
+    monkeypatch.setattr(cuda_ipc, "device_uuid", lambda index: "GPU-a")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    released.clear()
+    with pytest.raises(ZeroDivisionError):
+        _load_shared(SimpleNamespace(rank=1), header("d"), "in_place")
+    assert released == ["d.2"]
+    receiver = WeightReceiver(HoldingEngine({"w": (4,)}), timeout_s=5)
+    released.clear()
+    with pytest.raises(ZeroDivisionError):
+        receiver._data(None, header("e"), "receiving bucket 0")
+    assert released == ["e.0", "e.1", "e.2"]
