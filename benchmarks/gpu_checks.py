@@ -421,7 +421,7 @@ def open_fails_case(specs, bucket_bytes: int, case: str, fail_open: str) -> None
         sync_device()
         base = torch.cuda.memory_allocated()
         try:
-            sender.send(f"{case}-v1", buckets(tensors, bucket_bytes))
+            sender.send("cuda-v1", buckets(tensors, bucket_bytes))  # the engine's id for version 1 (_engine)
             error = None
         except Exception as err:  # noqa: BLE001 - the failure is the expected outcome
             error = str(err)
