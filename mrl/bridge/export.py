@@ -16,7 +16,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -127,6 +127,7 @@ def export_hf_weights(
     timeout_s: float = 300.0,
     plan: list[PlanItem] | None = None,
     message_bytes: int = MESSAGE_BYTES,
+    into: Callable[[int], dict[str, torch.Tensor]] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield buckets of (hf_name, tensor) on rank `dst`; drive the sends on every other rank.
 
@@ -134,7 +135,9 @@ def export_hf_weights(
     (a global rank inside the group); every rank of the group must call this. `plan` is
     `build_plan`'s result for the same ranks, when the caller keeps it (it never changes for a
     model; building it is a collective): otherwise it is built here. `message_bytes`: the most a
-    source rank sends in one message (a larger shard goes alone).
+    source rank sends in one message (a larger shard goes alone). `into(index)`: where `dst`
+    assembles bucket `index`'s HF tensors (tensors by HF name, e.g. views of a wire buffer:
+    mrl.sync.shared_export.GatheredExport), instead of fresh ones.
     Vocab padding is stripped, tied copies are skipped, experts come one expert at a time.
     """
     tensors = local_tensors(built, coords)
@@ -152,7 +155,8 @@ def export_hf_weights(
                 shards.setdefault(source, []).append((item, shard))
         if coords.rank == dst:
             received = _receive(shards, by_name, dst, group, timeout, index, message_bytes, device)
-            yield [pair for item in bucket for pair in _assemble(item, received, dims, device)]
+            out = into(index) if into is not None else None
+            yield [pair for item in bucket for pair in _assemble(item, received, dims, device, out)]
         elif coords.rank in shards:
             _send(shards[coords.rank], by_name, coords.rank, dst, group, timeout, index, message_bytes, device)
 
@@ -226,10 +230,14 @@ def _wait(work: Any, rank: int, peer: int, entries: list[tuple[PlanItem, int]], 
 
 
 def _assemble(
-    item: PlanItem, received: dict[tuple[str, int], torch.Tensor], dims: SplitDims, device: torch.device
+    item: PlanItem, received: dict[tuple[str, int], torch.Tensor], dims: SplitDims, device: torch.device,
+    into: dict[str, torch.Tensor] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Write each shard's segments into fresh HF tensors, freeing shards as they are consumed."""
-    out = {name: torch.empty(shape, dtype=item.dtype, device=device) for name, shape in item.layout(dims)[0].items()}
+    """Write each shard's segments into the HF tensors (`into`'s, else fresh ones), freeing shards
+    as they are consumed."""
+    shapes = item.layout(dims)[0]
+    out = ({name: into[name] for name in shapes} if into is not None
+           else {name: torch.empty(shape, dtype=item.dtype, device=device) for name, shape in shapes.items()})
     for _, shard in item.sources:
         write_shard(item, shard, received.pop((item.name, shard)), out, dims)
     return list(out.items())

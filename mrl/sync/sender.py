@@ -72,6 +72,11 @@ class WeightSender:
         self.plan = self._export_plan()
         self.writes_shared = self._can_write_shared(endpoints[0])
         self.shared: Any = None  # mrl.sync.shared_export.SharedExport, at the first push that writes shared
+        # Broadcast from host memory to engines that take the bytes as they are: the leader
+        # assembles each bucket in its wire buffer (mrl.sync.shared_export.GatheredExport).
+        self.assembles = (transport == "broadcast" and built.device.type == "cpu"
+                          and endpoints[0].quantization is None and coords.rank == self.leader)
+        self.gathered: Any = None  # that GatheredExport, made at the first push
         self.buckets = BucketSender(endpoints, transport=transport, timeout_s=timeout_s, pipeline=pipeline,
                                     who=f"rank {coords.rank} (PP stage {self.stage})", stage=self.stage)
 
@@ -128,6 +133,16 @@ class WeightSender:
                                        self.buckets.endpoint.dtype)
         return self.shared
 
+    def _gathered_export(self) -> Any:
+        """The leader's GatheredExport when it assembles buckets in place (made at the first push)."""
+        if self.assembles and self.gathered is None:
+            from mrl.bridge.mapping import SplitDims
+            from mrl.sync.shared_export import GatheredExport
+
+            self.gathered = GatheredExport(self.plan, self.bucket_bytes, SplitDims.of(self.built.spec),
+                                           self.buckets.endpoint.dtype)
+        return self.gathered
+
     @property
     def channels(self) -> int:
         """How many channels each engine must open for this layout."""
@@ -144,8 +159,12 @@ class WeightSender:
         else:
             from mrl.bridge.export import export_hf_weights
 
+            gathered = self._gathered_export()
             buckets = export_hf_weights(self.built, self.coords, bucket_bytes=self.bucket_bytes, dst=self.leader,
-                                        group=self.group, timeout_s=self.timeout_s, plan=self.plan)
+                                        group=self.group, timeout_s=self.timeout_s, plan=self.plan,
+                                        into=gathered.views if gathered else None)
+            if gathered:
+                buckets = gathered.packed(buckets)
         if self.coords.rank != self.leader:
             for _ in buckets:  # drives this rank's part: its sends to the leader, or its writes
                 pass
@@ -343,7 +362,7 @@ class _Link:
     def drop(bucket: Bucket | Packed) -> int:
         """A bucket that will not be sent (the sync failed): a packed one's file goes at once, so
         that the rest of the export (which runs to its end) keeps at most two files alive."""
-        if isinstance(bucket, Packed):
+        if isinstance(bucket, Packed) and "shm" in bucket.header:
             unlink_quietly(bucket.header["shm"])
         return 1
 

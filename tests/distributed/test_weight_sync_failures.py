@@ -461,12 +461,12 @@ def test_next_push_reuses_the_channel_and_a_new_sender_makes_its_own(tiny_model_
     assert kept == [[f"{sync}/channel{stage}" for stage in stages] for sync in ("s1", "s1", "s3")]
 
 
-def _push_negated_between(rank, world, hf_dir, layout, endpoint, sync_ids):
+def _push_negated_between(rank, world, hf_dir, layout, endpoint, sync_ids, transport="colocated"):
     """Push once, then every later push with this rank's weights negated (new bytes to send);
     each push's outcome: "ok", or its error."""
     from mrl.sync.wire import SyncError
 
-    sender, out = _sender(hf_dir, layout, endpoint, "colocated", 60), []
+    sender, out = _sender(hf_dir, layout, endpoint, transport, 60), []
     for i, sync_id in enumerate(sync_ids):
         if i == 1:
             with torch.no_grad():
@@ -478,6 +478,8 @@ def _push_negated_between(rank, world, hf_dir, layout, endpoint, sync_ids):
             out.append("ok")
         except SyncError as err:
             out.append(str(err))
+        if sender.gathered is not None:  # the leader's wire buffers, as each push left them
+            out.append([buffer.data_ptr() for buffer in sender.gathered.buffers])
     return sender.writes_shared, out
 
 
@@ -507,6 +509,29 @@ def test_colocated_pushes_reuse_their_bucket_files_and_a_failed_push_makes_new_o
     assert paths[1] == paths[0] and set(paths[2]) <= set(paths[0])  # the same files push after push
     assert len(paths[3]) == len(paths[0]) and not set(paths[3]) & set(paths[0])  # after the failure: new ones
     assert not glob.glob(f"/dev/shm/mrl-sync-{endpoint.port}-*")
+
+
+def test_a_broadcast_leader_assembles_every_push_in_the_same_two_buffers(tiny_model_dir):
+    """Broadcast from CPU ranks: the leader assembles each bucket's HF tensors straight into one of
+    two wire buffers (GatheredExport), the same two push after push, and the engine receives each
+    push's new bytes (the weights negated after the first push), not the last push's."""
+    from mrl.bridge.hf_checkpoint import HFCheckpoint
+
+    hf_dir, layout = tiny_model_dir("qwen3"), ParallelLayout(tp=2)
+    ckpt = HFCheckpoint(hf_dir)
+    proc, endpoint, results = _start_engine(sync_id=("s1", "s2", "s3"))
+    ranks = run_local(_push_negated_between, 2, str(hf_dir), layout, endpoint, ["s1", "s2", "s3"], "broadcast")
+    received = [results.get(timeout=60) for _ in range(3)]
+    proc.join(timeout=10)
+    leader = ranks[0][1]
+    assert [leader[i] for i in (0, 2, 4)] == ["ok"] * 3 and leader[1] == leader[3] == leader[5], leader
+    assert ranks[1][1] == ["ok"] * 3  # the other rank only sends its shards: no buffers
+    assert [r[0] for r in received] == ["ok"] * 3 and received[0][3] != received[1][3]
+    digest = {n: hashlib.sha256(ckpt.read(n).float().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+              for n in ckpt.names()}
+    negated = {n: hashlib.sha256((-ckpt.read(n).float()).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+               for n in ckpt.names()}
+    assert received[0][4] == digest and received[1][4] == negated and received[2][4] == negated
 
 
 def _barrier_at(rank, world, indices):
