@@ -15,11 +15,12 @@ and the peak extra RSS of each trainer rank and of the engine during the sync (s
 
 With `--engines 1,2` each case runs once per engine count: one export fanned out to N engines
 (each in its own Ray actor), timed until the last engine holds the new weights; the N-engine row
-gives `time_ratio_to_1_engine`. `--no-pipeline` sends each bucket before exporting the next.
+gives `time_ratio_to_1_engine`. `--no-pipeline` sends each bucket before exporting the next. `--engine null-process`: the null
+engines in plain processes, without Ray (e.g. on a machine that has no Ray).
 
     .venv/bin/python benchmarks/weight_sync.py [--size-gb 1.0] [--layouts tp2,pp2,ep2] [--workdir DIR]
         [--apply load_weights|in_place] [--transports colocated,broadcast] [--cases sync,naive] [--repeats N]
-        [--engines 1,2] [--no-pipeline] [--bucket-mb 512] [--engine vllm|null]
+        [--engines 1,2] [--no-pipeline] [--bucket-mb 512] [--engine vllm|null|null-process]
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import ray
 import torch
+import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from export_throughput import copy_and_p2p, peak_rss, write_model  # noqa: E402
 
 from mrl.layout import ParallelLayout  # noqa: E402
-from mrl.launch.rollout_actor import start_rollout_actor  # noqa: E402
 from mrl.megatron.local_launch import run_local  # noqa: E402
 from mrl.sync.channel import channel_count  # noqa: E402
 
@@ -120,12 +121,16 @@ class NullEngine:
 
 
 class NullServer:
-    """RolloutServer's sync surface around a NullEngine (a Ray actor)."""
+    """RolloutServer's sync surface around a NullEngine (a Ray actor, or a process of its own)."""
 
-    def __init__(self):
+    def __init__(self, host: str | None = None):
         from mrl.sync.receiver import WeightReceiver
 
-        self.receiver = WeightReceiver(NullEngine(), host=ray.util.get_node_ip_address(), timeout_s=600)
+        if host is None:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        self.receiver = WeightReceiver(NullEngine(), host=host, timeout_s=600)
 
     def endpoint(self):
         return self.receiver.endpoint
@@ -134,17 +139,95 @@ class NullServer:
         return self.receiver.receive(sync_id, channels, engines, index, hub)
 
 
+def _serve_null(conn) -> None:
+    """A NullServer in this process, answering (method, args) calls in order, as an actor would."""
+    server = NullServer(host="127.0.0.1")
+    while True:
+        name, args = conn.recv()
+        if name == "stop":
+            return
+        try:
+            conn.send(getattr(server, name)(*args) if isinstance(name, str) else name(server, *args))
+        except Exception as err:  # noqa: BLE001 - raised where the answer is read
+            conn.send(err)
+
+
+class _Call:
+    """One queued call's answer (what ray.get reads for an actor)."""
+
+    def __init__(self, engine: "ProcessEngine"):
+        self.engine = engine
+
+    def get(self, timeout: float):
+        if not self.engine.conn.poll(timeout):
+            raise TimeoutError(f"the null engine process did not answer within {timeout:.0f}s")
+        out = self.engine.conn.recv()
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+
+class ProcessEngine:
+    """An engine handle over _serve_null (`--engine null-process`): calls are queued in order and
+    answered in order, so each answer must be read (get) in the order the calls were made."""
+
+    def __init__(self):
+        self.conn, theirs = mp.get_context("spawn").Pipe()
+        self.proc = mp.get_context("spawn").Process(target=_serve_null, args=(theirs,), daemon=True)
+        self.proc.start()
+
+    def call(self, name, *args) -> _Call:
+        self.conn.send((name, args))
+        return _Call(self)
+
+    def stop(self) -> None:
+        self.conn.send(("stop", ()))
+        self.proc.join(30)
+
+
+class _RayCall:
+    def __init__(self, ref):
+        self.ref = ref
+
+    def get(self, timeout: float):
+        import ray
+
+        return ray.get(self.ref, timeout=timeout)
+
+
+class RayEngine:
+    """The same surface over a Ray actor."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def call(self, name, *args) -> _RayCall:
+        return _RayCall(getattr(self.actor, name).remote(*args) if isinstance(name, str)
+                        else self.actor.__ray_call__.remote(name, *args))
+
+    def stop(self) -> None:
+        import ray
+
+        ray.kill(self.actor)
+
+
 def _start_engine(hf_dir: Path, apply: str, kind: str):
+    if kind == "null-process":
+        return ProcessEngine()
+    import ray
+
     if kind == "null":
-        return ray.remote(NullServer).options(num_cpus=1).remote()
-    return start_rollout_actor(str(hf_dir), ENGINE | {"weight_apply": apply}, sync_timeout_s=600)
+        return RayEngine(ray.remote(NullServer).options(num_cpus=1).remote())
+    from mrl.launch.rollout_actor import start_rollout_actor
+
+    return RayEngine(start_rollout_actor(str(hf_dir), ENGINE | {"weight_apply": apply}, sync_timeout_s=600))
 
 
 def run(hf_dir: Path, layouts: list[str], apply: str = "load_weights", transports=TRANSPORTS,
         case_names=("sync", "naive"), repeats: int = 1, engine_counts=(1,), pipeline: bool = True,
         bucket_mb: int = 512, engine_kind: str = "vllm") -> list[dict]:
     actors = [_start_engine(hf_dir, apply, engine_kind) for _ in range(max(engine_counts))]
-    endpoints = ray.get([a.endpoint.remote() for a in actors])
+    endpoints = [a.call("endpoint").get(600) for a in actors]
     cases = [c for c in [("sync", bucket_mb * MB), ("naive", 1 << 40)] if c[0] in case_names]
     rows = []
     for key, rep in [(k, r) for r in range(repeats) for k in layouts]:
@@ -153,7 +236,7 @@ def run(hf_dir: Path, layouts: list[str], apply: str = "load_weights", transport
             single: dict[str, float] = {}  # case → seconds with one engine
             for count in engine_counts:
                 row = _one(hf_dir, key, rep, layout, transport, cases, actors[:count], endpoints[:count], pipeline)
-                row["apply"] = apply if engine_kind == "vllm" else "null engine"
+                row["apply"] = apply if engine_kind == "vllm" else f"{engine_kind} engine"
                 for name, _ in cases:
                     if count == 1:
                         single[name] = row[name]["seconds"]
@@ -162,7 +245,7 @@ def run(hf_dir: Path, layouts: list[str], apply: str = "load_weights", transport
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     for actor in actors:
-        ray.kill(actor)
+        actor.stop()
     return rows
 
 
@@ -178,15 +261,18 @@ def _one(hf_dir, key, rep, layout, transport, cases, actors, endpoints, pipeline
         sync_id = f"{tag}-{transport}-{name}"
         queued[name] = []
         for i, actor in enumerate(actors):
-            actor.__ray_call__.remote(_engine_rss_start)
-            receipt = actor.receive_weights.remote(sync_id, channels, count, i, None if i == 0 else endpoints[0])
-            queued[name].append((receipt, actor.__ray_call__.remote(_engine_rss_stop)))
+            started = actor.call(_engine_rss_start)
+            receipt = actor.call("receive_weights", sync_id, channels, count, i, None if i == 0 else endpoints[0])
+            queued[name].append((started, receipt, actor.call(_engine_rss_stop)))
     results = run_local(_trainer, layout.min_world_size(), str(hf_dir), tag, layout, endpoints, transport, cases,
                         pipeline, timeout_s=1800)
     row = {"layout": key, "repeat": rep, "transport": transport, "engines": count, "pipeline": pipeline,
            "copy_gbps": round(results[0]["copy_gbps"], 2), "p2p_gbps": round(results[0]["p2p_gbps"], 2)}
     for name, _ in cases:
-        answers = [ray.get(list(pair), timeout=600) for pair in queued[name]]
+        answers = []
+        for started, receipt, stop in queued[name]:
+            started.get(600)  # answers are read in call order (a process engine answers in order)
+            answers.append((receipt.get(600), stop.get(600)))
         reports = [report for report, _ in answers]
         started = min(r[name]["started_at"] for r in results if r[name]["started_at"])
         seconds = max(report.finished_at for report in reports) - started
@@ -215,20 +301,26 @@ def main() -> None:
     parser.add_argument("--engines", default="1", help="engine counts to fan out to, e.g. 1,2 (one export each)")
     parser.add_argument("--no-pipeline", action="store_true", help="send each bucket before exporting the next")
     parser.add_argument("--bucket-mb", type=int, default=512, help="the sync case's bucket size")
-    parser.add_argument("--engine", choices=("vllm", "null"), default="vllm",
-                        help="null: engines that keep only checksums (the transport alone)")
+    parser.add_argument("--engine", choices=("vllm", "null", "null-process"), default="vllm",
+                        help="null: engines that keep only checksums (the transport alone); null-process: "
+                             "the same without Ray, each in a process of its own")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="mrl-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     hf_dir = write_model(workdir, args.size_gb)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray = None
+    if args.engine != "null-process":
+        import ray
+
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         run(hf_dir, args.layouts.split(","), args.apply, args.transports.split(","), args.cases.split(","),
             args.repeats, [int(n) for n in args.engines.split(",")], not args.no_pipeline, args.bucket_mb,
             args.engine)
     finally:
-        ray.shutdown()
+        if ray is not None:
+            ray.shutdown()
 
 
 if __name__ == "__main__":
