@@ -30,8 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -163,9 +165,10 @@ class _Call:
         self.engine = engine
 
     def get(self, timeout: float):
-        if not self.engine.conn.poll(timeout):
-            raise TimeoutError(f"the null engine process did not answer within {timeout:.0f}s")
-        out = self.engine.conn.recv()
+        try:
+            out = self.engine.answers.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"the null engine process did not answer within {timeout:.0f}s") from None
         if isinstance(out, BaseException):
             raise out
         return out
@@ -173,12 +176,23 @@ class _Call:
 
 class ProcessEngine:
     """An engine handle over _serve_null (`--engine null-process`): calls are queued in order and
-    answered in order, so each answer must be read (get) in the order the calls were made."""
+    answered in order, so each answer must be read (get) in the order the calls were made. A thread
+    takes every answer off the pipe as it comes: a report of a few thousand tensors' checksums left
+    in the pipe would block the engine before its next call."""
 
     def __init__(self):
         self.conn, theirs = mp.get_context("spawn").Pipe()
         self.proc = mp.get_context("spawn").Process(target=_serve_null, args=(theirs,), daemon=True)
         self.proc.start()
+        self.answers: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                self.answers.put(self.conn.recv())
+            except (EOFError, OSError):  # the engine process ended
+                return
 
     def call(self, name, *args) -> _Call:
         self.conn.send((name, args))

@@ -234,11 +234,12 @@ def _load_shared(worker: Any, header: dict, apply: str, received: dict[str, Any]
     the mapping."""
     opener = 1 + worker.rank  # 0 is the engine's process
     try:
-        bucket = unpack(header, shared_bytes(header, opener=opener))
+        flat = shared_bytes(header, opener=opener)
     except BaseException:
         with contextlib.suppress(Exception):  # a failed open took no reference: the leader would keep the bucket
             give_back_unopened(header, range(opener, opener + 1))
         raise
+    bucket = unpack(header, flat)
     if apply != "in_place" and reused(header):
         # The layer-wise reload keeps a layer's tensors until its last one arrives, possibly in a
         # later bucket, and the sender rewrites this memory once this bucket is loaded: copies.

@@ -256,7 +256,7 @@ class WeightReceiver:
             self._connections[connection] = self._connect(hub)
         store = self._connections[connection]
         for other in [k for k in self._kept if k[:4] != key[:4]]:  # another hub or fan-out: never offered again
-            del self._kept[other]
+            self._kept.pop(other, None)  # another channel's thread may have dropped it first
         kept = self._kept.pop(key, None)
         if accept_kept(store, sync_id, channel_index, kept.prefix if kept else "", fanout.index, who, self.timeout_s):
             return kept, key

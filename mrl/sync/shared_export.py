@@ -159,7 +159,10 @@ class GatheredExport:
     copies into a fresh buffer: one copy of every byte instead of two, and no page to fault in.
     Measured on the 0.93 GB Qwen3-MoE (docs/benchmarks.md). Bucket k + 2 is assembled only once
     bucket k has been sent (the sender's pipeline holds two slots), so a buffer is never
-    rewritten while it is on the wire. The price: two buckets of host memory held for the run."""
+    rewritten while it is on the wire. The price: two buckets of host memory held for the run.
+    After a send that timed out, gloo may still be reading a buffer that the rest of the export
+    (which runs to its end) writes again: only into a sync that has failed already, whose channel
+    is never reused."""
 
     def __init__(self, plan: list[PlanItem], bucket_bytes: int, dims: SplitDims, engine_dtype: str):
         dtype = dtype_named(engine_dtype)
