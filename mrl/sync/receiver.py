@@ -255,14 +255,19 @@ class WeightReceiver:
         if connection not in self._connections:
             self._connections[connection] = self._connect(hub)
         store = self._connections[connection]
-        for other in [k for k in self._kept if k[:4] != key[:4]]:  # another hub or fan-out: never offered again
-            self._kept.pop(other, None)  # another channel's thread may have dropped it first
+        self._forget_other_fanouts(key)
         kept = self._kept.pop(key, None)
         if accept_kept(store, sync_id, channel_index, kept.prefix if kept else "", fanout.index, who, self.timeout_s):
             return kept, key
         channel = Channel(store, f"{sync_id}/channel{channel_index}", fanout.index + 1, self.timeout_s, who,
                           members=fanout.engines + 1)
         return channel, key
+
+    def _forget_other_fanouts(self, key: tuple) -> None:
+        """Drop the channels kept from another hub or fan-out than `key`'s: never offered again.
+        Every channel's thread does this at once; another may have dropped one first."""
+        for other in [k for k in self._kept if k[:4] != key[:4]]:
+            self._kept.pop(other, None)
 
     def _data(self, channel: Channel, header: dict, what: str) -> tuple[torch.Tensor, dict]:
         """A bucket's bytes and the header to load it by. Bytes on the wire, for an engine that

@@ -274,3 +274,33 @@ def test_the_cuda_ipc_handles_of_a_bucket_no_engine_process_opens_are_given_back
     with pytest.raises(ZeroDivisionError):
         receiver._data(None, header("e"), "receiving bucket 0")
     assert released == ["e.0", "e.1", "e.2"]
+
+
+def test_the_channel_threads_of_a_receiver_drop_another_fan_outs_kept_channels_at_once():
+    """Each channel's thread drops the channels kept from another fan-out (PP2 broadcast to one
+    engine, then to two): both list the same leftovers, and the second must not fail on the
+    first's drop (it raised KeyError and failed the sync)."""
+    receiver = WeightReceiver(HoldingEngine({"w": (4,)}), timeout_s=5)
+    listed = threading.Barrier(2, timeout=5)
+
+    class Kept(dict):
+        def __iter__(self):  # both threads have listed the leftovers before either drops one
+            keys = list(super().__iter__())
+            listed.wait()
+            return iter(keys)
+
+    receiver._kept = Kept({("h", 1, 1, 0, 0): "stage 0, one engine", ("h", 1, 1, 0, 1): "stage 1, one engine"})
+    errors: list[BaseException] = []
+
+    def forget(channel: int) -> None:
+        try:
+            receiver._forget_other_fanouts(("h", 1, 2, 0, channel))
+        except BaseException as err:  # noqa: BLE001 - asserted below
+            errors.append(err)
+
+    threads = [threading.Thread(target=forget, args=(c,)) for c in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors and not receiver._kept
