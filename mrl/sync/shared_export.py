@@ -5,9 +5,9 @@ into the shared-memory bucket the engines map; the leader only checksums the buc
 it. GatheredExport (broadcast, a CPU leader): the gather's leader assembles each bucket's HF
 tensors straight into a reused wire buffer, which goes on the channel as it is.
 
-The gather path (mrl.bridge.export) sends every shard to the leader, which assembles HF tensors
-and packs them into the bucket: a message per source and two copies of every byte on the leader,
-one after the other. Where each HF tensor lies in a bucket follows from the plan alone, so every
+The gather path (mrl.bridge.export) sends every shard to the leader, which assembles the HF
+tensors (a GPU leader then packs them into the bucket: two copies of every byte, one after the
+other), a message per source. Where each HF tensor lies in a bucket follows from the plan alone, so every
 rank computes that layout, maps the leader's file and writes its segments into it, all ranks at
 once. Used when every rank sees the leader's /dev/shm and the engine takes the bytes as they are
 (a CPU engine, no FP8): mrl.sync.sender.WeightSender decides.
