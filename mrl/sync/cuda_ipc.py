@@ -11,9 +11,9 @@ opens a bucket (SyncEndpoint.ipc_opens), the receiver keeps its engine's list (f
 each opener takes its own (open_shared's `opener`); a handle that will not be opened (a failed
 update, an open that failed) is given back through torch's counter alone (give_back). The leader
 keeps each bucket until every engine has said it loaded it (mrl.sync.sender), and an engine
-copies what it keeps. The handles
-travel in the bucket's JSON header, with the GPU's UUID: the engine's process may number the
-same GPU differently (another CUDA_VISIBLE_DEVICES), so it is found by UUID, never by index.
+copies what it keeps. The handles travel in the bucket's JSON header, with the GPU's UUID: the
+engine's process may number the same GPU differently (another CUDA_VISIBLE_DEVICES), so it is
+found by UUID, never by index.
 """
 
 from __future__ import annotations
