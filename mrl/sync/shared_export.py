@@ -52,6 +52,15 @@ def bucket_layout(bucket: list[PlanItem], dims: SplitDims, engine_dtype: torch.d
                   for item in bucket for name, shape in item.layout(dims)[0].items())
 
 
+def _slotted_layouts(plan: list[PlanItem], bucket_bytes: int, dims: SplitDims,
+                     engine_dtype: torch.dtype) -> tuple[list[tuple[list[PlanItem], list[dict], int]], list[int]]:
+    """Each bucket's items, layout and size, and each slot's size (the largest of its buckets:
+    bucket k goes in slot k % SLOTS)."""
+    buckets = [(bucket, *bucket_layout(bucket, dims, engine_dtype)) for bucket in bucket_items(plan, bucket_bytes)]
+    sizes = [size for _, _, size in buckets]
+    return buckets, [max(sizes[slot::SLOTS], default=0) for slot in range(SLOTS)]
+
+
 class SharedExport:
     """One rank's side of every push of one sender: what never changes between pushes (this rank's
     tensors by name, each bucket's items and layout: the plan is fixed) is worked out once, at the
@@ -65,9 +74,7 @@ class SharedExport:
         self.tensors = {t.name: t.tensor for t in local_tensors(built, coords)}
         self.dims = SplitDims.of(built.spec)
         dtype = dtype_named(engine_dtype)
-        self.buckets = [(bucket, *bucket_layout(bucket, self.dims, dtype)) for bucket in bucket_items(plan, bucket_bytes)]
-        sizes = [size for _, _, size in self.buckets]
-        self.slot_bytes = [max(sizes[slot::SLOTS], default=0) for slot in range(SLOTS)]  # the largest bucket of each
+        self.buckets, self.slot_bytes = _slotted_layouts(plan, bucket_bytes, self.dims, dtype)
         self.generation = 0  # the files' id (0: none yet): the leader's choice, which the others hear
         self.mapped: dict[str, torch.Tensor] = {}  # this process's mapping of each file of the generation
 
@@ -166,10 +173,9 @@ class GatheredExport:
 
     def __init__(self, plan: list[PlanItem], bucket_bytes: int, dims: SplitDims, engine_dtype: str):
         dtype = dtype_named(engine_dtype)
-        self.layouts = [bucket_layout(bucket, dims, dtype) for bucket in bucket_items(plan, bucket_bytes)]
-        sizes = [size for _, size in self.layouts]
-        self.buffers = [torch.empty(max(max(sizes[slot::SLOTS], default=0), 1), dtype=torch.uint8)
-                        for slot in range(SLOTS)]
+        buckets, slot_bytes = _slotted_layouts(plan, bucket_bytes, dims, dtype)
+        self.layouts = [(entries, size) for _, entries, size in buckets]
+        self.buffers = [torch.empty(max(size, 1), dtype=torch.uint8) for size in slot_bytes]
 
     def _flat(self, index: int) -> torch.Tensor:
         return self.buffers[index % SLOTS][: self.layouts[index][1]]
