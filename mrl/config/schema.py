@@ -146,7 +146,9 @@ class RolloutConfig:
 class SyncConfig:
     """Per-step weight sync from the Megatron actor to the rollout engine."""
 
-    transport: Literal["colocated", "broadcast", "object_store"] = "colocated"
+    # colocated: one node's shared memory; broadcast: every byte to each engine's process over gloo;
+    # routed: each engine worker receives only its own slices (needs apply: in_place; mrl/sync/routing.py)
+    transport: Literal["colocated", "broadcast", "routed", "object_store"] = "colocated"
     bucket_mb: int = DEFAULT_BUCKET_MB
     timeout_s: float = 300.0
     parity_threshold: float = 1e-3  # max |logprob difference| engine vs actor allowed at a parity check

@@ -90,7 +90,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
 
 # (dotted key, value, what to use instead): accepted by the schema, not built yet
 _NOT_BUILT: list[tuple[str, Any, str]] = [
-    ("sync.transport", "object_store", "use 'colocated' or 'broadcast'"),
+    ("sync.transport", "object_store", "use 'colocated', 'broadcast' or 'routed'"),
 ]
 
 
@@ -339,11 +339,13 @@ def _model_dims(cfg: RunConfig, check_files: bool) -> tuple[ModelDims | None, li
 
 
 def _check_sync_apply(cfg: RunConfig, check_files: bool) -> list[str]:
-    """sync.apply in_place needs a vLLM fusion table for the model's architecture."""
+    """sync.apply in_place needs a vLLM fusion table for the model's architecture; sync.transport
+    routed needs sync.apply in_place."""
     from mrl.models.vllm_fusions import FUSIONS
 
     if cfg.sync.apply != "in_place":
-        return []
+        return ["sync.transport 'routed' sends each engine worker the slices its in-place plan copies; it needs "
+                "sync.apply: in_place (or use transport 'broadcast')."] if cfg.sync.transport == "routed" else []
     if cfg.model.tiny is not None:
         from mrl.models.tiny import TINY_ARCHS, tiny_hf_config
 

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import itertools
 import json
+import math
 import os
 import threading
 import time
@@ -198,11 +199,8 @@ def _copy_tensor(worker: Any, name: str, tensor: torch.Tensor) -> tuple[list[Any
     each with the slice it copied."""
     plan, targets = worker.mrl_sync_plan, worker.mrl_sync_targets
     if name not in plan:
-        raise KeyError(f"HF tensor {name!r} is not in this engine's sync plan (the trainer exports a model "
-                       "the engine was not started with?); sync.apply: load_weights loads by name instead")
-    if tuple(tensor.shape) != worker.mrl_sync_shapes[name]:
-        raise ValueError(f"HF tensor {name!r} arrived with shape {list(tensor.shape)}, the engine's sync plan "
-                         f"expects {list(worker.mrl_sync_shapes[name])}: the trainer's model is not the engine's")
+        raise KeyError(not_planned(name))
+    _check_shape(worker, name, tensor.shape)
     whole, sliced = [], []
     for c in plan[name]:
         hf_index, param_index = _indices(worker, c)
@@ -215,6 +213,49 @@ def _copy_tensor(worker: Any, name: str, tensor: torch.Tensor) -> tuple[list[Any
             dst.copy_(src)
             sliced.append((c, src))
     return whole, sliced
+
+
+def not_planned(name: str) -> str:
+    return (f"HF tensor {name!r} is not in this engine's sync plan (the trainer exports a model the engine was "
+            "not started with?); sync.apply: load_weights loads by name instead")
+
+
+def _check_shape(worker: Any, name: str, shape: Sequence[int]) -> None:
+    if tuple(shape) != worker.mrl_sync_shapes[name]:
+        raise ValueError(f"HF tensor {name!r} arrived with shape {list(shape)}, the engine's sync plan "
+                         f"expects {list(worker.mrl_sync_shapes[name])}: the trainer's model is not the engine's")
+
+
+def _recv_routed(worker: Any, header: dict) -> dict:
+    """A routed bucket (mrl.sync.routing): receive this worker's slices from the sender, then copy
+    each into the parameter regions its plan entries name (no whole HF tensor exists here). The
+    copies' checksums for the read-back are those of the slices as they arrived. Returns the names
+    received and those with a slice that arrived different, or a failure as data (see _load)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    from mrl.sync.routing import WORKER_GROUPS
+
+    rank = get_tensor_model_parallel_rank()
+    current = header["tensors"][0]["name"]
+    try:
+        for entry in header["tensors"]:  # before receiving: a wrong model fails with its tensor named
+            current = entry["name"]
+            if current in worker.mrl_sync_plan:
+                _check_shape(worker, current, entry["shape"])
+        slices, mismatched = WORKER_GROUPS.receive(header, header["workers"][rank], header["timeout_s"],
+                                                   f"engine worker {rank}")
+        arrived = {(name, box): (tensor, held) for name, box, tensor, held in slices}
+        targets = worker.mrl_sync_targets
+        for name in dict.fromkeys(name for name, *_ in slices):
+            current = name
+            for c in worker.mrl_sync_plan[name]:
+                src, held = arrived[(name, c.hf_box)]
+                dst = targets[c.param].data[_indices(worker, c)[1]]
+                dst.copy_(src.reshape(dst.shape))
+                worker.mrl_sync_written.append((c, held))
+    except Exception as err:  # noqa: BLE001 - raised by VLLMEngine.load_routed
+        return {"tensor": current, "error": f"{type(err).__name__}: {err}"}
+    return {"names": [name for name, *_ in slices], "mismatched": mismatched}
 
 
 def _indices(worker: Any, c: Any) -> tuple[tuple[slice, ...] | None, tuple[slice, ...]]:
@@ -729,6 +770,7 @@ class VLLMEngine:
     def _install_sync_plan(self) -> None:
         """Once per engine: compute every TP worker's sync plan and keep it in the worker."""
         from mrl.sync.plan import POST_APPLY, PlanError, build_plan, hf_metadata
+        from mrl.sync.routing import routes_from_plan
 
         if self._param_sources is not None:
             return
@@ -741,6 +783,8 @@ class VLLMEngine:
         plans = {w["tp_rank"]: build_plan(arch, hf, w) for w in self.parameter_metadata()}
         self.llm.collective_rpc(_install_plan, args=(plans, hf))
         self._hooks = POST_APPLY[arch]
+        self._routes = [routes_from_plan(plans[rank]) for rank in sorted(plans)]
+        self._planned = {name for route in self._routes for name in route}
         self._param_sources = {}
         for c in plans[0]:
             if c.hf_name is not None:
@@ -769,18 +813,44 @@ class VLLMEngine:
         self._received(names, sums, payload_bytes(header))
         self._apply(_load_shared, header, self.weight_apply, dict(zip(names, sums)))
 
+    def routes(self) -> list[dict]:
+        """Per TP worker, the boxes of each HF tensor its sync plan copies (mrl.sync.routing)."""
+        if self.weight_apply != "in_place":
+            raise ValueError("this engine applies updates by load_weights (sync.apply), whose workers take whole "
+                             "HF tensors; sync.transport routed needs sync.apply: in_place")
+        self._install_sync_plan()
+        return self._routes
+
+    def load_routed(self, header: dict) -> None:
+        """A routed bucket: each worker receives its own slices from the sender and copies them in
+        place (_recv_routed). A tensor is received as sent when every slice of it that any worker
+        received matched the sender's checksum; its receipt is then the sender's checksum."""
+        from mrl.sync.wire import payload_bytes as nbytes
+
+        unplanned = [e["name"] for e in header["tensors"] if e["name"] not in self._planned]
+        if unplanned:
+            raise WeightLoadError(unplanned[0], not_planned(unplanned[0]))
+        answers = self._apply(_recv_routed, header)
+        mismatched = {name for answer in answers for name in answer["mismatched"]}
+        sums = [(math.nan, math.nan) if e["name"] in mismatched else tuple(e["checksum"]) for e in header["tensors"]]
+        self._received([e["name"] for e in header["tensors"]], sums, sum(nbytes(w) for w in header["workers"]))
+
     def _received(self, names: list[str], sums: list[tuple[float, float]], nbytes: int) -> None:
         self._report.checksums.update(zip(names, sums))
         self._report.bytes += nbytes
         self._report.tensors += len(names)
 
-    def _apply(self, apply: Any, *args: Any) -> None:
+    def _apply(self, apply: Any, *args: Any) -> list:
+        """Run `apply` on every worker; each answers the names it loaded (a list, or a dict's
+        "names"), or a failure as data (see _load)."""
         start = time.perf_counter()
-        for loaded in self.llm.collective_rpc(apply, args=args):
-            if isinstance(loaded, dict):  # a failure, as data (see _load)
+        answers = self.llm.collective_rpc(apply, args=args)
+        for loaded in answers:
+            if isinstance(loaded, dict) and "error" in loaded:
                 raise WeightLoadError(loaded["tensor"], loaded["error"])
-            self._loaded.update(loaded)
+            self._loaded.update(loaded["names"] if isinstance(loaded, dict) else loaded)
         self._report.load_seconds += time.perf_counter() - start
+        return answers
 
     def finish_weight_update(self) -> WeightUpdateReport:
         start = time.perf_counter()

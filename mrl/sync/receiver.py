@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from mrl.sync.channel import IDENTITY_KEY, SHM_DIR, Channel, SyncEndpoint, accept_kept, unlink_quietly
 from mrl.sync.cuda_ipc import visible_gpus
+from mrl.sync.routing import publish_routes
 from mrl.sync.wire import (SyncError, WeightUpdateReport, checksums_match, describe, describe_failure, error_key,
                            for_engine, give_back_unopened, in_shared_memory, shared_bytes, unpack)
 
@@ -47,6 +48,7 @@ class WeightReceiver:
         # the store connection it rendezvoused on.
         self._kept: dict[tuple, Channel] = {}
         self._connections: dict[tuple, Any] = {}
+        self._published: set[tuple] = set()  # the hubs this engine's routes were published at
 
     def receive(self, sync_id: str, channels: int, engines: int = 1, index: int = 0,
                 hub: SyncEndpoint | None = None) -> WeightUpdateReport:
@@ -82,6 +84,7 @@ class WeightReceiver:
             t.start()
         try:
             self.engine.begin_weight_update()
+            self._publish_routes(fanout)
         except Exception as err:  # noqa: BLE001 - e.g. a model this engine cannot reload: tell the senders
             self._fail(sync_id, outcome, err, None, fanout)
         sent = self._drain(sync_id, channels, arrivals, outcome, fanout)
@@ -113,6 +116,15 @@ class WeightReceiver:
         held = report.checksums
         report.mismatched = [n for n, c in sent.items() if n not in held or not checksums_match(c, held[n])]
         return report
+
+    def _publish_routes(self, fanout: _Fanout) -> None:
+        """Once per hub: what each of this engine's workers needs of every HF tensor (or why it takes
+        no routed buckets), where a routed sender reads it (mrl.sync.routing). After the engine's
+        preparation, which plans its copies."""
+        hub = (fanout.hub.host, fanout.hub.port, fanout.hub.token)
+        if hub not in self._published:
+            publish_routes(fanout.store, self.endpoint.token, self.engine)
+            self._published.add(hub)
 
     def _connect(self, hub: SyncEndpoint) -> Any:
         """A client of the hub's store (engine 0's, or this engine's own): the rendezvous and the
@@ -169,7 +181,9 @@ class WeightReceiver:
         """One bucket into the engine. An engine that loads in other processes (vLLM's workers) is
         handed a bucket in shared memory as the header, which its processes map themselves: the
         bytes are never copied into a message to them."""
-        if self._shares(header):
+        if "workers" in header:  # routed: the workers receive their own slices from the sender
+            self.engine.load_routed(header)
+        elif self._shares(header):
             self.engine.load_shared(header, flat)
         else:
             self.engine.load_weights(unpack(header, flat))
@@ -283,6 +297,8 @@ class WeightReceiver:
             raise
         if flat is not None:
             return flat, header
+        if "workers" in header:  # routed: no bytes follow on the channel
+            return torch.empty(0, dtype=torch.uint8), header
         if getattr(self.engine, "load_shared", None) is None or not _shm_has_room(header["nbytes"]):
             return channel.recv_bytes(header["nbytes"], what), header
         path = os.path.join(SHM_DIR, f"mrl-recv-{self.endpoint.port}-{uuid.uuid4().hex[:12]}")

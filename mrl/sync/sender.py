@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from mrl.sync.channel import (IDENTITY_KEY, SHM_DIR, Channel, SyncEndpoint, bucket_path, bucket_prefix,
                               channel_count, offer_kept, slot_path, unlink_quietly)
-from mrl.sync.wire import (Bucket, Packed, SyncError, describe, describe_failure, dtype_named, error_key,
-                           in_shared_memory, pack, packed_layout, payload_bytes)
+from mrl.sync.wire import (Bucket, Packed, SyncError, checksums, describe, describe_failure, dtype_named, error_key,
+                           in_shared_memory, pack, packed_layout, payload_bytes, wire_dtype)
 
-TRANSPORTS = ("colocated", "broadcast")
+TRANSPORTS = ("colocated", "broadcast", "routed")
 QUANTIZATIONS = (None, "fp8")  # what the sender can produce for an engine: as is, or DeepSeek's block FP8
 # TCPStore retries an unreachable port for its timeout, and its last try (plus a back-off) may
 # start just before that ends (measured: ~9.5 s with a 3 s timeout): wait 2 × timeout + this.
@@ -183,6 +183,9 @@ def _endpoints(endpoints: SyncEndpoint | list[SyncEndpoint], transport: str) -> 
     endpoints = [endpoints] if isinstance(endpoints, SyncEndpoint) else list(endpoints)
     if not endpoints or len({(e.dtype, e.device, e.quantization) for e in endpoints}) != 1:
         raise ValueError(f"a weight sync feeds one or more engines of one dtype, device and quantization; got {endpoints}")
+    if transport == "routed" and endpoints[0].quantization is not None:
+        raise ValueError("sync.transport routed sends unquantised slices; an engine holding FP8 weights takes "
+                         "'broadcast' or 'colocated'")
     if endpoints[0].quantization not in QUANTIZATIONS:
         raise ValueError(f"the engine holds {endpoints[0].quantization!r}-quantised weights; the weight sync produces "
                          "unquantised or block-FP8 ('fp8') weights only: start the engine from an unquantised or a "
@@ -207,6 +210,8 @@ class BucketSender:
         self.engine_dtype = dtype_named(self.endpoint.dtype)
         self._store: Any = None
         self._kept: Channel | None = None
+        self._groups: dict[str, Any] = {}  # routed: each engine's group, kept with the channel, by prefix
+        self._routes: list | None = None  # routed: every engine's routes, read once (mrl.sync.routing)
         self.staging = Staging()  # the pinned host buffer a GPU's bucket is packed into for the wire
 
     def send(self, sync_id: str, buckets: Iterable[Bucket]) -> SentReport:
@@ -228,7 +233,7 @@ class BucketSender:
             link.finish(report)
             # Every message of this send went through: its connection and channel are reusable. A
             # failed send gives neither back (the engine may be gone): the next one connects anew.
-            self._store, self._kept = link.store, link.channel
+            self._store, self._kept, self._groups = link.store, link.channel, link.groups
         except SyncError as err:
             raise SyncError(link.diagnosed(str(err))) from err
         finally:
@@ -296,8 +301,8 @@ class _Link:
         # The store connection and channel kept from the last push: taken here, on the calling
         # thread (the sender gets them back only after a push that succeeded; an opening still
         # running after a failed push must not take a later push's).
-        store, kept = sender._store, sender._kept
-        sender._store = sender._kept = None
+        store, kept, self.groups = sender._store, sender._kept, sender._groups
+        sender._store, sender._kept, sender._groups = None, None, {}
         # The channel opens on a thread while the export makes the first bucket: the handshake waits
         # for the engines' receiving threads, the export for the other ranks' shards (measured: 7 of
         # the demo's 60 ms sync were the export waiting for the handshake).
@@ -344,6 +349,8 @@ class _Link:
         self.failed = self.failed or _engine_failed(self.store, self.sync_id, self.who, index)
         if self.failed:
             return self.drop(bucket)
+        if self.sender.transport == "routed":
+            return self._send_routed(channel, index, bucket, report)
         header, flat = (bucket.header, bucket.flat) if isinstance(bucket, Packed) else self._pack(bucket, index)
         del bucket
         what = f"sending bucket {index} ({describe(header)})"
@@ -357,6 +364,74 @@ class _Link:
         freed = self._release()
         self.unreleased = index, header.get("shm"), flat
         return freed
+
+    def _send_routed(self, channel: Channel, index: int, bucket: Bucket, report: SentReport) -> int:
+        """Announce a bucket on the channel, then send each engine worker its own slices over the
+        routed group (mrl.sync.routing); the engines' workers receive them while loading it."""
+        from mrl.sync import routing
+
+        routes = self._routes()
+        if routes is None:  # an engine failed before it published them
+            self.failed = True
+            return self.drop(bucket)
+        dtype, who = self.sender.engine_dtype, self.who
+        whole = [{"name": name, "shape": list(t.shape), "dtype": str(wire_dtype(name, dtype, t.dtype)), "checksum": c}
+                 for (name, t), c in zip(bucket, checksums([t for _, t in bucket]))]
+        packed: dict[int, tuple[dict, torch.Tensor]] = {}  # per distinct route (engines alike share it)
+        for route in {id(route): route for workers in routes for route in workers}.values():
+            packed[id(route)] = routing.pack_routed(bucket, route, dtype)
+        del bucket
+        # One group per engine (with this leader): a group spanning engines deadlocked a fan-out of
+        # PP stages, each engine joining the stages' groups in the order their buckets arrived.
+        engines = [{"group": f"{channel.prefix}/engine{i}", "members": 1 + len(workers),
+                    "workers": [{**packed[id(route)][0], "member": 1 + w} for w, route in enumerate(workers)]}
+                   for i, workers in enumerate(routes)]
+        hub = self.sender.endpoint
+        header = {"tensors": whole, "nbytes": 0, "routed": engines, "stage": self.sender.stage, "index": index,
+                  "hub": [hub.host, hub.port], "timeout_s": self.sender.timeout_s}
+        what = f"sending bucket {index} ({describe(header)})"
+        channel.send_json(header, what)
+        works = []  # each engine's group after the header: its workers join as they load the bucket
+        for engine, workers in zip(engines, routes):
+            group = self._routed_group(engine["group"], engine["members"])
+            works += group.send([(1 + w, packed[id(route)][1]) for w, route in enumerate(workers)])
+        if not routing.wait_sends(works, self.store, self.sync_id, who, f"{what} to the engines' workers",
+                                  self.sender.timeout_s):
+            self.failed = True  # an engine failed while its workers were to receive this bucket
+            return 1
+        report.checksums.update((e["name"], tuple(e["checksum"])) for e in whole)
+        report.bytes += payload_bytes(header)
+        return 1
+
+    def _routes(self) -> list | None:
+        """Every engine's routes (per worker), read from the hub's store at the first routed bucket
+        of this sender and kept (an engine's plan never changes; a restarted engine is a new sender)."""
+        from mrl.sync.routing import read_routes
+
+        sender = self.sender
+        if sender._routes is None:
+            interned: dict[str, Any] = {}  # engines with equal routes share one packed buffer per bucket
+            routes = []
+            for i, endpoint in enumerate(sender.endpoints):
+                workers = read_routes(self.store, endpoint.token, self.sync_id, f"{self.short} → engine {i}",
+                                      sender.timeout_s)
+                if workers is None:
+                    return None
+                routes.append([interned.setdefault(json.dumps(w, sort_keys=True), w) for w in workers])
+            sender._routes = routes
+        return sender._routes
+
+    def _routed_group(self, prefix: str, size: int) -> Any:
+        """An engine's routed group on this channel (`prefix`): kept with the channel, else made (the
+        engine's workers join it as they load the bucket just announced)."""
+        from mrl.sync.routing import LeaderGroup
+
+        group = self.groups.get(prefix)
+        if group is None or group.size != size:
+            channel = prefix.rpartition("/")[0]  # another channel's groups go
+            self.groups = {key: g for key, g in self.groups.items() if key.rpartition("/")[0] == channel}
+            self.groups[prefix] = LeaderGroup(self.store, prefix, size, self.sender.timeout_s, self.who)
+        return self.groups[prefix]
 
     @staticmethod
     def drop(bucket: Bucket | Packed) -> int:

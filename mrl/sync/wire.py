@@ -372,7 +372,11 @@ def shared_bytes(header: dict, opener: int = 0) -> torch.Tensor | None:
 
 
 def for_engine(header: dict, index: int) -> dict:
-    """The header as engine `index` of a fan-out loads it: its own CUDA IPC handles (mrl.sync.cuda_ipc)."""
+    """The header as engine `index` of a fan-out loads it: its own CUDA IPC handles (mrl.sync.cuda_ipc),
+    or its own workers' slices of a routed bucket ("workers", mrl.sync.routing)."""
+    if "routed" in header:
+        mine = {key: value for key, value in header.items() if key != "routed"}
+        return {**mine, **header["routed"][index]}  # its group, members and workers
     if "cuda_ipc" not in header:
         return header
     from mrl.sync.cuda_ipc import for_engine as handles_for

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import math
 import multiprocessing as mp
 import os
 import re
@@ -75,12 +76,67 @@ class MappingEngine(RecordingEngine):
         self.load_weights(unpack(header, shared_bytes(header)))
 
 
+class RoutedEngine(RecordingEngine):
+    """Takes routed buckets (sync.transport routed) as a TP2 vLLM engine does (VLLMEngine.load_routed):
+    two workers (threads here, each with its own groups), worker w wanting the w-th half of the
+    rows of every tensor with an even number of them, and all of the others. Each tensor is put
+    together again from the halves; `received` counts the bytes each worker received."""
+
+    def __init__(self, hf_dir: str, **kwargs):
+        from mrl.sync.plan import hf_metadata
+        from mrl.sync.routing import WorkerGroups
+
+        super().__init__(**kwargs)
+        self.shapes = {name: meta["shape"] for name, meta in hf_metadata(hf_dir).items()}
+        self.workers = [WorkerGroups(), WorkerGroups()]
+        self.received = [0, 0]
+
+    def begin_weight_update(self):
+        super().begin_weight_update()
+        self.received = [0, 0]
+
+    def routes(self):
+        def box(shape, w):
+            rows = shape[0] // 2 if shape[0] % 2 == 0 else None
+            return [[w * rows, (w + 1) * rows] if rows else [0, shape[0]]] + [[0, n] for n in shape[1:]]
+
+        return [{name: [box(shape, w)] for name, shape in self.shapes.items()} for w in range(2)]
+
+    def load_routed(self, header):
+        import threading
+
+        from mrl.sync.wire import payload_bytes
+
+        if self.buckets == self.die_at:
+            os._exit(3)
+        if any(e["name"] == self.fail_on for e in header["tensors"]) and self.fail_in_update in (None, self.updates):
+            raise WeightLoadError(self.fail_on, "RuntimeError: The size of tensor a (64) must match the size of tensor b (32)")
+        got: list = [None, None]
+
+        def worker(w):
+            got[w] = self.workers[w].receive(header, header["workers"][w], 60, f"worker {w}")
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        whole = {e["name"]: torch.zeros(e["shape"]) for e in header["tensors"]}
+        for w, (slices, mismatched) in enumerate(got):
+            assert not mismatched, mismatched
+            self.received[w] += payload_bytes(header["workers"][w])
+            for name, box, tensor, _ in slices:
+                whole[name][tuple(slice(a, b) for a, b in box)] = tensor
+        self.load_weights(list(whole.items()))
+
+
 def _engine_process(endpoints, results, engine_kwargs, channels, delay_s, fanout=(1, 0, None), sync_id="sync0"):
     if engine_kwargs.pop("shm_full", False):  # as if /dev/shm had no room for a bucket (Docker's 64 MB)
         import mrl.sync.receiver
 
         mrl.sync.receiver._shm_has_room = lambda nbytes: False
-    engine = (MappingEngine if engine_kwargs.pop("maps", False) else RecordingEngine)(**engine_kwargs)
+    kind = RoutedEngine if "hf_dir" in engine_kwargs else MappingEngine if engine_kwargs.pop("maps", False) else RecordingEngine
+    engine = kind(**engine_kwargs)
     receiver = WeightReceiver(engine, timeout_s=60)
     endpoints.put(receiver.endpoint)
     time.sleep(delay_s)
@@ -88,7 +144,8 @@ def _engine_process(endpoints, results, engine_kwargs, channels, delay_s, fanout
         try:
             report = receiver.receive(one, channels, *fanout)
             kept = (sorted(channel.prefix for channel in receiver._kept.values()),) if isinstance(sync_id, tuple) else ()
-            results.put(("ok", report.tensors, report.mismatched, report.checksums, engine.digests) + kept)
+            routed = (list(engine.received),) if isinstance(engine, RoutedEngine) else ()
+            results.put(("ok", report.tensors, report.mismatched, report.checksums, engine.digests) + kept + routed)
         except Exception as err:  # noqa: BLE001
             results.put(("error", str(err)))
 
@@ -556,3 +613,72 @@ def test_the_shared_exports_barrier_passes_the_leaders_word_and_fails_ranks_out_
         assert out == [7, 7]
     else:
         assert all("different buckets" in o for o in out), out
+
+
+# --- sync.transport routed: each engine worker receives only its own slices -------------------
+
+@pytest.mark.parametrize("layout", [ParallelLayout(tp=2), ParallelLayout(pp=2)], ids=lambda layout: layout.describe())
+def test_routed_workers_each_receive_only_their_own_slices(tiny_model_dir, layout):
+    """Every tensor arrives intact, put together from two workers' halves; each worker received
+    about half of the bytes (the replicated odd-row tensors go to both), not all of them."""
+    from mrl.bridge.hf_checkpoint import HFCheckpoint
+
+    hf_dir = tiny_model_dir("qwen3")
+    proc, endpoint, results = _start_engine(channels=layout.pp, hf_dir=str(hf_dir), sync_id=("r1", "r2"))
+    sent = run_local(_push_twice, layout.min_world_size(), str(hf_dir), layout, endpoint, "routed", 60, ["r1", "r2"])
+    received = [results.get(timeout=60) for _ in range(2)]
+    proc.join(timeout=10)
+    ckpt = HFCheckpoint(hf_dir)
+    for status, tensors, mismatched, held, _, kept, _ in received:
+        assert status == "ok" and not mismatched and set(held) == set(ckpt.names())
+        for name in ckpt.names():
+            assert held[name] == tensor_checksum(ckpt.read(name).float()), name
+        assert kept == [f"r1/channel{stage}" for stage in range(layout.pp)]  # the second push reused them
+    total = sum(math.prod(ckpt.shape(name)) * 4 for name in ckpt.names())
+    for status, *_, per_worker in received:  # bytes each worker received in that update (float32)
+        assert all(0.4 * total < n < 0.6 * total for n in per_worker), (per_worker, total)
+
+
+def test_routed_fanout_two_engines_hold_identical_bytes(tiny_model_dir):
+    """One routed export, two engines: one group of the leader and both engines' four workers."""
+    from mrl.bridge.hf_checkpoint import HFCheckpoint
+
+    hf_dir = tiny_model_dir("qwen3")
+    each = {"hf_dir": str(hf_dir)}
+    engines = _start_engines(2, 2, "fanout-routed", e0=each, e1=each)
+    run_local(_push, 2, str(hf_dir), ParallelLayout(pp=2), [e[1] for e in engines], "routed", 60, "fanout-routed")
+    outcomes = [results.get(timeout=60) for _, _, results in engines]
+    for proc, _, _ in engines:
+        proc.join(timeout=10)
+    ckpt = HFCheckpoint(hf_dir)
+    for status, tensors, mismatched, held, _, _ in outcomes:
+        assert status == "ok" and not mismatched and set(held) == set(ckpt.names())
+        for name in ckpt.names():
+            assert held[name] == tensor_checksum(ckpt.read(name).float()), name
+    assert outcomes[0][4] == outcomes[1][4]
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(), ParallelLayout(pp=2)], ids=lambda layout: layout.describe())
+def test_routed_engine_error_reaches_every_sender_at_once(tiny_model_dir, layout):
+    """The engine fails before its workers receive a bucket: the leaders waiting for those
+    workers stop within seconds (not the 60 s timeout) with the engine's message and tensor."""
+    bad = "model.layers.1.mlp.down_proj.weight"
+    hf_dir = tiny_model_dir("qwen3")
+    proc, endpoint, results = _start_engine(channels=layout.pp, hf_dir=str(hf_dir), fail_on=bad)
+    outcomes = [r for r in run_local(_push_until_error, layout.min_world_size(), str(hf_dir), layout, endpoint,
+                                     "routed", 60) if r is not None]
+    status, message = results.get(timeout=60)
+    proc.join(timeout=10)
+    assert len(outcomes) == layout.pp
+    for seconds, error in outcomes:
+        assert f"failed while loading '{bad}'" in error and seconds < 10, (seconds, error)
+    assert status == "error" and bad in message
+
+
+def test_routed_to_an_engine_without_routes_is_refused_naming_the_fix(tiny_model_dir):
+    proc, endpoint, results = _start_engine()
+    outcomes = [r for r in run_local(_push_until_error, 1, str(tiny_model_dir("qwen3")), ParallelLayout(), endpoint,
+                                     "routed", 20) if r is not None]
+    proc.join(timeout=60)
+    assert "sync.transport routed needs every engine to apply in place" in outcomes[0][1], outcomes
+    assert "RecordingEngine takes no routed buckets" in outcomes[0][1], outcomes

@@ -92,6 +92,8 @@ def test_the_engine_declares_its_device_and_one_sync_feeds_one_kind_of_engine():
     fp8 = SyncEndpoint("127.0.0.1", 3, "torch.bfloat16", quantization="fp8")
     with pytest.raises(ValueError, match="one dtype, device and quantization"):
         BucketSender([fp8, SyncEndpoint("127.0.0.1", 4, "torch.bfloat16")], transport="broadcast")
+    with pytest.raises(ValueError, match="sync.transport routed sends unquantised slices"):
+        BucketSender(fp8, transport="routed")
     with pytest.raises(ValueError, match="'awq'-quantised weights; the weight sync produces unquantised or block-FP8"):
         BucketSender(SyncEndpoint("127.0.0.1", 5, "torch.bfloat16", quantization="awq"), transport="broadcast")
 

@@ -111,7 +111,7 @@ def test_bad_types(tmp_path):
     assert errors_of(TINY, "parallel.tp=two") == ["parallel.tp: must be an integer, got 'two'"]
     assert errors_of(TINY, "rollout.enforce_eager=maybe") == ["rollout.enforce_eager: must be true or false, got 'maybe'"]
     assert errors_of(TINY, "sync.transport=pigeon") == [
-        "sync.transport: must be one of 'colocated', 'broadcast', 'object_store', got 'pigeon'"]
+        "sync.transport: must be one of 'colocated', 'broadcast', 'routed', 'object_store', got 'pigeon'"]
     assert errors_of(TINY, "algo.overlong=3") == ["algo.overlong must be a mapping of keys, got '3'."]
     recipe = write(tmp_path / "r.yaml", f"base: {TINY}\ntrainer:\n  name: 5\n  seed: 1.5\noptim:\n  lr: fast\n")
     assert errors_of(recipe) == [
@@ -126,7 +126,9 @@ def test_bad_types(tmp_path):
     [
         ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1], got 1.5."),
         ("trainer.sft_lr=0", "trainer.sft_lr must be > 0 (or null: optim.lr), got 0."),
-        ("sync.transport=object_store", "sync.transport 'object_store' is not built yet: use 'colocated' or 'broadcast'."),
+        ("sync.transport=object_store", "sync.transport 'object_store' is not built yet: use 'colocated', 'broadcast' or 'routed'."),
+        ("sync.transport=routed sync.apply=load_weights", "sync.transport 'routed' sends each engine worker the "
+         "slices its in-place plan copies; it needs sync.apply: in_place (or use transport 'broadcast')."),
         ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c must be > 1 (or null to disable dual clip), got 0.5."),
         ("optim.betas=[0.9]", "optim.betas must be two numbers in [0, 1), got [0.9]."),
         ("rollout.max_new_tokens=64", "rollout.max_new_tokens 64 leaves no room for the prompt in rollout.max_model_len 64"),

@@ -1,0 +1,201 @@
+"""Per-worker routing (sync.transport "routed"): each worker of an engine receives only the slices
+of each HF tensor that its sync plan copies (a TP2 engine's rank 1 never receives rank 0's half),
+point to point from its pipeline stage's leader.
+
+- The engine publishes, once per hub, its *routes*: per worker (TP rank), per HF name, the
+  distinct boxes of that tensor its plan copies (routes_from_plan), in the hub's store under
+  routes_key(token). An engine that cannot take routed buckets publishes why instead.
+- The leader packs, per bucket and per distinct route, the slices into one buffer (pack_routed),
+  announces the bucket on the channel as ever (the header carries each worker's slice entries;
+  no bytes follow there) and sends each buffer to its worker over a gloo group of the leader
+  (member 0) and one engine's workers (member 1 + TP rank). One group per engine: a group
+  spanning engines deadlocked a fan-out of PP stages (each engine joins the stages' groups in the
+  order their buckets reach it). Each is made at the first routed bucket of a channel and kept as
+  long as the channel is.
+- Each worker receives inside the engine's call for that bucket (WorkerGroups.receive), checks
+  every slice's checksum against the sender's, and copies the slices into its parameters.
+
+Routing works where the engine's workers reach the leader over TCP, on this node or another:
+what an engine spanning nodes needs, since its workers cannot map one node's /dev/shm.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from mrl.sync.wire import Bucket, SyncError, bucket_checksums, checksums_match, error_key, pack, unpack
+
+Route = dict[str, list[list[list[int]]]]  # per HF name, the boxes ([[start, stop] per dim]) one worker needs
+
+
+def routes_key(token: str) -> str:
+    """Where an engine's routes (or its refusal) wait in the hub's store."""
+    return f"mrl/routes/{token}"
+
+
+def routes_from_plan(copies: Iterable[Any]) -> Route:
+    """One worker's route: the distinct HF boxes of its plan's copies (mrl.sync.plan.Copy), by name."""
+    route: Route = {}
+    for c in copies:
+        if c.hf_name is None:  # padding: nothing travels
+            continue
+        boxes = route.setdefault(c.hf_name, [])
+        box = [list(b) for b in c.hf_box]
+        if box not in boxes:
+            boxes.append(box)
+    return route
+
+
+def publish_routes(store: Any, token: str, engine: Any) -> None:
+    """The engine's routes, per worker, or why it takes no routed buckets."""
+    routes = getattr(engine, "routes", None)
+    try:
+        value = {"workers": routes()} if routes is not None else {
+            "refused": f"{type(engine).__name__} takes no routed buckets (its workers do not receive slices)"}
+    except Exception as err:  # noqa: BLE001 - e.g. an engine applying by load_weights: the sender says why
+        value = {"refused": f"{type(err).__name__}: {err}"}
+    store.set(routes_key(token), json.dumps(value))
+
+
+def read_routes(store: Any, token: str, sync_id: str, who: str, timeout_s: float) -> list[Route] | None:
+    """An engine's routes, waiting as long as `timeout_s` for it to publish them; None when an
+    engine of the sync posted its error meanwhile (the sender stops sending). A refusal is raised."""
+    key, deadline = routes_key(token), time.monotonic() + timeout_s
+    while not store.check([key]):
+        if store.check([error_key(sync_id)]):
+            return None
+        if time.monotonic() > deadline:
+            raise SyncError(f"{who}: the engine did not publish its routes (sync.transport routed) within "
+                            f"{timeout_s:.0f}s")
+        time.sleep(0.05)
+    value = json.loads(store.get(key))
+    if "refused" in value:
+        raise SyncError(f"{who}: sync.transport routed needs every engine to apply in place "
+                        f"(sync.apply: in_place on a vLLM engine); this engine refused: {value['refused']}")
+    return value["workers"]
+
+
+def _fits(box: list[list[int]], shape: torch.Size) -> bool:
+    return len(box) == len(shape) and all(0 <= a <= b <= n for (a, b), n in zip(box, shape))
+
+
+def pack_routed(bucket: Bucket, route: Route, dtype: torch.dtype) -> tuple[dict, torch.Tensor]:
+    """One worker's slices of a bucket, packed (mrl.sync.wire.pack: cast, with a checksum each);
+    each entry gains its HF `box`. A box that does not fit the tensor that came (a model other than
+    the engine's) is left out: the worker names the tensor by its shape."""
+    slices, boxes = [], []
+    for name, tensor in bucket:
+        for box in route.get(name, ()):
+            if _fits(box, tensor.shape):
+                slices.append((name, tensor[tuple(slice(a, b) for a, b in box)]))
+                boxes.append(box)
+    header, flat = pack(slices, dtype)
+    for entry, box in zip(header["tensors"], boxes):
+        entry["box"] = box
+    return header, flat
+
+
+class LeaderGroup:
+    """A leader's routed group, made when the first routed bucket of its channel is sent, and
+    kept with the channel (its prefix is the channel's: a new channel means a new group)."""
+
+    def __init__(self, store: Any, prefix: str, size: int, timeout_s: float, who: str):
+        self.prefix, self.size = prefix, size
+        try:
+            self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), 0, size, timedelta(seconds=timeout_s))
+        except RuntimeError as err:
+            raise SyncError(f"{who}: the engines' workers did not join the routed group {prefix!r} within "
+                            f"{timeout_s:.0f}s: {err}") from err
+
+    def send(self, buffers: list[tuple[int, torch.Tensor]]) -> list[Any]:
+        """Post every (member, buffer) send at once; the caller waits on them."""
+        return [self.group.send([flat], member, 0) for member, flat in buffers if flat.numel()]
+
+
+def wait_sends(works: list[Any], store: Any, sync_id: str, who: str, what: str, timeout_s: float) -> bool:
+    """Wait for posted sends; False (stop waiting) once an engine posted its error: its workers will
+    never receive. A gloo send cannot be polled (is_completed stays False until wait) nor waited on
+    again after a wait that timed out, so one thread waits its whole timeout while this one looks."""
+    done, errors = threading.Event(), []
+
+    def wait() -> None:
+        try:
+            for work in works:
+                work.wait(timedelta(seconds=timeout_s))
+        except BaseException as err:  # noqa: BLE001 - raised below
+            errors.append(err)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="mrl-routed-send", daemon=True).start()
+    deadline = time.monotonic() + timeout_s + 5.0
+    while not done.wait(0.1):
+        if store.check([error_key(sync_id)]):
+            return False
+        if time.monotonic() > deadline:
+            break
+    if not done.is_set() or errors:
+        raise SyncError(f"{who}: {what} failed or timed out after {timeout_s:.0f}s: "
+                        f"{errors[0] if errors else 'no worker received it'}")
+    return True
+
+
+class WorkerGroups:
+    """A worker's routed groups, one per channel (pipeline stage), kept while the channel is: a
+    header naming another prefix for a stage means the leader made a new channel."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.stores: dict[tuple[str, int], Any] = {}
+        self.groups: dict[int, tuple[str, Any]] = {}
+
+    def _group(self, header: dict, member: int, timeout_s: float, who: str) -> Any:
+        stage, prefix, size = header["stage"], header["group"], header["members"]
+        kept = self.groups.get(stage)
+        if kept is not None and kept[0] == prefix:
+            return kept[1]
+        self.groups.pop(stage, None)
+        host, port = header["hub"]
+        try:
+            if (host, port) not in self.stores:
+                self.stores[(host, port)] = dist.TCPStore(host, port, is_master=False,
+                                                          timeout=timedelta(seconds=timeout_s))
+            group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.stores[(host, port)]), member, size,
+                                          timedelta(seconds=timeout_s))
+        except RuntimeError as err:
+            raise SyncError(f"{who}: could not join the routed group {prefix!r} at the hub {host}:{port} "
+                            f"within {timeout_s:.0f}s: {err}") from err
+        self.groups[stage] = prefix, group
+        return group
+
+    def receive(self, header: dict, mine: dict, timeout_s: float,
+                who: str) -> tuple[list[tuple[str, tuple, torch.Tensor, tuple]], list[str]]:
+        """This worker's slices of a routed bucket (`mine`: its entry of the header): per slice its
+        HF name, its box, a view of the received buffer and the checksum of what arrived; and the
+        names of the tensors with a slice that arrived different from what was sent."""
+        with self.lock:
+            group = self._group(header, mine["member"], timeout_s, who)
+        flat = torch.empty(mine["nbytes"], dtype=torch.uint8)
+        if mine["nbytes"]:
+            try:
+                group.recv([flat], 0, 0).wait(timedelta(seconds=timeout_s))
+            except RuntimeError as err:
+                with self.lock:
+                    self.groups.pop(header["stage"], None)  # the leader is gone or gave up: rejoin next time
+                raise SyncError(f"{who}: receiving its slices of bucket {header['index']} failed or timed out "
+                                f"after {timeout_s:.0f}s: {err}") from err
+        entries = mine["tensors"]
+        sums = bucket_checksums(entries, flat)
+        bad = sorted({e["name"] for e, held in zip(entries, sums) if not checksums_match(held, tuple(e["checksum"]))})
+        return [(e["name"], tuple(tuple(b) for b in e["box"]), tensor, held)
+                for e, (_, tensor), held in zip(entries, unpack(mine, flat), sums)], bad
+
+
+WORKER_GROUPS = WorkerGroups()  # this process's (a vLLM worker's, or the engine's own with one worker)
