@@ -153,10 +153,12 @@ def test_trainer_push_applies_in_place(arch, layout, transport, tiny_model_dir, 
     _push_in_place(arch, layout, transport, ENGINE | {"weight_apply": "in_place"}, tiny_model_dir, tmp_path)
 
 
-@pytest.mark.parametrize("arch, layout, transport", [("qwen2", "pp2", "broadcast"), ("deepseek_v3", "tp2ep2", "colocated")])
+@pytest.mark.parametrize("arch, layout, transport", [("qwen2", "pp2", "routed"), ("deepseek_v3", "tp2ep2", "colocated")])
 def test_engine_tp2_applies_in_place(arch, layout, transport, tiny_model_dir, tmp_path, ray_local):
     """A TP2 engine (two workers, each with its own plan); parity against the Megatron that pushed.
-    qwen2: its single K/V head replicated on both ranks, its 896-row vocabulary split in two.
+    qwen2 over sync.transport routed (each worker receives only its own slices, from both PP
+    stages' leaders): its single K/V head replicated on both ranks, its 896-row vocabulary split in two
+    (a TP2 engine fed by broadcast: test_weight_sync.py).
     deepseek_v3 from a TP2×EP2 trainer: MLA's projections split, and experts whose per-rank
     intermediate size (16) vLLM-CPU pads to 32, which its layer-wise reload refuses
     (test_weight_sync.py::test_engine_refusal_reaches_the_trainer_at_once) and the plan applies."""
