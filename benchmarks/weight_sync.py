@@ -18,11 +18,12 @@ and the peak extra RSS of each trainer rank and of the engine during the sync (s
 With `--engines 1,2` each case runs once per engine count: one export fanned out to N engines
 (each in its own Ray actor), timed until the last engine holds the new weights; the N-engine row
 gives `time_ratio_to_1_engine`. `--no-pipeline` sends each bucket before exporting the next. `--engine null-process`: the null
-engines in plain processes, without Ray (e.g. on a machine that has no Ray).
+engines in plain processes, without Ray (e.g. on a machine that has no Ray). `--engine-tp 2`: vLLM
+engines of two workers each (with `--transports routed`, each receives only its own slices).
 
     .venv/bin/python benchmarks/weight_sync.py [--size-gb 1.0] [--layouts tp2,pp2,ep2] [--workdir DIR]
         [--apply load_weights|in_place] [--transports colocated,broadcast] [--cases sync,naive] [--repeats N]
-        [--engines 1,2] [--no-pipeline] [--bucket-mb 512] [--engine vllm|null|null-process]
+        [--engines 1,2] [--no-pipeline] [--bucket-mb 512] [--engine vllm|null|null-process] [--engine-tp 2]
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from mrl.megatron.local_launch import run_local  # noqa: E402
 from mrl.sync.channel import channel_count  # noqa: E402
 
 LAYOUTS = {"tp2": ParallelLayout(tp=2), "pp2": ParallelLayout(pp=2), "ep2": ParallelLayout(ep=2)}
-TRANSPORTS = ("colocated", "broadcast")
+TRANSPORTS = ("colocated", "broadcast")  # the default; "routed" needs --apply in_place
 MB = 1024**2
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 * MB)
 
@@ -229,7 +230,7 @@ class RayEngine:
         ray.kill(self.actor)
 
 
-def _start_engine(hf_dir: Path, apply: str, kind: str):
+def _start_engine(hf_dir: Path, apply: str, kind: str, tp: int = 1):
     if kind == "null-process":
         return ProcessEngine()
     import ray
@@ -238,13 +239,14 @@ def _start_engine(hf_dir: Path, apply: str, kind: str):
         return RayEngine(ray.remote(NullServer).options(num_cpus=1).remote())
     from mrl.launch.rollout_actor import start_rollout_actor
 
-    return RayEngine(start_rollout_actor(str(hf_dir), ENGINE | {"weight_apply": apply}, sync_timeout_s=600))
+    return RayEngine(start_rollout_actor(str(hf_dir), ENGINE | {"weight_apply": apply, "tensor_parallel_size": tp},
+                                         sync_timeout_s=600, num_cpus=tp))
 
 
 def run(hf_dir: Path, layouts: list[str], apply: str = "load_weights", transports=TRANSPORTS,
         case_names=("sync", "naive"), repeats: int = 1, engine_counts=(1,), pipeline: bool = True,
-        bucket_mb: int = 512, engine_kind: str = "vllm") -> list[dict]:
-    actors = [_start_engine(hf_dir, apply, engine_kind) for _ in range(max(engine_counts))]
+        bucket_mb: int = 512, engine_kind: str = "vllm", engine_tp: int = 1) -> list[dict]:
+    actors = [_start_engine(hf_dir, apply, engine_kind, engine_tp) for _ in range(max(engine_counts))]
     endpoints = [a.call("endpoint").get(600) for a in actors]
     cases = [c for c in [("sync", bucket_mb * MB), ("sync2", bucket_mb * MB), ("naive", 1 << 40)] if c[0] in case_names]
     rows = []
@@ -255,6 +257,7 @@ def run(hf_dir: Path, layouts: list[str], apply: str = "load_weights", transport
             for count in engine_counts:
                 row = _one(hf_dir, key, rep, layout, transport, cases, actors[:count], endpoints[:count], pipeline)
                 row["apply"] = apply if engine_kind == "vllm" else f"{engine_kind} engine"
+                row["engine_tp"] = engine_tp
                 for name, _ in cases:
                     if count == 1:
                         single[name] = row[name]["seconds"]
@@ -319,6 +322,7 @@ def main() -> None:
     parser.add_argument("--engines", default="1", help="engine counts to fan out to, e.g. 1,2 (one export each)")
     parser.add_argument("--no-pipeline", action="store_true", help="send each bucket before exporting the next")
     parser.add_argument("--bucket-mb", type=int, default=512, help="the sync case's bucket size")
+    parser.add_argument("--engine-tp", type=int, default=1, help="the vLLM engines' tensor_parallel_size")
     parser.add_argument("--engine", choices=("vllm", "null", "null-process"), default="vllm",
                         help="null: engines that keep only checksums (the transport alone); null-process: "
                              "the same without Ray, each in a process of its own")
@@ -335,7 +339,7 @@ def main() -> None:
     try:
         run(hf_dir, args.layouts.split(","), args.apply, args.transports.split(","), args.cases.split(","),
             args.repeats, [int(n) for n in args.engines.split(",")], not args.no_pipeline, args.bucket_mb,
-            args.engine)
+            args.engine, args.engine_tp)
     finally:
         if ray is not None:
             ray.shutdown()

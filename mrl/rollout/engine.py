@@ -106,7 +106,9 @@ class RolloutEngine(Protocol):
         The sync reads three optional attributes: `device` ("cuda": a colocated trainer's GPU
         buckets come as CUDA IPC handles), `quantization` ("fp8") and `ipc_opens` (how many
         times its processes open a CUDA IPC bucket: the receiver's, then worker r's as opener
-        1 + r; each open needs a handle of its own, mrl.sync.cuda_ipc)."""
+        1 + r; each open needs a handle of its own, mrl.sync.cuda_ipc). An engine whose workers
+        receive their own slices (sync.transport routed, mrl.sync.routing) offers `routes()` (per
+        worker, the HF boxes it needs) and `load_routed(header)`."""
 
     def finish_weight_update(self) -> WeightUpdateReport:
         """Post-load processing (e.g. MLA's derived matrices), prefix-cache reset, the report; the

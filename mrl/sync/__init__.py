@@ -4,9 +4,10 @@ Every trainer rank calls `WeightSender.push` (sender.py); the engine's process c
 `WeightReceiver.receive` (receiver.py); the driver runs both and the parity gate (driver.py,
 parity.py). Modules: wire (buckets, pack/unpack, checksums), channel (the transport), sender,
 receiver, shared_export (colocated: every rank writes its shards into the shared bucket), cuda_ipc,
-parity, driver, plan (sync.apply in_place: where each HF slice lands in the engine). The input is
-the bridge's export (or any buckets: sender.BucketSender), or, for shared_export, the bridge's plan
-and segments; nothing here knows Megatron's layout.
+routing (routed: each engine worker's own slices), parity, driver, plan (sync.apply in_place:
+where each HF slice lands in the engine). The input is the bridge's export (or any buckets:
+sender.BucketSender), or, for shared_export, the bridge's plan and segments; nothing here knows
+Megatron's layout.
 
 The bridge's export (mrl/bridge/export.py) assembles HF tensors bucket by bucket on a leader rank,
 which hands each bucket to the engines over a *channel*: a gloo group of 1 + N members (the leader
@@ -30,6 +31,10 @@ offsets, checksums) and then the bytes to all engines at once:
   An engine that loads in other processes (vLLM's workers: `load_shared`) is handed the header and
   its workers map the bytes themselves: nothing is pickled into a message to them, and each worker
   of a TP engine reads only the slices its sync plan copies.
+
+- "routed": as broadcast, but the channel carries only the headers; each engine worker receives
+  just the slices of each tensor its in-place plan copies, point to point from the stage's leader
+  over a gloo group of the leader and that engine's workers (routing.py; sync.apply in_place).
 
 A GPU's buckets go on the broadcast wire from one pinned host buffer (sender.Staging). An engine
 that declares `quantization: "fp8"` (DeepSeek's block FP8) gets each bucket quantised where it was
