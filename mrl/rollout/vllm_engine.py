@@ -30,7 +30,7 @@ import torch
 
 from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
 from mrl.sync.wire import (Bucket, WeightLoadError, WeightUpdateReport, bucket_checksums, checksums, checksums_match,
-                           give_back_unopened, payload_bytes, reused, shared_bytes, unpack, wire_dtype)
+                           describe, give_back_unopened, payload_bytes, reused, shared_bytes, unpack, wire_dtype)
 
 # The engine lives in the caller's process (one engine per process): no hidden engine core process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -236,12 +236,15 @@ def _recv_routed(worker: Any, header: dict) -> dict:
     from mrl.sync.routing import WORKER_GROUPS
 
     rank = get_tensor_model_parallel_rank()
-    current = header["tensors"][0]["name"]
+    current = ""
     try:
-        for entry in header["tensors"]:  # before receiving: a wrong model fails with its tensor named
+        # Before receiving, and alike on every worker (the shapes of every HF tensor the engine
+        # plans for): a wrong model fails with its tensor named, and no worker waits for the group.
+        for entry in header["tensors"]:
             current = entry["name"]
-            if current in worker.mrl_sync_plan:
+            if current in worker.mrl_sync_shapes:
                 _check_shape(worker, current, entry["shape"])
+        current = describe(header)
         slices, mismatched = WORKER_GROUPS.receive(header, header["workers"][rank], header["timeout_s"],
                                                    f"engine worker {rank}")
         arrived = {(name, box): (tensor, held) for name, box, tensor, held in slices}
@@ -825,15 +828,13 @@ class VLLMEngine:
         """A routed bucket: each worker receives its own slices from the sender and copies them in
         place (_recv_routed). A tensor is received as sent when every slice of it that any worker
         received matched the sender's checksum; its receipt is then the sender's checksum."""
-        from mrl.sync.wire import payload_bytes as nbytes
-
         unplanned = [e["name"] for e in header["tensors"] if e["name"] not in self._planned]
         if unplanned:
             raise WeightLoadError(unplanned[0], not_planned(unplanned[0]))
         answers = self._apply(_recv_routed, header)
         mismatched = {name for answer in answers for name in answer["mismatched"]}
         sums = [(math.nan, math.nan) if e["name"] in mismatched else tuple(e["checksum"]) for e in header["tensors"]]
-        self._received([e["name"] for e in header["tensors"]], sums, sum(nbytes(w) for w in header["workers"]))
+        self._received([e["name"] for e in header["tensors"]], sums, sum(payload_bytes(w) for w in header["workers"]))
 
     def _received(self, names: list[str], sums: list[tuple[float, float]], nbytes: int) -> None:
         self._report.checksums.update(zip(names, sums))

@@ -84,7 +84,6 @@ class WeightReceiver:
             t.start()
         try:
             self.engine.begin_weight_update()
-            self._publish_routes(fanout)
         except Exception as err:  # noqa: BLE001 - e.g. a model this engine cannot reload: tell the senders
             self._fail(sync_id, outcome, err, None, fanout)
         sent = self._drain(sync_id, channels, arrivals, outcome, fanout)
@@ -118,9 +117,9 @@ class WeightReceiver:
         return report
 
     def _publish_routes(self, fanout: _Fanout) -> None:
-        """Once per hub: what each of this engine's workers needs of every HF tensor (or why it takes
-        no routed buckets), where a routed sender reads it (mrl.sync.routing). After the engine's
-        preparation, which plans its copies."""
+        """Once per hub, when a routed sender asks: what each of this engine's workers needs of every
+        HF tensor (or why it takes no routed buckets), where the sender reads it (mrl.sync.routing).
+        On this thread, after the engine's preparation (which plans its copies)."""
         hub = (fanout.hub.host, fanout.hub.port, fanout.hub.token)
         if hub not in self._published:
             publish_routes(fanout.store, self.endpoint.token, self.engine)
@@ -160,7 +159,11 @@ class WeightReceiver:
             # Otherwise they are given back here.
             handed = not outcome and self._shares(header)
             try:
-                if not outcome:
+                if outcome:
+                    pass
+                elif header.get("routes_wanted"):  # a routed sender's first question, before its buckets
+                    self._publish_routes(fanout)
+                else:
                     sent.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
                     self._load(header, flat)
             except Exception as err:  # noqa: BLE001 - reported to every sender, then raised
@@ -297,7 +300,7 @@ class WeightReceiver:
             raise
         if flat is not None:
             return flat, header
-        if "workers" in header:  # routed: no bytes follow on the channel
+        if "workers" in header or header.get("routes_wanted"):  # routed: no bytes follow on the channel
             return torch.empty(0, dtype=torch.uint8), header
         if getattr(self.engine, "load_shared", None) is None or not _shm_has_room(header["nbytes"]):
             return channel.recv_bytes(header["nbytes"], what), header

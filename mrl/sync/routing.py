@@ -25,7 +25,7 @@ import json
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -103,76 +103,107 @@ def pack_routed(bucket: Bucket, route: Route, dtype: torch.dtype) -> tuple[dict,
 
 
 class LeaderGroup:
-    """A leader's routed group, made when the first routed bucket of its channel is sent, and
-    kept with the channel (its prefix is the channel's: a new channel means a new group)."""
+    """A leader's routed group with one engine's workers, made when the first routed bucket of its
+    channel is sent and kept with the channel (its prefix is the channel's: a new channel means a
+    new group)."""
 
-    def __init__(self, store: Any, prefix: str, size: int, timeout_s: float, who: str):
-        self.prefix, self.size = prefix, size
-        try:
-            self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), 0, size, timedelta(seconds=timeout_s))
-        except RuntimeError as err:
-            raise SyncError(f"{who}: the engines' workers did not join the routed group {prefix!r} within "
-                            f"{timeout_s:.0f}s: {err}") from err
+    def __init__(self, group: Any, prefix: str):
+        self.group, self.prefix = group, prefix
+
+    @staticmethod
+    def make(store: Any, hub: tuple[str, int], prefix: str, size: int, sync_id: str, who: str,
+             timeout_s: float) -> LeaderGroup | None:
+        """Meet the engine's workers, who join as they load the bucket just announced; None when
+        an engine posted its error meanwhile (its workers may never come). The rendezvous goes
+        over a connection of its own to the hub's store: a TCPStore client runs one operation at a
+        time, and `store`'s looks for the error would wait behind the rendezvous's wait."""
+        def rendezvous() -> LeaderGroup:
+            try:
+                own = dist.TCPStore(hub[0], hub[1], is_master=False, timeout=timedelta(seconds=timeout_s))
+                group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, own), 0, size, timedelta(seconds=timeout_s))
+            except RuntimeError as err:
+                raise SyncError(f"{who}: the engine's workers did not join the routed group {prefix!r} within "
+                                f"{timeout_s:.0f}s: {err}") from err
+            return LeaderGroup(group, prefix)
+
+        return watching(rendezvous, store, sync_id, f"{who}: meeting the workers of {prefix!r}", timeout_s)
 
     def send(self, buffers: list[tuple[int, torch.Tensor]]) -> list[Any]:
-        """Post every (member, buffer) send at once; the caller waits on them."""
+        """Post every (member, buffer) send at once; the caller waits on them (wait_sends)."""
         return [self.group.send([flat], member, 0) for member, flat in buffers if flat.numel()]
 
 
-def wait_sends(works: list[Any], store: Any, sync_id: str, who: str, what: str, timeout_s: float) -> bool:
-    """Wait for posted sends; False (stop waiting) once an engine posted its error: its workers will
-    never receive. A gloo send cannot be polled (is_completed stays False until wait) nor waited on
-    again after a wait that timed out, so one thread waits its whole timeout while this one looks."""
-    done, errors = threading.Event(), []
+def wait_sends(works: list[Any], store: Any, sync_id: str, what: str, timeout_s: float) -> bool:
+    """Wait for posted sends, all within one `timeout_s`; False once an engine posted its error."""
+    deadline = time.monotonic() + timeout_s
 
-    def wait() -> None:
+    def wait() -> bool:
         try:
             for work in works:
-                work.wait(timedelta(seconds=timeout_s))
+                work.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
+        except RuntimeError as err:
+            raise SyncError(f"{what} failed or timed out after {timeout_s:.0f}s: {err}") from err
+        return True
+
+    return watching(wait, store, sync_id, what, timeout_s) is not None
+
+
+def watching(step: Callable[[], Any], store: Any, sync_id: str, what: str, timeout_s: float) -> Any:
+    """`step`'s result, or None once an engine posted its error in the hub's store (looked at every
+    0.1 s): the leader then stops waiting for workers that will never come, and tells every engine
+    (the end marker's abort). `step` runs on a thread of its own, left behind if abandoned (it ends
+    within its own timeout): a gloo send cannot be polled (is_completed stays False until wait), nor
+    waited on again after a wait that timed out, and a rendezvous cannot be interrupted."""
+    done, out = threading.Event(), {}
+
+    def run() -> None:
+        try:
+            out["value"] = step()
         except BaseException as err:  # noqa: BLE001 - raised below
-            errors.append(err)
+            out["error"] = err
         finally:
             done.set()
 
-    threading.Thread(target=wait, name="mrl-routed-send", daemon=True).start()
+    threading.Thread(target=run, name="mrl-routed-wait", daemon=True).start()
     deadline = time.monotonic() + timeout_s + 5.0
     while not done.wait(0.1):
         if store.check([error_key(sync_id)]):
-            return False
+            return None
         if time.monotonic() > deadline:
-            break
-    if not done.is_set() or errors:
-        raise SyncError(f"{who}: {what} failed or timed out after {timeout_s:.0f}s: "
-                        f"{errors[0] if errors else 'no worker received it'}")
-    return True
+            raise SyncError(f"{what}: did not end within {timeout_s + 5.0:.0f}s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 class WorkerGroups:
     """A worker's routed groups, one per channel (pipeline stage), kept while the channel is: a
-    header naming another prefix for a stage means the leader made a new channel."""
+    header naming another hub or prefix for a stage means the leader made a new channel. A failure
+    drops the stage's group and the hub's store connection: the next sync makes both anew."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.stores: dict[tuple[str, int], Any] = {}
-        self.groups: dict[int, tuple[str, Any]] = {}
+        self.groups: dict[int, tuple[tuple, Any]] = {}
 
     def _group(self, header: dict, member: int, timeout_s: float, who: str) -> Any:
-        stage, prefix, size = header["stage"], header["group"], header["members"]
-        kept = self.groups.get(stage)
-        if kept is not None and kept[0] == prefix:
-            return kept[1]
-        self.groups.pop(stage, None)
         host, port = header["hub"]
+        stage, key = header["stage"], (host, port, header["group"])
+        kept = self.groups.pop(stage, None)
+        if kept is not None and kept[0] == key:
+            self.groups[stage] = kept
+            return kept[1]
         try:
             if (host, port) not in self.stores:
                 self.stores[(host, port)] = dist.TCPStore(host, port, is_master=False,
                                                           timeout=timedelta(seconds=timeout_s))
-            group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.stores[(host, port)]), member, size,
-                                          timedelta(seconds=timeout_s))
+            group = dist.ProcessGroupGloo(dist.PrefixStore(header["group"], self.stores[(host, port)]), member,
+                                          header["members"], timedelta(seconds=timeout_s))
         except RuntimeError as err:
-            raise SyncError(f"{who}: could not join the routed group {prefix!r} at the hub {host}:{port} "
+            self.stores.pop((host, port), None)
+            raise SyncError(f"{who}: could not join the routed group {header['group']!r} at the hub {host}:{port} "
                             f"within {timeout_s:.0f}s: {err}") from err
-        self.groups[stage] = prefix, group
+        self.groups[stage] = key, group
         return group
 
     def receive(self, header: dict, mine: dict, timeout_s: float,
@@ -187,8 +218,9 @@ class WorkerGroups:
             try:
                 group.recv([flat], 0, 0).wait(timedelta(seconds=timeout_s))
             except RuntimeError as err:
-                with self.lock:
-                    self.groups.pop(header["stage"], None)  # the leader is gone or gave up: rejoin next time
+                with self.lock:  # the leader is gone or gave up: rejoin next time
+                    self.groups.pop(header["stage"], None)
+                    self.stores.pop(tuple(header["hub"]), None)
                 raise SyncError(f"{who}: receiving its slices of bucket {header['index']} failed or timed out "
                                 f"after {timeout_s:.0f}s: {err}") from err
         entries = mine["tensors"]

@@ -210,7 +210,7 @@ class BucketSender:
         self.engine_dtype = dtype_named(self.endpoint.dtype)
         self._store: Any = None
         self._kept: Channel | None = None
-        self._groups: dict[str, Any] = {}  # routed: each engine's group, kept with the channel, by prefix
+        self._groups: dict[str, Any] = {}  # routed: each engine's LeaderGroup, kept with the channel, by prefix
         self._routes: list | None = None  # routed: every engine's routes, read once (mrl.sync.routing)
         self.staging = Staging()  # the pinned host buffer a GPU's bucket is packed into for the wire
 
@@ -297,6 +297,7 @@ class _Link:
         self.store: Any = None
         self.channel: Channel | None = None
         self.failed = False  # an engine posted an error: nothing more travels
+        self.own_error: SyncError | None = None  # this leader's own failure (routed), raised after the end marker
         self.unreleased: tuple[int, str | None, torch.Tensor] | None = None  # sent, not yet loaded by every engine
         # The store connection and channel kept from the last push: taken here, on the calling
         # thread (the sender gets them back only after a push that succeeded; an opening still
@@ -366,50 +367,93 @@ class _Link:
         return freed
 
     def _send_routed(self, channel: Channel, index: int, bucket: Bucket, report: SentReport) -> int:
-        """Announce a bucket on the channel, then send each engine worker its own slices over the
-        routed group (mrl.sync.routing); the engines' workers receive them while loading it."""
-        from mrl.sync import routing
-
-        routes = self._routes()
+        """Announce a bucket on the channel, then send each engine worker its own slices over its
+        engine's routed group (mrl.sync.routing); the workers receive them while loading it. A
+        failure on this side (a refusal, workers that never come) is posted for the engines, which
+        hear it in the end marker instead of waiting out their timeout."""
+        try:
+            routes = self._routes(channel)
+        except SyncError as err:
+            return self._abort(err, bucket)
         if routes is None:  # an engine failed before it published them
             self.failed = True
             return self.drop(bucket)
-        dtype, who = self.sender.engine_dtype, self.who
-        whole = [{"name": name, "shape": list(t.shape), "dtype": str(wire_dtype(name, dtype, t.dtype)), "checksum": c}
-                 for (name, t), c in zip(bucket, checksums([t for _, t in bucket]))]
-        packed: dict[int, tuple[dict, torch.Tensor]] = {}  # per distinct route (engines alike share it)
-        for route in {id(route): route for workers in routes for route in workers}.values():
-            packed[id(route)] = routing.pack_routed(bucket, route, dtype)
+        header, buffers = self._pack_routed(channel, index, bucket, routes)
         del bucket
+        what = f"sending bucket {index} ({describe(header)})"
+        channel.send_json(header, what)
+        try:
+            if not self._send_to_workers(header["routed"], buffers, f"{self.who}: {what} to the engines' workers"):
+                self.failed = True  # an engine failed while its workers were to receive this bucket
+                return 1
+        except SyncError as err:
+            return self._abort(err)
+        report.checksums.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
+        report.bytes += payload_bytes(header)
+        return 1
+
+    def _pack_routed(self, channel: Channel, index: int, bucket: Bucket,
+                     routes: list) -> tuple[dict, list[list[tuple[int, torch.Tensor]]]]:
+        """A routed bucket's header and, per engine, each worker's (member, buffer). The header's
+        tensors carry the whole tensors' checksums as they travel (cast to the engine's dtype)."""
+        from mrl.sync.routing import pack_routed
+
+        dtype = self.sender.engine_dtype
+        cast = [t if t.dtype == wire_dtype(name, dtype, t.dtype) else t.to(wire_dtype(name, dtype, t.dtype))
+                for name, t in bucket]
+        whole = [{"name": name, "shape": list(t.shape), "dtype": str(t.dtype), "checksum": c}
+                 for (name, _), t, c in zip(bucket, cast, checksums(cast))]
+        del cast
+        packed = {id(route): pack_routed(bucket, route, dtype)  # per distinct route: engines alike share it
+                  for route in {id(route): route for workers in routes for route in workers}.values()}
         # One group per engine (with this leader): a group spanning engines deadlocked a fan-out of
         # PP stages, each engine joining the stages' groups in the order their buckets arrived.
         engines = [{"group": f"{channel.prefix}/engine{i}", "members": 1 + len(workers),
                     "workers": [{**packed[id(route)][0], "member": 1 + w} for w, route in enumerate(workers)]}
                    for i, workers in enumerate(routes)]
+        buffers = [[(1 + w, packed[id(route)][1]) for w, route in enumerate(workers)] for workers in routes]
         hub = self.sender.endpoint
         header = {"tensors": whole, "nbytes": 0, "routed": engines, "stage": self.sender.stage, "index": index,
                   "hub": [hub.host, hub.port], "timeout_s": self.sender.timeout_s}
-        what = f"sending bucket {index} ({describe(header)})"
-        channel.send_json(header, what)
-        works = []  # each engine's group after the header: its workers join as they load the bucket
-        for engine, workers in zip(engines, routes):
-            group = self._routed_group(engine["group"], engine["members"])
-            works += group.send([(1 + w, packed[id(route)][1]) for w, route in enumerate(workers)])
-        if not routing.wait_sends(works, self.store, self.sync_id, who, f"{what} to the engines' workers",
-                                  self.sender.timeout_s):
-            self.failed = True  # an engine failed while its workers were to receive this bucket
-            return 1
-        report.checksums.update((e["name"], tuple(e["checksum"])) for e in whole)
-        report.bytes += payload_bytes(header)
-        return 1
+        return header, buffers
 
-    def _routes(self) -> list | None:
-        """Every engine's routes (per worker), read from the hub's store at the first routed bucket
-        of this sender and kept (an engine's plan never changes; a restarted engine is a new sender)."""
+    def _send_to_workers(self, engines: list[dict], buffers: list, what: str) -> bool:
+        """Each engine's group (kept with the channel, else met now: its workers join as they load
+        the bucket just announced), then every send posted and waited for. False once an engine
+        posted its error."""
+        from mrl.sync.routing import LeaderGroup, wait_sends
+
+        works, timeout_s = [], self.sender.timeout_s
+        for engine, mine in zip(engines, buffers):
+            prefix = engine["group"]
+            if prefix not in self.groups:
+                channel = prefix.rpartition("/")[0]  # another channel's groups go
+                self.groups = {key: g for key, g in self.groups.items() if key.rpartition("/")[0] == channel}
+                hub = (self.sender.endpoint.host, self.sender.endpoint.port)
+                group = LeaderGroup.make(self.store, hub, prefix, engine["members"], self.sync_id, self.who, timeout_s)
+                if group is None:
+                    return False
+                self.groups[prefix] = group
+            works += self.groups[prefix].send(mine)
+        return wait_sends(works, self.store, self.sync_id, what, timeout_s)
+
+    def _abort(self, err: SyncError, bucket: Bucket | None = None) -> int:
+        """This leader failed the sync: post its error where every engine and leader looks (unless an
+        engine's came first), send nothing more, and raise it after the end marker (finish)."""
+        self.failed, self.own_error = True, err
+        outcome = {"error": str(err), "sender": self.short}
+        self.store.compare_set(error_key(self.sync_id), "", json.dumps(outcome))
+        return 1 if bucket is None else self.drop(bucket)
+
+    def _routes(self, channel: Channel) -> list | None:
+        """Every engine's routes (per worker), asked for once per sender (a header every engine's
+        receiver answers by publishing them in the hub's store) and kept: an engine's plan never
+        changes, and a restarted engine is a new sender. None if an engine failed first."""
         from mrl.sync.routing import read_routes
 
         sender = self.sender
         if sender._routes is None:
+            channel.send_json({"routes_wanted": True, "tensors": [], "nbytes": 0}, "asking the engines for their routes")
             interned: dict[str, Any] = {}  # engines with equal routes share one packed buffer per bucket
             routes = []
             for i, endpoint in enumerate(sender.endpoints):
@@ -420,18 +464,6 @@ class _Link:
                 routes.append([interned.setdefault(json.dumps(w, sort_keys=True), w) for w in workers])
             sender._routes = routes
         return sender._routes
-
-    def _routed_group(self, prefix: str, size: int) -> Any:
-        """An engine's routed group on this channel (`prefix`): kept with the channel, else made (the
-        engine's workers join it as they load the bucket just announced)."""
-        from mrl.sync.routing import LeaderGroup
-
-        group = self.groups.get(prefix)
-        if group is None or group.size != size:
-            channel = prefix.rpartition("/")[0]  # another channel's groups go
-            self.groups = {key: g for key, g in self.groups.items() if key.rpartition("/")[0] == channel}
-            self.groups[prefix] = LeaderGroup(self.store, prefix, size, self.sender.timeout_s, self.who)
-        return self.groups[prefix]
 
     @staticmethod
     def drop(bucket: Bucket | Packed) -> int:
@@ -462,7 +494,10 @@ class _Link:
             marker["abort"] = json.loads(self.store.get(error_key(self.sync_id)))
         channel.send_json(marker, "sending the end marker")
         self._release()
-        for answer in channel.answers(None, "waiting for the engine to finish loading"):
+        answers = channel.answers(None, "waiting for the engine to finish loading")
+        if self.own_error is not None:
+            raise self.own_error
+        for answer in answers:
             if "error" in answer:
                 raise SyncError(f"{self.short}: {describe_failure(answer)}")
 

@@ -69,7 +69,9 @@ def error_key(sync_id: str) -> str:
 
 def describe_failure(outcome: dict) -> str:
     """An engine's failed update ({"engine", "error", "tensor"}, and "index", "engines" in a fan-out
-    to several) as one line."""
+    to several), or a sender's ({"sender", "error"}), as one line."""
+    if "sender" in outcome:  # a routed leader's own failure (mrl.sync.sender._Link._abort)
+        return f"the weight update failed: the sender {outcome['sender']} failed: {outcome['error']}"
     where = f" while loading {outcome['tensor']!r}" if outcome.get("tensor") else ""
     who = f"engine {outcome['index']} of {outcome['engines']}" if "index" in outcome else "the engine"
     return f"the weight update failed: {who} at {outcome['engine']} failed{where}: {outcome['error']}"
@@ -446,5 +448,7 @@ def map_file(path: str, size: int, who: str, writable: bool = False) -> torch.Te
 
 def describe(header: dict) -> str:
     names = [e["name"] for e in header["tensors"]]
+    if not names:  # e.g. a routed sender's question for the routes
+        return "no tensors"
     return f"{names[0]} … {names[-1]} ({len(names)} tensors)" if len(names) > 1 else names[0]
 

@@ -658,11 +658,14 @@ def test_routed_fanout_two_engines_hold_identical_bytes(tiny_model_dir):
     assert outcomes[0][4] == outcomes[1][4]
 
 
-@pytest.mark.parametrize("layout", [ParallelLayout(), ParallelLayout(pp=2)], ids=lambda layout: layout.describe())
-def test_routed_engine_error_reaches_every_sender_at_once(tiny_model_dir, layout):
-    """The engine fails before its workers receive a bucket: the leaders waiting for those
-    workers stop within seconds (not the 60 s timeout) with the engine's message and tensor."""
-    bad = "model.layers.1.mlp.down_proj.weight"
+@pytest.mark.parametrize("layout, bad", [(ParallelLayout(), "model.layers.1.mlp.down_proj.weight"),
+                                         (ParallelLayout(pp=2), "model.layers.1.mlp.down_proj.weight"),
+                                         (ParallelLayout(pp=2), "model.embed_tokens.weight")],
+                         ids=["TP1 later bucket", "PP2 later bucket", "PP2 first bucket"])
+def test_routed_engine_error_reaches_every_sender_at_once(tiny_model_dir, layout, bad):
+    """The engine fails before its workers receive a bucket: the leaders waiting for those workers
+    (to receive, or in the first bucket to join their group at all) stop within seconds, not the
+    60 s timeout, with the engine's message and tensor."""
     hf_dir = tiny_model_dir("qwen3")
     proc, endpoint, results = _start_engine(channels=layout.pp, hf_dir=str(hf_dir), fail_on=bad)
     outcomes = [r for r in run_local(_push_until_error, layout.min_world_size(), str(hf_dir), layout, endpoint,
@@ -676,9 +679,16 @@ def test_routed_engine_error_reaches_every_sender_at_once(tiny_model_dir, layout
 
 
 def test_routed_to_an_engine_without_routes_is_refused_naming_the_fix(tiny_model_dir):
+    """The sender raises the engine's reason and the fix; the engine hears it in the end marker at
+    once rather than waiting out its timeout (60 s)."""
     proc, endpoint, results = _start_engine()
+    start = time.monotonic()
     outcomes = [r for r in run_local(_push_until_error, 1, str(tiny_model_dir("qwen3")), ParallelLayout(), endpoint,
-                                     "routed", 20) if r is not None]
-    proc.join(timeout=60)
-    assert "sync.transport routed needs every engine to apply in place" in outcomes[0][1], outcomes
-    assert "RecordingEngine takes no routed buckets" in outcomes[0][1], outcomes
+                                     "routed", 60) if r is not None]
+    status, message = results.get(timeout=60)
+    proc.join(timeout=10)
+    assert time.monotonic() - start < 30
+    for error in (outcomes[0][1], message):
+        assert "sync.transport routed needs every engine to apply in place" in error, error
+        assert "RecordingEngine takes no routed buckets" in error, error
+    assert status == "error" and "the weight update failed: the sender rank 0 (PP stage 0)" in message, message

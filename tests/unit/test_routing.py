@@ -33,7 +33,7 @@ def _leader_and_worker(bucket, route, corrupt: bool = False):
 
     def leader():
         try:
-            group = LeaderGroup(store, "s/channel0/engine0", 2, 30, "leader")
+            group = LeaderGroup.make(store, ("127.0.0.1", store.port), "s/channel0/engine0", 2, "s", "leader", 30)
             for work in group.send([(1, flat)]):
                 work.wait(timedelta(seconds=30))
         except BaseException as err:  # noqa: BLE001
