@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from mrl.sync.wire import Bucket, SyncError, bucket_checksums, checksums_match, error_key, pack, unpack
+from mrl.sync.wire import Bucket, SyncError, bucket_checksums, checksums_match, error_key, pack, packed_layout, unpack
 
 Route = dict[str, list[list[list[int]]]]  # per HF name, the boxes ([[start, stop] per dim]) one worker needs
 
@@ -86,17 +86,19 @@ def _fits(box: list[list[int]], shape: torch.Size) -> bool:
     return len(box) == len(shape) and all(0 <= a <= b <= n for (a, b), n in zip(box, shape))
 
 
-def pack_routed(bucket: Bucket, route: Route, dtype: torch.dtype) -> tuple[dict, torch.Tensor]:
-    """One worker's slices of a bucket, packed (mrl.sync.wire.pack: cast, with a checksum each);
-    each entry gains its HF `box`. A box that does not fit the tensor that came (a model other than
-    the engine's) is left out: the worker names the tensor by its shape."""
+def pack_routed(bucket: Bucket, route: Route, dtype: torch.dtype,
+                out: Callable[[int], torch.Tensor] | None = None) -> tuple[dict, torch.Tensor]:
+    """One worker's slices of a bucket, packed (mrl.sync.wire.pack: cast, with a checksum each)
+    into `out(size)` if given, else a fresh buffer; each entry gains its HF `box`. A box that does
+    not fit the tensor that came (a model other than the engine's) is left out: the worker names
+    the tensor by its shape."""
     slices, boxes = [], []
     for name, tensor in bucket:
         for box in route.get(name, ()):
             if _fits(box, tensor.shape):
                 slices.append((name, tensor[tuple(slice(a, b) for a, b in box)]))
                 boxes.append(box)
-    header, flat = pack(slices, dtype)
+    header, flat = pack(slices, dtype, out=out(packed_layout(slices, dtype)[1]) if out else None)
     for entry, box in zip(header["tensors"], boxes):
         entry["box"] = box
     return header, flat
@@ -185,6 +187,7 @@ class WorkerGroups:
         self.lock = threading.Lock()
         self.stores: dict[tuple[str, int], Any] = {}
         self.groups: dict[int, tuple[tuple, Any]] = {}
+        self.buffer = torch.empty(0, dtype=torch.uint8)  # every bucket is received here (grown as needed)
 
     def _group(self, header: dict, member: int, timeout_s: float, who: str) -> Any:
         host, port = header["hub"]
@@ -209,11 +212,15 @@ class WorkerGroups:
     def receive(self, header: dict, mine: dict, timeout_s: float,
                 who: str) -> tuple[list[tuple[str, tuple, torch.Tensor, tuple]], list[str]]:
         """This worker's slices of a routed bucket (`mine`: its entry of the header): per slice its
-        HF name, its box, a view of the received buffer and the checksum of what arrived; and the
-        names of the tensors with a slice that arrived different from what was sent."""
+        HF name, its box, a view of the received buffer (valid until the next receive: copy what is
+        kept) and the checksum of what arrived; and the names of the tensors with a slice that
+        arrived different from what was sent."""
         with self.lock:
             group = self._group(header, mine["member"], timeout_s, who)
-        flat = torch.empty(mine["nbytes"], dtype=torch.uint8)
+            if self.buffer.numel() < mine["nbytes"]:  # one buffer for every bucket: no fresh pages each time
+                self.buffer = torch.empty(0, dtype=torch.uint8)
+                self.buffer = torch.empty(mine["nbytes"], dtype=torch.uint8)
+            flat = self.buffer[: mine["nbytes"]]
         if mine["nbytes"]:
             try:
                 group.recv([flat], 0, 0).wait(timedelta(seconds=timeout_s))

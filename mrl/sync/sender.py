@@ -212,6 +212,9 @@ class BucketSender:
         self._kept: Channel | None = None
         self._groups: dict[str, Any] = {}  # routed: each engine's LeaderGroup, kept with the channel, by prefix
         self._routes: list | None = None  # routed: every engine's routes, read once (mrl.sync.routing)
+        # Routed: one buffer per distinct route, reused from bucket to bucket and push to push (a
+        # failed push gives them up: an abandoned send may still read them).
+        self._buffers: list[Staging] = []
         self.staging = Staging()  # the pinned host buffer a GPU's bucket is packed into for the wire
 
     def send(self, sync_id: str, buckets: Iterable[Bucket]) -> SentReport:
@@ -233,7 +236,7 @@ class BucketSender:
             link.finish(report)
             # Every message of this send went through: its connection and channel are reusable. A
             # failed send gives neither back (the engine may be gone): the next one connects anew.
-            self._store, self._kept, self._groups = link.store, link.channel, link.groups
+            self._store, self._kept, self._groups, self._buffers = link.store, link.channel, link.groups, link.buffers
         except SyncError as err:
             raise SyncError(link.diagnosed(str(err))) from err
         finally:
@@ -302,8 +305,8 @@ class _Link:
         # The store connection and channel kept from the last push: taken here, on the calling
         # thread (the sender gets them back only after a push that succeeded; an opening still
         # running after a failed push must not take a later push's).
-        store, kept, self.groups = sender._store, sender._kept, sender._groups
-        sender._store, sender._kept, sender._groups = None, None, {}
+        store, kept, self.groups, self.buffers = sender._store, sender._kept, sender._groups, sender._buffers
+        sender._store, sender._kept, sender._groups, sender._buffers = None, None, {}, []
         # The channel opens on a thread while the export makes the first bucket: the handshake waits
         # for the engines' receiving threads, the export for the other ranks' shards (measured: 7 of
         # the demo's 60 ms sync were the export waiting for the handshake).
@@ -404,8 +407,11 @@ class _Link:
         whole = [{"name": name, "shape": list(t.shape), "dtype": str(t.dtype), "checksum": c}
                  for (name, _), t, c in zip(bucket, cast, checksums(cast))]
         del cast
-        packed = {id(route): pack_routed(bucket, route, dtype)  # per distinct route: engines alike share it
-                  for route in {id(route): route for workers in routes for route in workers}.values()}
+        distinct = {id(route): route for workers in routes for route in workers}  # engines alike share one
+        while len(self.buffers) < len(distinct):
+            self.buffers.append(Staging(pinned=False))
+        packed = {key: pack_routed(bucket, route, dtype, out=buffer.take)
+                  for (key, route), buffer in zip(distinct.items(), self.buffers)}
         # One group per engine (with this leader): a group spanning engines deadlocked a fan-out of
         # PP stages, each engine joining the stages' groups in the order their buckets arrived.
         engines = [{"group": f"{channel.prefix}/engine{i}", "members": 1 + len(workers),
@@ -562,17 +568,19 @@ def _seen_by_engines(device: torch.device, endpoints: list[SyncEndpoint]) -> boo
 
 
 class Staging:
-    """One pinned host buffer, grown as needed and reused by every bucket: a GPU's tensors are
-    packed into it for the wire. Pinning is slow (page-locking ~0.1 s a GB), so it happens once;
-    one buffer suffices because a bucket is sent before the next is packed (one sender thread)."""
+    """One host buffer, grown as needed and reused by every bucket: pinned, a GPU's tensors are
+    packed into it for the wire (pinning is slow, page-locking ~0.1 s a GB, so it happens once);
+    not pinned, a routed worker's slices (one per distinct route). One buffer suffices because a
+    bucket is sent before the next is packed (one sender thread)."""
 
-    def __init__(self):
+    def __init__(self, pinned: bool = True):
         self.buffer: torch.Tensor | None = None
+        self.pinned = pinned
 
     def take(self, size: int) -> torch.Tensor:
         if self.buffer is None or self.buffer.numel() < size:
             self.buffer = None  # the old one goes first: never two alive
-            self.buffer = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=True)
+            self.buffer = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=self.pinned)
         return self.buffer[:size]
 
 

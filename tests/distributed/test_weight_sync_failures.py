@@ -619,24 +619,29 @@ def test_the_shared_exports_barrier_passes_the_leaders_word_and_fails_ranks_out_
 
 @pytest.mark.parametrize("layout", [ParallelLayout(tp=2), ParallelLayout(pp=2)], ids=lambda layout: layout.describe())
 def test_routed_workers_each_receive_only_their_own_slices(tiny_model_dir, layout):
-    """Every tensor arrives intact, put together from two workers' halves; each worker received
-    about half of the bytes (the replicated odd-row tensors go to both), not all of them."""
+    """Every tensor arrives intact, put together from two workers' halves, and each worker received
+    about half of the bytes (the replicated odd-row tensors go to both), not all of them. The
+    second push (the weights negated) reuses the channels and both sides' buffers, and arrives
+    with its new bytes."""
     from mrl.bridge.hf_checkpoint import HFCheckpoint
 
     hf_dir = tiny_model_dir("qwen3")
     proc, endpoint, results = _start_engine(channels=layout.pp, hf_dir=str(hf_dir), sync_id=("r1", "r2"))
-    sent = run_local(_push_twice, layout.min_world_size(), str(hf_dir), layout, endpoint, "routed", 60, ["r1", "r2"])
+    ranks = run_local(_push_negated_between, layout.min_world_size(), str(hf_dir), layout, endpoint, ["r1", "r2"],
+                      "routed")
     received = [results.get(timeout=60) for _ in range(2)]
     proc.join(timeout=10)
+    assert all(out == ["ok", "ok"] for _, out in ranks), ranks
     ckpt = HFCheckpoint(hf_dir)
-    for status, tensors, mismatched, held, _, kept, _ in received:
+    total = sum(math.prod(ckpt.shape(name)) * 4 for name in ckpt.names())
+    for sign, (status, tensors, mismatched, held, digests, kept, per_worker) in zip((1, -1), received):
         assert status == "ok" and not mismatched and set(held) == set(ckpt.names())
         for name in ckpt.names():
-            assert held[name] == tensor_checksum(ckpt.read(name).float()), name
+            tensor = sign * ckpt.read(name).float()
+            assert held[name] == tensor_checksum(tensor), name
+            assert digests[name] == hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
         assert kept == [f"r1/channel{stage}" for stage in range(layout.pp)]  # the second push reused them
-    total = sum(math.prod(ckpt.shape(name)) * 4 for name in ckpt.names())
-    for status, *_, per_worker in received:  # bytes each worker received in that update (float32)
-        assert all(0.4 * total < n < 0.6 * total for n in per_worker), (per_worker, total)
+        assert all(0.4 * total < n < 0.6 * total for n in per_worker), (per_worker, total)  # bytes each received
 
 
 def test_routed_fanout_two_engines_hold_identical_bytes(tiny_model_dir):
