@@ -210,7 +210,7 @@ class WeightReceiver:
         if engines > 1:
             outcome.update(index=index, engines=engines)
         try:
-            store.set(error_key(sync_id), json.dumps(outcome))
+            store.compare_set(error_key(sync_id), "", json.dumps(outcome))  # the first error posted stands: the cause
         except (RuntimeError, OSError):  # the hub is gone: the senders fail on their own channels
             pass
 
@@ -237,7 +237,8 @@ class WeightReceiver:
                 if shared:
                     self._release(channel, unreleased, who)
                     unreleased = index, done
-                index += 1
+                if not header.get("routes_wanted"):  # a routed sender's question is no bucket
+                    index += 1
             self._release(channel, unreleased, who)
             arrivals.put((channel_index, header, None, None))
             if not loaded.wait(self.timeout_s):

@@ -68,8 +68,8 @@ def read_routes(store: Any, token: str, sync_id: str, who: str, timeout_s: float
     """An engine's routes, waiting as long as `timeout_s` for it to publish them; None when an
     engine of the sync posted its error meanwhile (the sender stops sending). A refusal is raised."""
     key, deadline = routes_key(token), time.monotonic() + timeout_s
-    while not store.check([key]):
-        if store.check([error_key(sync_id)]):
+    while not _look(store, key, who):
+        if _look(store, error_key(sync_id), who):
             return None
         if time.monotonic() > deadline:
             raise SyncError(f"{who}: the engine did not publish its routes (sync.transport routed) within "
@@ -169,13 +169,21 @@ def watching(step: Callable[[], Any], store: Any, sync_id: str, what: str, timeo
     threading.Thread(target=run, name="mrl-routed-wait", daemon=True).start()
     deadline = time.monotonic() + timeout_s + 5.0
     while not done.wait(0.1):
-        if store.check([error_key(sync_id)]):
+        if _look(store, error_key(sync_id), what):
             return None
         if time.monotonic() > deadline:
             raise SyncError(f"{what}: did not end within {timeout_s + 5.0:.0f}s")
     if "error" in out:
         raise out["error"]
     return out["value"]
+
+
+def _look(store: Any, key: str, who: str) -> bool:
+    """Whether `key` is in the hub's store (a look, not a wait)."""
+    try:
+        return store.check([key])
+    except (RuntimeError, OSError) as err:  # the hub's process is gone
+        raise SyncError(f"{who}: the hub's weight-sync store stopped answering: {err}") from err
 
 
 class WorkerGroups:
@@ -187,7 +195,9 @@ class WorkerGroups:
         self.lock = threading.Lock()
         self.stores: dict[tuple[str, int], Any] = {}
         self.groups: dict[int, tuple[tuple, Any]] = {}
-        self.buffer = torch.empty(0, dtype=torch.uint8)  # every bucket is received here (grown as needed)
+        # Every bucket is received here (grown as needed). One receive at a time: the engine calls
+        # its workers for one bucket after the other (collective_rpc from one thread).
+        self.buffer = torch.empty(0, dtype=torch.uint8)
 
     def _group(self, header: dict, member: int, timeout_s: float, who: str) -> Any:
         host, port = header["hub"]
@@ -225,9 +235,10 @@ class WorkerGroups:
             try:
                 group.recv([flat], 0, 0).wait(timedelta(seconds=timeout_s))
             except RuntimeError as err:
-                with self.lock:  # the leader is gone or gave up: rejoin next time
+                with self.lock:  # the leader is gone or gave up: rejoin next time, into a new buffer
                     self.groups.pop(header["stage"], None)
                     self.stores.pop(tuple(header["hub"]), None)
+                    self.buffer = torch.empty(0, dtype=torch.uint8)
                 raise SyncError(f"{who}: receiving its slices of bucket {header['index']} failed or timed out "
                                 f"after {timeout_s:.0f}s: {err}") from err
         entries = mine["tensors"]

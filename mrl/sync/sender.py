@@ -301,6 +301,7 @@ class _Link:
         self.channel: Channel | None = None
         self.failed = False  # an engine posted an error: nothing more travels
         self.own_error: SyncError | None = None  # this leader's own failure (routed), raised after the end marker
+        self.waiting = False  # routed: in a wait for the engines' routes or workers (see opening)
         self.unreleased: tuple[int, str | None, torch.Tensor] | None = None  # sent, not yet loaded by every engine
         # The store connection and channel kept from the last push: taken here, on the calling
         # thread (the sender gets them back only after a push that succeeded; an opening still
@@ -329,8 +330,10 @@ class _Link:
             self._opening.append(err)
 
     def opening(self) -> bool:
-        """Whether the channel is still being opened (each of its steps has a timeout of its own)."""
-        return self._opener.is_alive()
+        """Whether the channel is still being opened, or a routed bucket waits for the engines'
+        routes or workers: each of those waits has a timeout of its own, and its error (posted for
+        the engines) names the cause better than the export's wait for a slot would."""
+        return self._opener.is_alive() or self.waiting
 
     def opened(self) -> Channel:
         """The channel, once open; the opening's error if it failed. Each step of the opening has a
@@ -374,23 +377,27 @@ class _Link:
         engine's routed group (mrl.sync.routing); the workers receive them while loading it. A
         failure on this side (a refusal, workers that never come) is posted for the engines, which
         hear it in the end marker instead of waiting out their timeout."""
+        self.waiting = True  # on waits with timeouts of their own: the export's wait for a slot holds off
         try:
-            routes = self._routes(channel)
-        except SyncError as err:
-            return self._abort(err, bucket)
-        if routes is None:  # an engine failed before it published them
-            self.failed = True
-            return self.drop(bucket)
-        header, buffers = self._pack_routed(channel, index, bucket, routes)
-        del bucket
-        what = f"sending bucket {index} ({describe(header)})"
-        channel.send_json(header, what)
-        try:
-            if not self._send_to_workers(header["routed"], buffers, f"{self.who}: {what} to the engines' workers"):
-                self.failed = True  # an engine failed while its workers were to receive this bucket
-                return 1
-        except SyncError as err:
-            return self._abort(err)
+            try:
+                routes = self._routes(channel)
+            except SyncError as err:
+                return self._abort(err, bucket)
+            if routes is None:  # an engine failed before it published them
+                self.failed = True
+                return self.drop(bucket)
+            header, buffers = self._pack_routed(channel, index, bucket, routes)
+            del bucket
+            what = f"sending bucket {index} ({describe(header)})"
+            channel.send_json(header, what)
+            try:
+                if not self._send_to_workers(header["routed"], buffers, f"{self.who}: {what} to the engines' workers"):
+                    self.failed = True  # an engine failed while its workers were to receive this bucket
+                    return 1
+            except SyncError as err:
+                return self._abort(err)
+        finally:
+            self.waiting = False
         report.checksums.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
         report.bytes += payload_bytes(header)
         return 1
@@ -448,7 +455,10 @@ class _Link:
         engine's came first), send nothing more, and raise it after the end marker (finish)."""
         self.failed, self.own_error = True, err
         outcome = {"error": str(err), "sender": self.short}
-        self.store.compare_set(error_key(self.sync_id), "", json.dumps(outcome))
+        try:
+            self.store.compare_set(error_key(self.sync_id), "", json.dumps(outcome))
+        except (RuntimeError, OSError):  # the hub is gone: the engines fail on their own channels
+            pass
         return 1 if bucket is None else self.drop(bucket)
 
     def _routes(self, channel: Channel) -> list | None:
@@ -496,13 +506,20 @@ class _Link:
         """Send the end marker (with the posted error, after a failure) and raise the first engine's error."""
         channel = self.opened()
         marker: dict[str, Any] = {"end": True, "tensors": len(report.checksums)}
-        if self.failed:
-            marker["abort"] = json.loads(self.store.get(error_key(self.sync_id)))
-        channel.send_json(marker, "sending the end marker")
-        self._release()
-        answers = channel.answers(None, "waiting for the engine to finish loading")
+        try:
+            if self.failed:
+                marker["abort"] = json.loads(self.store.get(error_key(self.sync_id)))
+            channel.send_json(marker, "sending the end marker")
+            self._release()
+            answers = channel.answers(None, "waiting for the engine to finish loading")
+        except (SyncError, RuntimeError) as err:
+            if self.own_error is not None:  # the cause, not what it left behind
+                raise self.own_error from err
+            raise
         if self.own_error is not None:
             raise self.own_error
+        if self.failed:  # the first error posted is the cause (an engine's answer may be a consequence)
+            raise SyncError(f"{self.short}: {describe_failure(marker['abort'])}")
         for answer in answers:
             if "error" in answer:
                 raise SyncError(f"{self.short}: {describe_failure(answer)}")
