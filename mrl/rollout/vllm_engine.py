@@ -199,7 +199,7 @@ def _copy_tensor(worker: Any, name: str, tensor: torch.Tensor) -> tuple[list[Any
     each with the slice it copied."""
     plan, targets = worker.mrl_sync_plan, worker.mrl_sync_targets
     if name not in plan:
-        raise KeyError(not_planned(name))
+        raise KeyError(_not_planned(name))
     _check_shape(worker, name, tensor.shape)
     whole, sliced = [], []
     for c in plan[name]:
@@ -215,7 +215,7 @@ def _copy_tensor(worker: Any, name: str, tensor: torch.Tensor) -> tuple[list[Any
     return whole, sliced
 
 
-def not_planned(name: str) -> str:
+def _not_planned(name: str) -> str:
     return (f"HF tensor {name!r} is not in this engine's sync plan (the trainer exports a model the engine was "
             "not started with?); sync.apply: load_weights loads by name instead")
 
@@ -830,7 +830,7 @@ class VLLMEngine:
         received matched the sender's checksum; its receipt is then the sender's checksum."""
         unplanned = [e["name"] for e in header["tensors"] if e["name"] not in self._planned]
         if unplanned:
-            raise WeightLoadError(unplanned[0], not_planned(unplanned[0]))
+            raise WeightLoadError(unplanned[0], _not_planned(unplanned[0]))
         answers = self._apply(_recv_routed, header)
         mismatched = {name for answer in answers for name in answer["mismatched"]}
         sums = [(math.nan, math.nan) if e["name"] in mismatched else tuple(e["checksum"]) for e in header["tensors"]]

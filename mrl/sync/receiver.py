@@ -159,11 +159,9 @@ class WeightReceiver:
             # Otherwise they are given back here.
             handed = not outcome and self._shares(header)
             try:
-                if outcome:
-                    pass
-                elif header.get("routes_wanted"):  # a routed sender's first question, before its buckets
+                if not outcome and header.get("routes_wanted"):  # a routed sender's first question
                     self._publish_routes(fanout)
-                else:
+                elif not outcome:
                     sent.update((e["name"], tuple(e["checksum"])) for e in header["tensors"])
                     self._load(header, flat)
             except Exception as err:  # noqa: BLE001 - reported to every sender, then raised

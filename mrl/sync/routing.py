@@ -68,8 +68,8 @@ def read_routes(store: Any, token: str, sync_id: str, who: str, timeout_s: float
     """An engine's routes, waiting as long as `timeout_s` for it to publish them; None when an
     engine of the sync posted its error meanwhile (the sender stops sending). A refusal is raised."""
     key, deadline = routes_key(token), time.monotonic() + timeout_s
-    while not _look(store, key, who):
-        if _look(store, error_key(sync_id), who):
+    while not look(store, key, who):
+        if look(store, error_key(sync_id), who):
             return None
         if time.monotonic() > deadline:
             raise SyncError(f"{who}: the engine did not publish its routes (sync.transport routed) within "
@@ -169,7 +169,7 @@ def watching(step: Callable[[], Any], store: Any, sync_id: str, what: str, timeo
     threading.Thread(target=run, name="mrl-routed-wait", daemon=True).start()
     deadline = time.monotonic() + timeout_s + 5.0
     while not done.wait(0.1):
-        if _look(store, error_key(sync_id), what):
+        if look(store, error_key(sync_id), what):
             return None
         if time.monotonic() > deadline:
             raise SyncError(f"{what}: did not end within {timeout_s + 5.0:.0f}s")
@@ -178,8 +178,8 @@ def watching(step: Callable[[], Any], store: Any, sync_id: str, what: str, timeo
     return out["value"]
 
 
-def _look(store: Any, key: str, who: str) -> bool:
-    """Whether `key` is in the hub's store (a look, not a wait)."""
+def look(store: Any, key: str, who: str) -> bool:
+    """Whether `key` is in the hub's store (a look, not a wait), e.g. an engine's posted error."""
     try:
         return store.check([key])
     except (RuntimeError, OSError) as err:  # the hub's process is gone

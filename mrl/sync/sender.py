@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from mrl.sync.channel import (IDENTITY_KEY, SHM_DIR, Channel, SyncEndpoint, bucket_path, bucket_prefix,
                               channel_count, offer_kept, slot_path, unlink_quietly)
+from mrl.sync.routing import look
 from mrl.sync.wire import (Bucket, Packed, SyncError, checksums, describe, describe_failure, dtype_named, error_key,
                            in_shared_memory, pack, packed_layout, payload_bytes, wire_dtype)
 
@@ -277,11 +278,8 @@ class BucketSender:
 
 
 def _engine_failed(store: Any, sync_id: str, who: str, index: int) -> bool:
-    """Whether the engine posted an error for this update (a look, not a wait)."""
-    try:
-        return store.check([error_key(sync_id)])
-    except (RuntimeError, OSError) as err:  # the engine's process is gone
-        raise SyncError(f"{who}: the engine's store stopped answering before bucket {index}: {err}") from err
+    """Whether an engine posted an error for this update (a look, not a wait)."""
+    return look(store, error_key(sync_id), f"{who}, before bucket {index}")
 
 
 class _Link:
@@ -409,8 +407,7 @@ class _Link:
         from mrl.sync.routing import pack_routed
 
         dtype = self.sender.engine_dtype
-        cast = [t if t.dtype == wire_dtype(name, dtype, t.dtype) else t.to(wire_dtype(name, dtype, t.dtype))
-                for name, t in bucket]
+        cast = [t.to(wire_dtype(name, dtype, t.dtype)) for name, t in bucket]  # no copy where it travels as is
         whole = [{"name": name, "shape": list(t.shape), "dtype": str(t.dtype), "checksum": c}
                  for (name, _), t, c in zip(bucket, cast, checksums(cast))]
         del cast
