@@ -1,7 +1,7 @@
 """The RL loop, top to bottom: generate → reward → advantages → old/ref log-probs → update → sync.
 
 A step is `collect` (rewards on the driver) then `learn` (log-probs, advantages, updates);
-trainer.mode's batch source (mrl/modes.py) decides where its generations come from and when the
+trainer.mode's batch source (mrl/modes/) decides where its generations come from and when the
 weights go out: in sync mode right before and right after, in one_step_off and fully_async
 overlapped with learning.
 
@@ -93,7 +93,7 @@ def train(cfg: RunConfig) -> dict:
 
 def rl_step(step: int, run: Run, source: BatchSource) -> dict:
     """One RL step; returns its metrics. The mode's batch source says where the batch comes from
-    and when the weights go out (mrl/modes.py); the step is computed the same in every mode."""
+    and when the weights go out (mrl/modes/); the step is computed the same in every mode."""
     metrics = {}
     with timer("step", metrics):
         generated = source.next(step, metrics)

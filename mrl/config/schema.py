@@ -34,7 +34,7 @@ class TrainerConfig:
     eval_samples: int = 0
     # sync: each step generates its batch, trains, pushes the weights. one_step_off: batch k+1 is
     # generated (with the weights after step k-1) while step k trains. fully_async: the engines
-    # generate ahead within the `async` section's staleness bound (mrl/modes.py).
+    # generate ahead within the `async` section's staleness bound (docs/training-modes.md).
     mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
     # Colocated placement, sync mode: the actor's weights, gradients and optimizer state (and a
     # critic's, and the KL reference) go to host memory while the engines generate and come back
@@ -44,7 +44,7 @@ class TrainerConfig:
 
 @dataclass
 class AsyncConfig:
-    """trainer.mode fully_async (mrl/modes.py). The YAML key is `async` (the field is `async_`:
+    """trainer.mode fully_async (mrl/modes/fully_async.py). The YAML key is `async` (the field is `async_`:
     `async` is a Python keyword). A held-out eval between two pushes (sync_every > 1) sees the
     engines' weights, the last pushed."""
 

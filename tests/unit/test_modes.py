@@ -1,4 +1,4 @@
-"""trainer.mode's batch sources (mrl/modes.py) against a fake engine: which weights each batch is
+"""trainer.mode's batch sources (mrl/modes/) against a fake engine: which weights each batch is
 generated with, when the weights go out, that a push never meets a generation in flight, and that
 a checkpoint's batches in flight make a resumed run train exactly the same samples; fully_async's
 admission control (the staleness bound) and its η = 0 timeline, which is sync's."""
@@ -254,7 +254,7 @@ def test_a_fully_async_checkpoint_resumes_the_sample_stream_exactly():
 
 
 def test_chunks_engine_metrics_add_up_per_engine():
-    from mrl.modes import _merge_engine_metrics
+    from mrl.modes.fully_async import _merge_engine_metrics
 
     merged = _merge_engine_metrics([
         {"rollout/engine0/gen_s": 1.0, "rollout/engine0/tokens_per_s": 10.0},
@@ -269,7 +269,7 @@ def test_the_rollouter_is_busy_while_any_chunk_is_on_the_engines_within_the_step
     a chunk back and not yet collected counts until it came back."""
     from types import SimpleNamespace
 
-    from mrl.modes import _Chunk
+    from mrl.modes.fully_async import _Chunk
 
     _, _, _, source = _async_run(1, 1)
     source.window, source.running = 10.0, {}
@@ -418,7 +418,8 @@ def test_streaming_waits_rather_than_take_groups_that_would_make_a_later_step_mi
     """Step 2, two groups a step: three groups due by step 3 are still generating, two due at step 4
     have come back. Taking those two would leave three for step 3: the step waits; once one of the
     three is back it takes it and one of the later two; once two are back, those two."""
-    from mrl.modes import _Chunk, _Group
+    from mrl.modes.fully_async import _Chunk
+    from mrl.modes.streaming import _Group
 
     engine = HeldEngine()
     engine.push()

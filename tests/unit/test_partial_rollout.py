@@ -1,4 +1,4 @@
-"""async.partial_rollout in fully_async (mrl/modes.py) against a fake engine that can be
+"""async.partial_rollout in fully_async (mrl/modes/fully_async.py) against a fake engine that can be
 interrupted: at a push the chunks in flight come back unfinished, the push goes out, and each
 unfinished sample continues from its prefix on the new weights, in its place in its group and
 batch; its tokens keep their versions and engine log-probs, its weight version (the staleness) is

@@ -1,0 +1,130 @@
+"""The batch source the trainer's loop asks for a step's generations, and the two plain modes.
+
+sync generates a step's batch, trains, then pushes; one_step_off generates batch k+1 with the
+weights after step k-1 while step k trains. Their timelines: docs/training-modes.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+from mrl.metrics import timer
+from mrl.modes.batch import GeneratedBatch, Launch, PendingBatch, Push, Restored
+
+
+class BatchSource:
+    """The mode's side of the loop (docs/training-modes.md). `engine_seconds`: how long the engine
+    generated for the batches this step waited for (the rollouter's busy time)."""
+
+    def __init__(self, launch: Launch, push: Push, restored: Restored = None):
+        self.launch, self.push = launch, push
+        self.restored = [restored] if isinstance(restored, GeneratedBatch) else list(restored or [])
+        self.engine_seconds = 0.0
+
+    def next(self, step: int, metrics: dict) -> GeneratedBatch:
+        raise NotImplementedError
+
+    def after_update(self, step: int, trained: bool, metrics: dict) -> None:
+        if trained:  # nothing trained (dynamic sampling kept no group): the engine has these weights
+            metrics.update(self.push())
+
+    def in_flight(self) -> list[GeneratedBatch]:
+        """What a checkpoint taken now must save to resume exactly: generated batches not yet trained."""
+        return []
+
+    def upcoming(self, step: int) -> GeneratedBatch | None:
+        """Step `step`'s batch if it is generated already and can no longer change (its rewards
+        may then be scored ahead, while an earlier step learns); None otherwise."""
+        return None
+
+    def close(self) -> None:
+        """The run stops (finished, failed or interrupted): abandon every generation in flight, so
+        nothing is waited for on the way out and the engines are not kept busy with work nobody
+        will train (close() again: a no-op)."""
+        for pending in self._pending():
+            try:
+                pending.generation.cancel()
+            except Exception:  # noqa: BLE001 - an engine that died already: its work is gone anyway
+                pass
+        self._forget()
+
+    def _pending(self) -> list[PendingBatch]:
+        """The generations started and not yet collected."""
+        return []
+
+    def _forget(self) -> None:
+        """Drop the references to the generations in flight (after close)."""
+
+    def _take_restored(self, step: int) -> GeneratedBatch | None:
+        """The checkpoint's next batch in flight, which must be this step's (None: none left)."""
+        batch = self.restored.pop(0) if self.restored else None
+        if batch is not None and batch.step != step:
+            raise RuntimeError(f"the checkpoint's batch in flight is for step {batch.step} but the resumed run "
+                               f"starts at step {step}: the checkpoint is inconsistent; resume an earlier one")
+        return batch
+
+
+class SyncSource(BatchSource):
+    """Generate, then train, then push: every sample is on-policy (staleness 0)."""
+
+    def __init__(self, launch: Launch, push: Push, release: Callable[[], dict | None], restored: Restored = None):
+        super().__init__(launch, push, restored)
+        self.release = release
+
+    def next(self, step: int, metrics: dict) -> GeneratedBatch:
+        self.engine_seconds = 0.0
+        batch = self._take_restored(step)  # a one_step_off checkpoint's batch: its prompts are sampled already
+        if batch is not None:
+            return batch
+        with timer("gen", metrics) as gen:
+            batch = self.launch(step).result()
+        metrics.update(self.release() or {})  # colocated: free the engine's memory for the actor's turn
+        self.engine_seconds = gen.elapsed
+        return replace(batch, gen_seconds=gen.elapsed)  # the driver waited for all of it
+
+
+class OneStepOffSource(BatchSource):
+    """Generate batch k+1 while step k trains (docs/training-modes.md)."""
+
+    def __init__(self, launch: Launch, push: Push, last_step: int, restored: Restored = None):
+        super().__init__(launch, push, restored)
+        self.last_step = last_step
+        self.pending: PendingBatch | None = None
+        self.ready: GeneratedBatch | None = None
+
+    def next(self, step: int, metrics: dict) -> GeneratedBatch:
+        self.engine_seconds = 0.0
+        if self.ready is None:
+            self.ready = self._take_restored(step)
+        if self.ready is None:  # the first step, or a resume from a checkpoint with nothing in flight
+            self.pending = self.launch(step)
+            self.ready = self._wait(metrics)
+        batch, self.ready = self.ready, None
+        if batch.step != step:
+            raise RuntimeError(f"one_step_off: step {step} was handed the batch of step {batch.step}")
+        if step < self.last_step and not self.restored:  # (a fully_async checkpoint may hold step + 1 already)
+            self.pending = self.launch(step + 1)  # with the weights after step - 1, while this step trains
+        return batch
+
+    def after_update(self, step: int, trained: bool, metrics: dict) -> None:
+        if self.pending is not None:
+            self.ready = self._wait(metrics)  # the engine is idle from here: the push cannot meet a generation
+        super().after_update(step, trained, metrics)
+
+    def in_flight(self) -> list[GeneratedBatch]:
+        return [self.ready] if self.ready is not None else []
+
+    def _pending(self) -> list[PendingBatch]:
+        return [self.pending] if self.pending is not None else []
+
+    def _forget(self) -> None:
+        self.pending = None
+
+    def _wait(self, metrics: dict) -> GeneratedBatch:
+        with timer("gen", metrics):  # the part of the generation the driver (and the actor) waited for
+            batch = self.pending.result()
+        self.pending = None
+        self.engine_seconds += batch.gen_seconds
+        return batch
+
