@@ -359,7 +359,7 @@ def _worker_engine(specs, announce: str, tp: int, fail_open: str = ""):
 
 def sync_case(specs, transport: str, announce: str, repeats: int, bucket_bytes: int, d2d: float,
               quantization: str | None = None, workers: int = 0, case: str = "", ipc_opens: int = 1) -> None:
-    from mrl.sync.sender import BucketSender
+    from mrl.sync.pipeline import BucketSender
 
     ctx = mp.get_context("spawn")
     endpoints, results = ctx.Queue(), ctx.Queue()
@@ -409,7 +409,7 @@ def open_fails_case(specs, bucket_bytes: int, case: str, fail_open: str) -> None
     """A TP2 engine whose worker 1 cannot open the buckets: the sync must fail naming it, and the
     trainer must hold none of its buckets once ipc_collect ran. Measured while the engine's
     process still lives: a reference a dead process never gave back is never given back."""
-    from mrl.sync.sender import BucketSender
+    from mrl.sync.pipeline import BucketSender
 
     ctx = mp.get_context("spawn")
     endpoints, results, done = ctx.Queue(), ctx.Queue(), ctx.Event()

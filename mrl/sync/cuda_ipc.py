@@ -10,7 +10,7 @@ engine on an H200: the whole model). So the leader makes as many handles as each
 opens a bucket (SyncEndpoint.ipc_opens), the receiver keeps its engine's list (for_engine), and
 each opener takes its own (open_shared's `opener`); a handle that will not be opened (a failed
 update, an open that failed) is given back through torch's counter alone (give_back). The leader
-keeps each bucket until every engine has said it loaded it (mrl.sync.sender), and an engine
+keeps each bucket until every engine has said it loaded it (mrl.sync.link), and an engine
 copies what it keeps. The handles travel in the bucket's JSON header, with the GPU's UUID: the
 engine's process may number the same GPU differently (another CUDA_VISIBLE_DEVICES), so it is
 found by UUID, never by index.

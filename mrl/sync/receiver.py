@@ -252,7 +252,7 @@ class WeightReceiver:
         """Tell the sender (a barrier with every engine) that the shared-memory bucket before the
         one just received is loaded: its memory may go. One bucket behind, so that the sender packs
         bucket k + 1 while the engine loads bucket k, and sends the end marker without waiting for
-        the last load (mrl.sync.sender._Link.send)."""
+        the last load (mrl.sync.link.Link._send)."""
         if unreleased is None:
             return
         index, done = unreleased

@@ -70,7 +70,7 @@ def error_key(sync_id: str) -> str:
 def describe_failure(outcome: dict) -> str:
     """An engine's failed update ({"engine", "error", "tensor"}, and "index", "engines" in a fan-out
     to several), or a sender's ({"sender", "error"}), as one line."""
-    if "sender" in outcome:  # a routed leader's own failure (mrl.sync.sender._Link._abort)
+    if "sender" in outcome:  # a routed leader's own failure (mrl.sync.transports.RoutedLink._abort)
         return f"the weight update failed: the sender {outcome['sender']} failed: {outcome['error']}"
     where = f" while loading {outcome['tensor']!r}" if outcome.get("tensor") else ""
     who = f"engine {outcome['index']} of {outcome['engines']}" if "index" in outcome else "the engine"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mrl.sync import SyncEndpoint, WeightReceiver
-from mrl.sync.sender import BucketSender
+from mrl.sync.pipeline import BucketSender
 from mrl.sync import wire
 from mrl.sync.wire import WeightUpdateReport, checksums, checksums_match, tensor_checksum
 

@@ -1,4 +1,4 @@
-"""The sender's pipeline (mrl.sync.sender._pipelined): the export of bucket k + 1 overlaps sending
+"""The sender's pipeline (mrl.sync.pipeline.pipelined): the export of bucket k + 1 overlaps sending
 bucket k, never more than two buckets are alive, and the sender thread's errors surface on the
 calling thread once the export has run to its end."""
 
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from mrl.sync.sender import _pipelined
+from mrl.sync.pipeline import pipelined
 from mrl.sync.wire import SyncError
 
 
@@ -35,7 +35,7 @@ def test_export_of_the_next_bucket_overlaps_sending_and_two_buckets_at_most():
         sent.append(index)
         return 1  # this bucket's memory went with the send (the wire)
 
-    _pipelined(_export(4, started), send, "rank 0", timeout_s=10)
+    pipelined(_export(4, started), send, "rank 0", timeout_s=10)
     assert seen_during_send == [[0, 1]]  # bucket 1 exported while 0 was sent; bucket 2 waited
     assert sent == [0, 1, 2, 3] and started == [0, 1, 2, 3]
 
@@ -49,7 +49,7 @@ def test_a_sender_thread_error_surfaces_with_its_message_after_the_export_ends()
         return 1
 
     with pytest.raises(SyncError, match="sending bucket 1 failed: the engine is gone"):
-        _pipelined(_export(5, started), send, "rank 0", timeout_s=10)
+        pipelined(_export(5, started), send, "rank 0", timeout_s=10)
     assert started == [0, 1, 2, 3, 4]  # the export ran to its end: its other ranks are not left waiting
 
 
@@ -63,7 +63,7 @@ def test_a_stuck_sender_thread_is_an_error_naming_who_waited():
     try:
         with pytest.raises(SyncError, match=r"rank 0: bucket 0 was not sent \(or, in shared memory, loaded by the "
                                             r"engines\) within 1s \(the export waited to assemble bucket 2\)"):
-            _pipelined(_export(3, []), send, "rank 0", timeout_s=1)
+            pipelined(_export(3, []), send, "rank 0", timeout_s=1)
     finally:
         release.set()
 
@@ -80,5 +80,5 @@ def test_a_shared_memory_bucket_holds_its_slot_until_the_engines_loaded_it():
         seen.append(list(started))
         return 0 if index == 0 else 1
 
-    _pipelined(_export(4, started), send, "rank 0", timeout_s=10)
+    pipelined(_export(4, started), send, "rank 0", timeout_s=10)
     assert seen == [[0, 1], [0, 1], [0, 1, 2], [0, 1, 2, 3]]  # the wire would show [0, 1, 2] in the second
