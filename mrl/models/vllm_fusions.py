@@ -27,7 +27,7 @@ FUSIONS: dict[str, dict] = {
     "deepseek_v3": {"stacked": dict([_MLA_A, _GATE_UP]), "experts": _EXPERTS},
 }
 # What an in-place apply must redo after writing, per architecture, in order (the hooks are in
-# mrl/rollout/vllm_engine.py POST_APPLY_HOOKS): kernel formats derived from linear weights (CPU
+# mrl/rollout/vllm_weights.py POST_APPLY_HOOKS): kernel formats derived from linear weights (CPU
 # GEMM packing, the LM head's), the CPU fused experts' packing, MLA's absorbed W_UK_T/W_UV.
 POST_APPLY: dict[str, tuple[str, ...]] = {
     "llama": ("kernel_formats",), "qwen2": ("kernel_formats",), "qwen3": ("kernel_formats",),

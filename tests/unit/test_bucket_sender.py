@@ -262,7 +262,7 @@ def test_the_cuda_ipc_handles_of_a_bucket_no_engine_process_opens_are_given_back
 
     from types import SimpleNamespace
 
-    from mrl.rollout.vllm_engine import _load_shared
+    from mrl.rollout.vllm_weights import _load_shared
 
     monkeypatch.setattr(cuda_ipc, "rebuild_cuda_tensor", lambda *args: 1 / 0)  # e.g. cudaIpcOpenMemHandle failed
     monkeypatch.setattr(cuda_ipc, "device_uuid", lambda index: "GPU-a")

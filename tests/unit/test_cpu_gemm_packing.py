@@ -1,4 +1,4 @@
-"""vLLM-CPU engines leave small fp32 linear layers unpacked (mrl.rollout.vllm_engine._unpack_small_cpu_gemms):
+"""vLLM-CPU engines leave small fp32 linear layers unpacked (mrl.rollout.vllm_cpu._unpack_small_cpu_gemms):
 an in-place sync then writes where their kernel reads. Larger layers, other dtypes and non-2-D weights
 (e.g. a GDN conv1d's [dim, 1, 4]) keep vLLM's packing."""
 
@@ -18,7 +18,7 @@ def test_small_fp32_layers_stay_unpacked_and_compute_the_same():
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.platforms import current_platform
 
-    from mrl.rollout.vllm_engine import CPU_UNPACKED_GEMM_MAX_ELEMENTS, _unpack_small_cpu_gemms
+    from mrl.rollout.vllm_cpu import CPU_UNPACKED_GEMM_MAX_ELEMENTS, _unpack_small_cpu_gemms
 
     if not current_platform.is_cpu():
         pytest.skip("vLLM's CPU platform only")
