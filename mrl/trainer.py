@@ -26,13 +26,11 @@ from mrl.experience import actor_inputs, critic_inputs, rollout_batch, select_ro
 from mrl.launch.cluster import generate_once
 from mrl.launch.proxies import EngineHandle
 from mrl.metrics import MetricsLogger, plot_metrics, timer
-from mrl.modes import (AsyncPlan, BatchSource, GeneratedBatch, PendingBatch, continuation_seed, make_source,
-                       overlap_metrics)
+from mrl.modes import BatchSource, Engines, GeneratedBatch, Prompts, make_source, overlap_metrics
 from mrl.profiling import profiled_step
 from mrl.rewards import RewardInput, RewardResult
 from mrl.rewards.ahead import ScoresAhead
-from mrl.rollout.detokenize import Detokenizer
-from mrl.rollout.engine import Generation, SamplingSettings, seeded_per_prompt
+from mrl.rollout.engine import SamplingSettings, seeded_per_prompt
 from mrl.rollout_trace import trace_rollouts
 from mrl.run import Run, open_run
 from mrl.sft import run_sft
@@ -169,36 +167,12 @@ def batch_source(run: Run) -> BatchSource:
     """trainer.mode's batch source over this run's sampler, engines and weight sync; batches a
     checkpoint saved in flight are trained first."""
     cfg, cluster = run.cfg, run.cluster
-
-    def generate(step: int, indices: list[int]) -> PendingBatch:
-        pending = cluster.generate_async([run.train_set[i]["prompt_ids"] for i in indices],
-                                         seeded_per_prompt(sampling_for(cfg, step), indices))
-        return PendingBatch(step, indices, pending, run.start)
-
-    a = cfg.async_
-    # async.partial_rollout: a continued sample's text and stop strings (the merge), and which stop
-    # strings vLLM may check in a continuation
-    detokenize = Detokenizer(run.tokenizer, tuple(cfg.rollout.stop)) if a.partial_rollout else None
-
-    def resume(step: int, partials: list[Generation], keys: list[tuple[int, int]]) -> PendingBatch:
-        """async.partial_rollout: each interrupted sample goes on from its prompt and tokens so far,
-        for the rest of its token budget, with a seed of its own per continuation."""
-        base = sampling_for(cfg, step)
-        settings = [replace(base, n=1, max_tokens=base.max_tokens - len(g.token_ids),
-                            seed=continuation_seed(base.seed, sample, count),
-                            stop=detokenize.continuation_stop(g.prompt_ids + g.token_ids))
-                    for g, (sample, count) in zip(partials, keys)]
-        pending = cluster.generate_async([g.prompt_ids + g.token_ids for g in partials], settings)
-        return PendingBatch(step, [], pending, run.start)
-
-    plan = AsyncPlan(run.sampler.next_batch, generate, run.start, a.max_staleness, a.sync_every, a.queue_size,
-                     a.chunk_prompts or (1 if a.streaming else cfg.data.batch_size), cfg.rollout.n_samples_per_prompt,
-                     cluster.interrupt_engines if a.partial_rollout else None, resume, detokenize,
-                     streaming=a.streaming, batch_prompts=cfg.data.batch_size,
-                     wait_s=cfg.sync.timeout_s * EngineHandle.GENERATE_TIMEOUT_FACTOR)
-    return make_source(cfg.trainer.mode, lambda step: generate(step, run.sampler.next_batch()), cluster.sync_weights,
-                       cluster.release_engines, cfg.trainer.total_steps, GeneratedBatch.list_from_state(run.in_flight),
-                       plan)
+    engines = Engines(generate=cluster.generate_async, push=cluster.sync_weights, release=cluster.release_engines,
+                      interrupt=cluster.interrupt_engines,
+                      generate_timeout_s=cfg.sync.timeout_s * EngineHandle.GENERATE_TIMEOUT_FACTOR)
+    prompts = Prompts(next_batch=run.sampler.next_batch, prompt_ids=lambda i: run.train_set[i]["prompt_ids"],
+                      sampling=lambda step: sampling_for(cfg, step), start_step=run.start, tokenizer=run.tokenizer)
+    return make_source(cfg, engines, prompts, GeneratedBatch.list_from_state(run.in_flight))
 
 
 def sampling_for(cfg: RunConfig, step: int) -> SamplingSettings:

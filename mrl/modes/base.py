@@ -1,16 +1,53 @@
 """The batch source the trainer's loop asks for a step's generations, and the two plain modes.
 
 sync generates a step's batch, trains, then pushes; one_step_off generates batch k+1 with the
-weights after step k-1 while step k trains. Their timelines: docs/training-modes.md.
+weights after step k-1 while step k trains. Their timelines: docs/training-modes.md. A source is
+given what the run owns: its engines' calls (Engines) and its prompts (Prompts); no Ray here.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from mrl.metrics import timer
-from mrl.modes.batch import GeneratedBatch, Launch, PendingBatch, Push, Restored
+from mrl.modes.batch import Generate, GeneratedBatch, Launch, PendingBatch, PendingResult, Push, Restored
+from mrl.rollout.engine import SamplingSettings, seeded_per_prompt
+
+
+@dataclass(frozen=True)
+class Engines:
+    """What a batch source asks of the run's engines (the trainer passes mrl.launch.cluster.Cluster's
+    methods; tests pass fakes)."""
+
+    generate: Callable[[list[list[int]], list[SamplingSettings]], PendingResult]  # start: prompts' ids, one setting each
+    push: Push  # the actor's weights into the engines; the push's metrics
+    release: Callable[[], dict | None]  # sync mode, after a generation: colocated engines free their memory
+    interrupt: Callable[[], None]  # async.partial_rollout: the generations in flight come back at once
+    generate_timeout_s: float  # the longest a generate call may take (async.streaming waits this for a group)
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The run's prompts as a batch source draws them, and where the run starts."""
+
+    next_batch: Callable[[], list[int]]  # the sampler's next batch: indices into the training set
+    prompt_ids: Callable[[int], list[int]]  # a training prompt's token ids
+    sampling: Callable[[int], SamplingSettings]  # a step's sampling settings (seeded per step)
+    start_step: int  # the trainer step whose weights the engines hold as the source starts
+    tokenizer: Any = None  # async.partial_rollout: a continued sample's text and stop (mrl.rollout.detokenize)
+
+
+def generator(engines: Engines, prompts: Prompts) -> Generate:
+    """Start generating some of a step's prompts with the step's sampling settings, each prompt
+    with a seed of its own (seeded_per_prompt: the same samples whichever engine or chunk)."""
+
+    def generate(step: int, indices: list[int]) -> PendingBatch:
+        pending = engines.generate([prompts.prompt_ids(i) for i in indices],
+                                   seeded_per_prompt(prompts.sampling(step), indices))
+        return PendingBatch(step, indices, pending, prompts.start_step)
+
+    return generate
 
 
 class BatchSource:

@@ -12,8 +12,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from mrl.config import RunConfig
 from mrl.metrics import timer
-from mrl.modes.base import BatchSource
+from mrl.modes.base import BatchSource, Engines, Prompts
 from mrl.modes.batch import Generate, GeneratedBatch, PendingBatch, Push, Restored, partial_ratio
 from mrl.rollout.detokenize import Detokenizer
 from mrl.rollout.engine import Generation
@@ -53,9 +54,9 @@ def continuation_seed(seed: int | None, sample: int, count: int) -> int | None:
     return ((seed * 1_000_003 + sample) * 1_009 + count) % (1 << 62)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AsyncPlan:
-    """What fully_async needs beyond push (the async config section, resolved)."""
+    """What fully_async needs beyond push (the async config section, resolved: async_plan)."""
 
     sample: Callable[[], list[int]]  # the sampler's next batch of prompt indices
     generate: Generate
@@ -68,14 +69,44 @@ class AsyncPlan:
     interrupt: Callable[[], None] | None = None  # async.partial_rollout: stop the engines' generations now
     resume: Resume | None = None  # async.partial_rollout: continue unfinished samples
     detokenize: Detokenizer | None = None  # async.partial_rollout: a continued sample's text and stop
-    streaming: bool = False  # async.streaming: a step takes the first groups to come back (StreamingAsyncSource)
-    batch_prompts: int = 0  # async.streaming: groups a step takes (data.batch_size)
+    batch_prompts: int = 0  # groups a step takes (data.batch_size; 0: unchecked)
     wait_s: float = 1200.0  # async.streaming: the longest a step waits for the next group to come back
 
     def __post_init__(self):
         if self.interrupt is not None and (self.resume is None or self.detokenize is None):
             raise ValueError("AsyncPlan: interrupt (async.partial_rollout) needs resume and detokenize, which continue "
                              "an interrupted sample and give it the text and stop of one uninterrupted request")
+
+
+def async_plan(cfg: RunConfig, engines: Engines, prompts: Prompts, generate: Generate) -> AsyncPlan:
+    """fully_async's plan from the run's `async` section; with async.partial_rollout, the engines'
+    interrupt, the continuation of the samples it cut and their detokenizer."""
+    a = cfg.async_
+    # a continued sample's text and stop strings (the merge), and which stop strings vLLM may check in a continuation
+    detokenize = Detokenizer(prompts.tokenizer, tuple(cfg.rollout.stop)) if a.partial_rollout else None
+    return AsyncPlan(sample=prompts.next_batch, generate=generate, start_step=prompts.start_step,
+                     max_staleness=a.max_staleness, sync_every=a.sync_every, queue_size=a.queue_size,
+                     chunk_prompts=a.chunk_prompts or (1 if a.streaming else cfg.data.batch_size),
+                     samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+                     interrupt=engines.interrupt if a.partial_rollout else None,
+                     resume=continuation(engines, prompts, detokenize) if a.partial_rollout else None,
+                     detokenize=detokenize, batch_prompts=cfg.data.batch_size, wait_s=engines.generate_timeout_s)
+
+
+def continuation(engines: Engines, prompts: Prompts, detokenize: Detokenizer) -> Resume:
+    """async.partial_rollout: each interrupted sample goes on from its prompt and tokens so far,
+    for the rest of its token budget, with a seed of its own per continuation."""
+
+    def resume(step: int, partials: list[Generation], keys: list[tuple[int, int]]) -> PendingBatch:
+        base = prompts.sampling(step)
+        settings = [replace(base, n=1, max_tokens=base.max_tokens - len(g.token_ids),
+                            seed=continuation_seed(base.seed, sample, count),
+                            stop=detokenize.continuation_stop(g.prompt_ids + g.token_ids))
+                    for g, (sample, count) in zip(partials, keys)]
+        pending = engines.generate([g.prompt_ids + g.token_ids for g in partials], settings)
+        return PendingBatch(step, [], pending, prompts.start_step)
+
+    return resume
 
 
 @dataclass

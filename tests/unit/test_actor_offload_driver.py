@@ -97,7 +97,7 @@ def test_without_the_setting_nothing_moves():
 
 
 def test_the_sync_step_reports_the_onload():
-    from mrl.modes import GeneratedBatch, PendingBatch, make_source
+    from mrl.modes import GeneratedBatch, PendingBatch, SyncSource
 
     class Done:
         seconds, metrics = 0.0, {}
@@ -108,7 +108,7 @@ def test_the_sync_step_reports_the_onload():
     def launch(step: int) -> PendingBatch:
         return PendingBatch(step, [0], Done(), 0)
 
-    source = make_source("sync", launch, dict, lambda: {"perf/actor_onload_bytes": 7.0}, 3)
+    source = SyncSource(launch, dict, lambda: {"perf/actor_onload_bytes": 7.0})
     metrics: dict = {}
     assert isinstance(source.next(1, metrics), GeneratedBatch)
     assert metrics["perf/actor_onload_bytes"] == 7.0

@@ -5,7 +5,8 @@ admission control (the staleness bound) and its η = 0 timeline, which is sync's
 
 import pytest
 
-from mrl.modes import AsyncPlan, GeneratedBatch, PendingBatch, make_source, overlap_metrics
+from mrl.modes import (AsyncPlan, FullyAsyncSource, GeneratedBatch, OneStepOffSource, PendingBatch,
+                       StreamingAsyncSource, SyncSource, overlap_metrics)
 from mrl.rollout.engine import Generation
 
 BATCH = 2  # prompts a step
@@ -63,6 +64,21 @@ class FakeEngine:
         self.events.append("release")
 
 
+def _source(mode: str, engine: FakeEngine, steps: int, restored=None):
+    """sync's or one_step_off's source over the fake engine."""
+    if mode == "sync":
+        return SyncSource(engine.launch, engine.push, engine.release, restored)
+    return OneStepOffSource(engine.launch, engine.push, steps, restored)
+
+
+def _plan(engine: FakeEngine, start_step: int, max_staleness: int, sync_every: int, queue_size: int,
+          chunk_prompts: int, **more) -> AsyncPlan:
+    """fully_async's plan over the fake engine (one sample a prompt)."""
+    return AsyncPlan(sample=engine.sample, generate=engine.generate, start_step=start_step,
+                     max_staleness=max_staleness, sync_every=sync_every, queue_size=queue_size,
+                     chunk_prompts=chunk_prompts, samples_per_prompt=1, **more)
+
+
 def _train(source, engine: FakeEngine, steps: range, trained: list, metrics_of: dict | None = None) -> None:
     for step in steps:
         metrics = {}
@@ -77,7 +93,7 @@ def _train(source, engine: FakeEngine, steps: range, trained: list, metrics_of: 
 def _run(mode: str, steps: int = 4):
     engine, trained, metrics = FakeEngine(), [], {}
     engine.push()  # the run's first sync: version 1 holds the start step's (0) weights
-    source = make_source(mode, engine.launch, engine.push, engine.release, steps)
+    source = _source(mode, engine, steps)
     _train(source, engine, range(1, steps + 1), trained, metrics)
     return engine, trained, metrics
 
@@ -120,7 +136,7 @@ def test_a_resume_from_a_one_step_off_checkpoint_trains_the_saved_batch_first(mo
     _, uninterrupted, _ = _run("one_step_off", 4)
     engine, trained = FakeEngine(), []
     engine.push()
-    source = make_source("one_step_off", engine.launch, engine.push, engine.release, 4)
+    source = _source("one_step_off", engine, 4)
     _train(source, engine, range(1, 3), trained)
     (saved_batch,), sampled = source.in_flight(), engine.sampled
     saved = saved_batch.to_state()
@@ -129,7 +145,7 @@ def test_a_resume_from_a_one_step_off_checkpoint_trains_the_saved_batch_first(mo
     resumed = FakeEngine(start_step=2)  # a new engine: its version 1 holds the step-2 weights
     resumed.sampled = sampled
     resumed.push()
-    source = make_source(mode, resumed.launch, resumed.push, resumed.release, 4, GeneratedBatch.from_state(saved))
+    source = _source(mode, resumed, 4, GeneratedBatch.from_state(saved))
     _train(source, resumed, range(3, 5), trained)
     if mode == "one_step_off":
         assert trained == uninterrupted
@@ -141,7 +157,7 @@ def test_a_resume_from_a_one_step_off_checkpoint_trains_the_saved_batch_first(mo
 def test_a_saved_batch_for_another_step_is_refused():
     engine = FakeEngine()
     batch = GeneratedBatch(5, [0], [[Generation([0], [1], "x", [-1.0], "stop", 1)]], 0, 1.0)
-    source = make_source("one_step_off", engine.launch, engine.push, engine.release, 8, batch)
+    source = _source("one_step_off", engine, 8, batch)
     with pytest.raises(RuntimeError, match="batch in flight is for step 5 but the resumed run starts at step 3"):
         source.next(3, {})
 
@@ -167,8 +183,9 @@ def _async_run(eta: int, steps: int, sync_every: int = 1, chunk: int = BATCH, qu
     engine = engine or FakeEngine()
     if engine.version == 0:
         engine.push()
-    plan = AsyncPlan(engine.sample, engine.generate, first - 1, eta, sync_every, queue, chunk, 1)
-    source = make_source("fully_async", engine.launch, engine.push, engine.release, steps, restored, plan)
+    plan = _plan(engine, start_step=first - 1, max_staleness=eta, sync_every=sync_every, queue_size=queue,
+                 chunk_prompts=chunk)
+    source = FullyAsyncSource(engine.push, steps, plan, restored)
     trained, metrics = [] if trained is None else trained, {}
     for step in range(first, steps + 1):
         step_metrics = {}
@@ -236,8 +253,8 @@ def test_a_fully_async_checkpoint_resumes_the_sample_stream_exactly():
     _, uninterrupted, _, _ = _async_run(2, 6)
     engine, trained = FakeEngine(), []
     engine.push()
-    plan = AsyncPlan(engine.sample, engine.generate, 0, 2, 1, 8, BATCH, 1)
-    source = make_source("fully_async", engine.launch, engine.push, engine.release, 6, None, plan)
+    plan = _plan(engine, start_step=0, max_staleness=2, sync_every=1, queue_size=8, chunk_prompts=BATCH)
+    source = FullyAsyncSource(engine.push, 6, plan)
     for step in (1, 2):
         batch = source.next(step, {})
         trained.append((step, batch.prompt_indices, batch.policy_steps()))
@@ -289,7 +306,7 @@ def test_closing_a_one_step_off_source_abandons_the_batch_in_flight(cancel_fails
     engine = FakeEngine()
     engine.push()
     engine.cancel_fails = cancel_fails
-    source = make_source("one_step_off", engine.launch, engine.push, engine.release, 4)
+    source = _source("one_step_off", engine, 4)
     source.next(1, {})
     source.close()
     source.close()
@@ -305,8 +322,8 @@ def test_closing_the_rollouter_cancels_every_chunk_in_flight_and_starts_nothing(
     engine = FakeEngine()
     engine.push()
     engine.cancel_fails = cancel_fails
-    plan = AsyncPlan(engine.sample, engine.generate, 0, 2, 1, 8, 1, 1)
-    source = make_source("fully_async", engine.launch, engine.push, engine.release, 6, None, plan)
+    plan = _plan(engine, start_step=0, max_staleness=2, sync_every=1, queue_size=8, chunk_prompts=1)
+    source = FullyAsyncSource(engine.push, 6, plan)
     source.next(1, {})
     source.close()
     source.close()
@@ -325,8 +342,8 @@ def test_the_next_batch_is_upcoming_once_generated_and_then_handed_over_unchange
     other modes never offer one."""
     engine = FakeEngine()
     engine.push()
-    plan = AsyncPlan(engine.sample, engine.generate, 0, 1, 1, 8, 1, 1)
-    source = make_source("fully_async", engine.launch, engine.push, engine.release, 3, None, plan)
+    plan = _plan(engine, start_step=0, max_staleness=1, sync_every=1, queue_size=8, chunk_prompts=1)
+    source = FullyAsyncSource(engine.push, 3, plan)
     engine.finished = False
     first = source.next(1, {})
     assert source.upcoming(2) is None and source.upcoming(3) is None  # step 2 running, step 3 not admitted
@@ -337,9 +354,65 @@ def test_the_next_batch_is_upcoming_once_generated_and_then_handed_over_unchange
     assert source.next(2, {}) is upcoming and first.step == 1
     for mode in ("sync", "one_step_off"):
         engine = FakeEngine()
-        other = make_source(mode, engine.launch, engine.push, engine.release, 3)
+        other = _source(mode, engine, 3)
         other.next(1, {})
         assert other.upcoming(2) is None, mode
+
+
+@pytest.mark.parametrize("mode, streaming, kind", [("sync", False, SyncSource), ("one_step_off", False, OneStepOffSource),
+                                               ("fully_async", False, FullyAsyncSource),
+                                               ("fully_async", True, StreamingAsyncSource)])
+def test_make_source_wires_a_mode_from_the_runs_settings_engines_and_prompts(mode, streaming, kind):
+    """The trainer hands over its engines' calls and its prompts: each step's prompts go out with
+    their token ids and a seed each from the step's settings; only sync releases the engines; only
+    fully_async gets a plan (chunks from the settings, no continuation without partial rollout)."""
+    from dataclasses import replace
+
+    from mrl.config import RunConfig
+    from mrl.modes import Engines, Prompts, make_source
+    from mrl.rollout.engine import SamplingSettings, seeded_per_prompt
+
+    cfg = RunConfig()
+    cfg = replace(cfg, trainer=replace(cfg.trainer, mode=mode, total_steps=3),
+                  async_=replace(cfg.async_, max_staleness=0, streaming=streaming),
+                  data=replace(cfg.data, batch_size=BATCH), rollout=replace(cfg.rollout, n_samples_per_prompt=1))
+    calls, events = [], []
+
+    class Done:
+        seconds, metrics = 0.5, {}
+
+        def __init__(self, prompt_ids):
+            self.prompt_ids = prompt_ids
+
+        def result(self):
+            return [[Generation(ids, [1], "x", [-0.5], "stop", 1)] for ids in self.prompt_ids]
+
+    def generate(prompt_ids, settings):
+        calls.append((prompt_ids, settings))
+        return Done(prompt_ids)
+
+    engines = Engines(generate=generate, push=lambda: events.append("push") or {},
+                      release=lambda: events.append("release"), interrupt=lambda: events.append("interrupt"),
+                      generate_timeout_s=7.0)
+    prompts = Prompts(next_batch=lambda: [3, 5], prompt_ids=lambda i: [i, i],
+                      sampling=lambda step: SamplingSettings(n=1, seed=step), start_step=2)
+    source = make_source(cfg, engines, prompts)
+    assert type(source) is kind
+    batch = source.next(3, {})
+    assert (batch.step, batch.prompt_indices, batch.start_step) == (3, [3, 5], 2)
+    settings = seeded_per_prompt(SamplingSettings(n=1, seed=3), [3, 5])
+    if streaming:  # a prompt a call
+        assert calls == [([[3, 3]], settings[:1]), ([[5, 5]], settings[1:])]
+    else:
+        assert calls == [([[3, 3], [5, 5]], settings)]
+    assert events == (["release"] if mode == "sync" else [])
+    if mode == "fully_async":
+        plan = source.plan
+        assert (plan.chunk_prompts, plan.batch_prompts, plan.wait_s, plan.start_step) == (1 if streaming else BATCH,
+                                                                                           BATCH, 7.0, 2)
+        assert plan.interrupt is plan.resume is plan.detokenize is None
+    else:
+        assert not hasattr(source, "plan")
 
 
 # --- async.streaming: the first groups to come back, within the staleness bound ---------------
@@ -378,9 +451,9 @@ def _streaming_run(eta: int, steps: int, engine: HeldEngine, restored=None, firs
     """Steps first..(until or steps) of a streaming fully_async run, chunks of one prompt; the source too."""
     if engine.version == 0:
         engine.push()
-    plan = AsyncPlan(engine.sample, engine.generate, first - 1, eta, 1, queue, 1, 1, streaming=True,
-                     batch_prompts=BATCH, wait_s=5.0)
-    source = make_source("fully_async", engine.launch, engine.push, engine.release, steps, restored, plan)
+    plan = _plan(engine, start_step=first - 1, max_staleness=eta, sync_every=1, queue_size=queue, chunk_prompts=1,
+                 batch_prompts=BATCH, wait_s=5.0)
+    source = StreamingAsyncSource(engine.push, steps, plan, restored)
     trained = [] if trained is None else trained
     for step in range(first, (until or steps) + 1):
         metrics = {}
@@ -423,8 +496,9 @@ def test_streaming_waits_rather_than_take_groups_that_would_make_a_later_step_mi
 
     engine = HeldEngine()
     engine.push()
-    plan = AsyncPlan(engine.sample, engine.generate, 0, 2, 1, 8, 1, 1, streaming=True, batch_prompts=2, wait_s=5.0)
-    source = make_source("fully_async", engine.launch, engine.push, engine.release, 6, None, plan)
+    plan = _plan(engine, start_step=0, max_staleness=2, sync_every=1, queue_size=8, chunk_prompts=1, batch_prompts=2,
+                 wait_s=5.0)
+    source = StreamingAsyncSource(engine.push, 6, plan)
     engine.held = {10, 11, 12}
     source.running = {3: [_Chunk(engine.generate(3, [i]), 0.0, i - 10, 3) for i in (10, 11, 12)]}
     source.pool = [_Group(4, i, 20 + i, [], 0, 4) for i in (0, 1)]
@@ -463,10 +537,10 @@ def test_streaming_with_pushes_every_two_steps_keeps_the_bound():
 
     engine = HeldEngine(held={0, 5})
     threading.Timer(0.3, engine.held.clear).start()
-    plan = AsyncPlan(engine.sample, engine.generate, 0, 1, 2, 8, 1, 1, streaming=True, batch_prompts=BATCH,
-                     wait_s=5.0)
+    plan = _plan(engine, start_step=0, max_staleness=1, sync_every=2, queue_size=8, chunk_prompts=1,
+                 batch_prompts=BATCH, wait_s=5.0)
     engine.push()
-    source = make_source("fully_async", engine.launch, engine.push, engine.release, 6, None, plan)
+    source = StreamingAsyncSource(engine.push, 6, plan)
     trained = []
     for step in range(1, 7):
         batch = source.next(step, {})
@@ -484,7 +558,7 @@ def test_a_streaming_checkpoint_is_refused_without_streaming_or_with_another_syn
     saved = GeneratedBatch.list_from_state([b.to_state() for b in source.in_flight()])
     for streaming, sync_every, message in [(False, 1, "are not whole: a streaming run"),
                                            (True, 2, "generated with async.sync_every 1, this run has 2")]:
-        plan = AsyncPlan(engine.sample, engine.generate, 2, 2, sync_every, 8, 1, 1, streaming=streaming,
-                         batch_prompts=BATCH)
+        plan = _plan(engine, start_step=2, max_staleness=2, sync_every=sync_every, queue_size=8, chunk_prompts=1,
+                     batch_prompts=BATCH)
         with pytest.raises(RuntimeError, match=message):
-            make_source("fully_async", engine.launch, engine.push, engine.release, 6, saved, plan)
+            (StreamingAsyncSource if streaming else FullyAsyncSource)(engine.push, 6, plan, saved)

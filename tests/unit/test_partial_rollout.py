@@ -6,8 +6,8 @@ its oldest token's, and async/partial_ratio counts the samples with two versions
 
 import pytest
 
-from mrl.modes import (AsyncPlan, GeneratedBatch, PendingBatch, continuation_seed, continue_generation, make_source,
-                       overlap_metrics)
+from mrl.modes import (AsyncPlan, FullyAsyncSource, GeneratedBatch, PendingBatch, continuation_seed,
+                       continue_generation, overlap_metrics)
 from mrl.rollout.detokenize import SampleText
 from mrl.rollout.engine import Generation
 
@@ -86,12 +86,19 @@ class InterruptibleEngine:
         return {}
 
 
+def _plan(engine: InterruptibleEngine, eta: int, **partial) -> AsyncPlan:
+    """fully_async's plan over the fake engine: a prompt a chunk, N samples a prompt (`partial`:
+    interrupt, resume and detokenize, for async.partial_rollout)."""
+    return AsyncPlan(sample=engine.sample, generate=engine.generate, start_step=0, max_staleness=eta, sync_every=1,
+                     queue_size=8, chunk_prompts=1, samples_per_prompt=N, **partial)
+
+
 def _run(eta: int = 1, steps: int = 3, partial: bool = True):
     engine = InterruptibleEngine()
     engine.push()  # the run's first sync: version 1
-    plan = AsyncPlan(engine.sample, engine.generate, 0, eta, 1, 8, 1, N,
-                     engine.interrupt if partial else None, engine.resume, detokenize)
-    source = make_source("fully_async", None, engine.push, None, steps, None, plan)
+    plan = _plan(engine, eta, interrupt=engine.interrupt if partial else None, resume=engine.resume,
+                 detokenize=detokenize)
+    source = FullyAsyncSource(engine.push, steps, plan)
     batches, metrics = [], {}
     for step in range(1, steps + 1):
         m = {}
@@ -153,8 +160,8 @@ def test_without_partial_rollout_the_push_waits_and_nothing_is_continued():
 def test_a_checkpoint_waits_for_the_continuations_and_round_trips_token_versions():
     engine = InterruptibleEngine()
     engine.push()
-    plan = AsyncPlan(engine.sample, engine.generate, 0, 1, 1, 8, 1, N, engine.interrupt, engine.resume, detokenize)
-    source = make_source("fully_async", None, engine.push, None, 3, None, plan)
+    plan = _plan(engine, 1, interrupt=engine.interrupt, resume=engine.resume, detokenize=detokenize)
+    source = FullyAsyncSource(engine.push, 3, plan)
     source.next(1, {})
     source.after_update(1, True, {})  # b2 interrupted, continued on v2
     saved, _ = source.in_flight()  # steps 2 and 3 (η = 1 admits step 3 on v2)
@@ -182,7 +189,7 @@ def test_a_continuation_must_continue_its_own_sample():
 def test_partial_rollout_without_its_detokenizer_is_refused():
     engine = InterruptibleEngine()
     with pytest.raises(ValueError, match="needs resume and detokenize"):
-        AsyncPlan(engine.sample, engine.generate, 0, 1, 1, 8, 1, N, engine.interrupt, engine.resume)
+        _plan(engine, 1, interrupt=engine.interrupt, resume=engine.resume)
 
 
 def test_continuation_seeds_differ_per_sample_and_continuation():
