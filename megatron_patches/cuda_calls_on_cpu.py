@@ -2,18 +2,13 @@
 
 Upstream (megatron-core 0.16.1): many modules call `torch.cuda.current_device()` for tensor
 placement, `torch.cuda.synchronize()`, CUDA streams and events, and create tensors with the
-literal `device="cuda"` (for example the token counter in `pipeline_parallel/schedules.py`, the
-shape exchange in `p2p_communication.py`, MoE router buffers, the global memory buffer in
-`utils.py`), or with `pin_memory=True` for an upload (context parallelism's rotary indices in
-`rope_utils.py`). On a CPU build each of these raises "Torch not compiled with CUDA enabled" (or
-"pin_memory=True requires a CUDA or other accelerator backend").
+literal `device="cuda"` or with `pin_memory=True` for an upload (examples at ENTRY_MODULES). On a
+CPU build each of these raises "Torch not compiled with CUDA enabled" (or "pin_memory=True
+requires a CUDA or other accelerator backend").
 
 Patch: in every loaded `megatron.core` module, the module-level name `torch` is replaced by a thin
-proxy of the torch module whose `cuda` namespace answers on the CPU (current_device → "cpu",
-synchronize → no-op, streams/events → no-op objects) and whose tensor factories map
-`device="cuda"` to the CPU and pin no memory. torch itself is untouched, so vLLM, transformers
-and mrl see the real module. Only megatron modules imported by `apply()` (and their imports) are
-covered, which is why `apply()` must run before models are built.
+proxy of the torch module whose `cuda` namespace and tensor factories answer on the CPU
+(`_make_proxy`). torch itself is untouched, so vLLM, transformers and mrl see the real module.
 
 Drop when: megatron-core selects its device through an abstraction instead of literal CUDA calls
 (not the case up to 0.16.1).
@@ -30,7 +25,12 @@ import torch
 
 CPU_ONLY = True
 
-# Importing these pulls in every megatron.core module mrl uses; all of them get the proxy.
+# Importing these pulls in every megatron.core module mrl uses; all of them get the proxy. Only
+# megatron modules imported by `apply()` (and their imports) are covered, which is why `apply()` must
+# run before models are built. CUDA calls they make include the literal `device="cuda"` of the token
+# counter in `pipeline_parallel/schedules.py`, the shape exchange in `p2p_communication.py`, MoE
+# router buffers and the global memory buffer in `utils.py`, and `pin_memory=True` for context
+# parallelism's rotary indices in `rope_utils.py`.
 ENTRY_MODULES = (
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.gpt.gpt_layer_specs",
@@ -97,6 +97,9 @@ def _on_cpu(factory):
 
 
 def _make_proxy() -> types.ModuleType:
+    """The torch module as megatron.core sees it: its `cuda` namespace answers on the CPU
+    (current_device → "cpu", synchronize → no-op, streams/events → no-op objects) and its tensor
+    factories map `device="cuda"` to the CPU and pin no memory."""
     proxy = types.ModuleType("torch")
     proxy.__dict__.update({k: v for k, v in torch.__dict__.items() if not k.startswith("__")})
     proxy.__getattr__ = lambda name: getattr(torch, name)  # attributes added to torch later

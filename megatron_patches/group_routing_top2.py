@@ -2,17 +2,13 @@
 
 Upstream (megatron-core 0.16.1): `moe_utils.group_limited_topk` ranks the groups of group-limited
 routing (`moe_router_num_groups` / `moe_router_group_topk`) by the sum of each group's top
-`topk // group_topk` expert scores. transformers' DeepseekV3TopkRouter and vLLM's grouped_topk
-(with e_score_correction_bias) rank them by the sum of the top 2, whatever topk is. The two agree
-only when num_experts_per_tok / topk_group == 2 (DeepSeek-V3 itself: 8 / 4); any other ratio
-picks other groups for some tokens, so Megatron trains a different model than the checkpoint and
-the rollout engine run, without any error.
+`topk // group_topk` expert scores; transformers' DeepseekV3TopkRouter and vLLM's grouped_topk
+(with e_score_correction_bias) by the sum of the top 2, whatever topk is. The two agree only when
+num_experts_per_tok / topk_group == 2 (DeepSeek-V3 itself: 8 / 4); any other ratio picks other
+groups for some tokens, so Megatron trains a different model than the checkpoint and the rollout
+engine run, without any error.
 
-Patch: `moe_utils.group_limited_topk` ranks groups by their top-2 sum; the rest (masking the
-unselected groups, top-k over the remaining experts) is upstream's. mrl's only group-limited
-configs come from DeepSeek-V3 checkpoints (mrl/models/registry.py, which refuses groups of fewer
-than 2 experts), so the HF rule is the one wanted everywhere; the patch applies on GPUs as well.
-TE's fused router (`moe_router_fusion`, never enabled by mrl) is not covered.
+Patch: `group_limited_topk` ranks groups by their top-2 sum, on GPUs too (its scope: its docstring).
 
 Drop when: upstream makes the number of experts scored per group configurable (not up to 0.16.1)
 and the registry sets it to 2.
@@ -26,7 +22,11 @@ EXPERTS_SCORED_PER_GROUP = 2  # DeepseekV3TopkRouter: .topk(2, dim=-1)[0].sum(di
 
 
 def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_topk):
-    """Upstream's signature and result; groups ranked by their top-2 expert scores."""
+    """Upstream's signature and result; groups ranked by their top-2 expert scores (the rest, masking
+    the unselected groups and top-k over the remaining experts, is upstream's). mrl's only
+    group-limited configs come from DeepSeek-V3 checkpoints (mrl/models/registry.py, which refuses
+    groups of fewer than 2 experts), so the HF rule is the one wanted everywhere, GPUs included.
+    TE's fused router (`moe_router_fusion`, never enabled by mrl) is not covered."""
     import torch
 
     grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)

@@ -5,15 +5,9 @@ Upstream (megatron-core 0.16.1): the local spec's `DotProductAttention` does not
 (DeepSeek-V3: q/k head dim 192, v head dim 128) cannot run without Transformer Engine at all.
 (Its CUDA-only score buffer is handled by `cuda_calls_on_cpu`; dense models run with it too.)
 
-This module is not a monkeypatch: `mrl.models` puts `SDPACoreAttention` into the layer spec's
-`core_attention` slot whenever the local spec is used. It handles MHA, GQA (query groups are
-repeated to the heads, as Megatron's own attention does) and unequal q/k and v head dims, with the
-causal mask built in or an explicit Megatron-style boolean mask (True = masked out), and context
-parallelism (CP > 1): each rank holds two of a sequence's 2·CP chunks (Megatron's load-balanced
-split, `chunk_positions`), all-gathers K and V over the CP group (gradients reduce-scattered back)
-and masks by each query's and key's position in the whole sequence (or by the explicit mask of
-packed rows, given in those positions). Megatron's own CP attention is
-Transformer Engine's; this is the plain all-gather form of it, for the local spec.
+Not a monkeypatch: `mrl.models` puts `SDPACoreAttention` into the layer spec's `core_attention`
+slot whenever the local spec is used. It handles MHA, GQA, unequal q/k and v head dims, the built-in
+causal mask or an explicit one, and context parallelism (what each does: `SDPACoreAttention`).
 
 Drop when: megatron-core's local `DotProductAttention` runs on CPU and accepts MLA's unequal head
 dims (not the case up to 0.16.1).
@@ -40,6 +34,14 @@ class SDPACoreAttention(MegatronModule):
 
     Shapes (Megatron convention): query [sq, b, np, hk], key [sk, b, ng, hk], value [sk, b, ng, hv]
     for this TP rank's heads; returns [sq, b, np * hv].
+
+    MHA, GQA (query groups are repeated to the heads, as Megatron's own attention does) and unequal
+    q/k and v head dims, with the causal mask built in or an explicit Megatron-style boolean mask
+    (True = masked out). Context parallelism (CP > 1): each rank holds two of a sequence's 2·CP
+    chunks (Megatron's load-balanced split, `chunk_positions`), all-gathers K and V over the CP group
+    (gradients reduce-scattered back) and masks by each query's and key's position in the whole
+    sequence (or by the explicit mask of packed rows, given in those positions). Megatron's own CP
+    attention is Transformer Engine's; this is the plain all-gather form of it, for the local spec.
     """
 
     def __init__(

@@ -1,17 +1,15 @@
 """Uneven all-gather and reduce-scatter over gloo, for MoE with expert-tensor parallelism.
 
-Upstream (megatron-core 0.16.1, `tensor_parallel/mappings.py`): with MoE + TP (ETP > 1) the
-alltoall dispatcher (EP > 1 with expert TP > 1, e.g. EP2×TP2) gathers tokens over the
-expert-TP group with per-rank sizes
-(`_gather_along_first_dim(..., output_split_sizes)`) and reduce-scatters them back
+Upstream (megatron-core 0.16.1, `tensor_parallel/mappings.py`): with MoE + TP (ETP > 1) the alltoall
+dispatcher (EP > 1 with expert TP > 1, e.g. EP2×TP2) gathers tokens over the expert-TP group with
+per-rank sizes (`_gather_along_first_dim(..., output_split_sizes)`) and reduce-scatters them back
 (`_reduce_scatter_along_first_dim(..., input_split_sizes)`). Those call the list forms of
 `all_gather` / `reduce_scatter` with unequal tensors, which gloo rejects ("invalid tensor size")
 or does not implement; NCCL accepts them.
 
 Patch: when split sizes are given, gather by padding every rank's rows to the largest size and
 slicing after an equal all-gather; reduce-scatter by all-reducing the whole tensor and keeping
-this rank's rows. Both return exactly what the NCCL path returns. Equal splits keep upstream's
-code path.
+this rank's rows. Both return exactly what the NCCL path returns. Equal splits keep upstream's path.
 
 Drop when: gloo supports uneven all_gather/reduce_scatter (not in torch 2.13).
 """

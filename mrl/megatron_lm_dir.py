@@ -4,17 +4,14 @@ Facts from Megatron-LM's megatron/training/checkpointing.py (core_v0.16.1 and ma
 ```
 ROOT/latest_checkpointed_iteration.txt   the tracker: the newest iteration as text ("100"), or "release"
 ROOT/iter_0000100/                       one checkpoint, `iter_{iteration:07d}` ("release/" for a release)
-  torch_dist (the default --ckpt-format):
-    metadata.json                        {"sharded_backend": "torch_dist", ...}: what marks the format
-    common.pt                            the non-sharded entries: args, iteration, checkpoint_version, ...
-    .metadata, __{rank}_{i}.distcp       the sharded tensors (torch DCP)
-  torch (legacy --ckpt-format torch):
-    mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt   one file per model-parallel rank;
-                                         _{pp} only with PP > 1, _{ep} only with EP > 1
+  torch_dist (the default --ckpt-format): metadata.json ({"sharded_backend": "torch_dist", ...}: what
+    marks the format), common.pt (the non-sharded entries: args, iteration, checkpoint_version, ...),
+    .metadata and __{rank}_{i}.distcp (the sharded tensors, torch DCP)
+  torch (legacy --ckpt-format torch): mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt, one
+    file per model-parallel rank; _{pp} only with PP > 1, _{ep} only with EP > 1
 ```
-`torch_dcp` and `fsdp_dtensor` checkpoints (a `.metadata` without metadata.json) are recognised and
-refused with the fix. Nothing here reads a pickle: this module only finds directories and files,
-so a configuration can be checked before torch is imported.
+Nothing here reads a pickle: this module only finds directories and files (torch_dcp and fsdp_dtensor
+ones are refused in `detect_format`), so a configuration can be checked before torch is imported.
 """
 
 from __future__ import annotations

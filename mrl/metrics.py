@@ -1,27 +1,11 @@
 """Run metrics: one `MetricsLogger.log(step, metrics)` call feeds every sink of a training run.
 
-Sinks (each optional except the console bar, which `progress=False` turns off):
-  console      a tqdm progress bar: step/total and a few key metrics (score, KL, seconds per step)
-  jsonl        <output_dir>/metrics.jsonl, one JSON object per step: {"step": 3, "critic/score/mean": ...}
-  tensorboard  <output_dir>/tensorboard/, one scalar per metric (torch's SummaryWriter)
-  wandb        Weights & Biases, only when asked for (it is not part of the pinned stack)
-  prometheus   gauges on an HTTP endpoint of this process, labelled run=<run_name>, only when a port
-               is given (mrl/prometheus.py; 0 takes any free port)
-
-Metric names follow verl: critic/score/mean, actor/entropy, actor/ppo_kl, actor/pg_clipfrac,
-actor/grad_norm, response_length/mean, response_length/clip_ratio, timing_s/gen,
-timing_s/update_actor, timing_s/sync_weights, timing_s/step, perf/throughput, eval/accuracy,
-rollout/logprob_abs_diff_max; eval/accuracy_sampled is mrl's own
-(trainer.eval_samples). Values are floats, ints or one-element tensors; None is skipped.
-
-Resuming: `MetricsLogger(..., resume_step=N)` with N the step of the checkpoint the run resumed
-from. Rows of steps after N came from the interrupted run and are logged again, so they are dropped
-from metrics.jsonl (and purged from TensorBoard) before the run appends; N = 0 is a fresh run and
-starts from an empty file. Without resume_step nothing is dropped.
-
-`plot_metrics` draws curves.png from metrics.jsonl; `timer` measures a phase into timing_s/<name>.
-tensorboard, matplotlib, wandb and prometheus_client are imported lazily, when the sink that needs
-them is used.
+Sinks: a console progress bar, metrics.jsonl, TensorBoard, wandb when asked for, and Prometheus
+gauges when a port is given (mrl/prometheus.py). Metric names follow verl's (critic/score/mean,
+actor/ppo_kl, timing_s/step, ...). A resumed run (`resume_step=N`) drops the rows of steps after N
+that the interrupted run logged, so they are not logged twice. `plot_metrics` draws curves.png from
+metrics.jsonl; `timer` measures a phase into timing_s/<name>. The sinks, the names and resuming in
+full: docs/metrics.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """Rollout trace: the samples behind a step's averages, for reading (`mrl report` shows them).
 
 Every `logging.trace_every` steps (0: never) the trainer writes OUTPUT_DIR/rollouts/step_XXXXXX.jsonl,
-one JSON object per sample, in the step's sample order (prompt by prompt, n samples each):
-
-  step, sample, of, group       the step; the sample's index; the step's sample count; its prompt's index
-  prompt, response, ground_truth
-  score, reward_info, reward_error   the reward function's score, its details (e.g. what it extracted),
-                                     and its error when it failed (then the score is 0)
-  reward                        the sequence reward the advantages saw: score + DAPO's overlong penalty
-  advantage                     the mean over the response tokens (an outcome estimator puts the same
-                                value on every token; GAE's vary)
-  logprob_drift_mean, logprob_drift_max
-                                |engine's sampling log-prob - trainer's log-prob| over the response tokens
-  response_tokens, finish_reason   the engine's reason: "stop" (EOS or a stop string) or "length"
-  weight_version                the weight updates the engine had received when it sampled this
-  policy_step                   the trainer step whose weights those were (None: the weights it loaded)
-  weight_versions               the versions its tokens came from, each once: two or more when
-                                async.partial_rollout continued it across a push (weight_version: the oldest)
-  kept                          false: dynamic sampling dropped the sample's group, so reward,
-                                advantage and drift are None
-  truncated                     {field: its full length in characters} for each text field cut short
-
-Bounds, so a trace stays readable and small: at most `logging.trace_samples` records a step (the
-first ones, so whole groups when it is a multiple of n_samples_per_prompt; `of` says how many there
-were) and `logging.trace_chars` characters per text field (reward_info counts as its JSON text). A
-step whose groups dynamic sampling dropped entirely is not traced (it trains on nothing).
-A step's file is written whole, atomically: a resumed run that repeats the step replaces it.
+one JSON object per sample, in the step's sample order: its prompt, response and reward, what the
+update made of it (reward, advantage, engine-vs-trainer log-prob drift; None where dynamic sampling
+dropped its group) and the weight versions that generated it. At most `logging.trace_samples`
+records a step and `logging.trace_chars` characters per text field; a step's file is written whole,
+atomically. Every field and the bounds: docs/metrics.md, "The rollout trace".
 """
 
 from __future__ import annotations
@@ -68,7 +48,7 @@ def trace_rollouts(run: Run, step: int, prompts: Sequence[dict], groups: Sequenc
 def trace_records(step: int, prompts: Sequence[dict], groups: Sequence[Sequence[Generation]],
                   rewards: Sequence[RewardResult], batch: dict, *, start_step: int, max_samples: int,
                   max_chars: int, sync_every: int = 1, policy_steps: Sequence[int | None] | None = None) -> list[dict]:
-    """The step's first `max_samples` samples as trace records (see the module docstring).
+    """The step's first `max_samples` samples as trace records (fields: docs/metrics.md).
 
     `batch` is the one the actor trains on: rows may be missing (dynamic sampling); its
     `sample_ids` say which sample each remaining row is. `start_step` is the step the run started

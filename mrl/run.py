@@ -3,20 +3,10 @@ workers), where it starts from (a fresh model, an SFT checkpoint, or a resumed R
 writes at each checkpoint, so that a resume reproduces the run.
 
 `open_run(cfg)` does the set-up that `mrl train` and `mrl sft` share; the trainer and SFT loops
-(mrl/trainer.py, mrl/sft.py) take the Run it returns.
-
-Checkpoints: the actor under checkpoint.dir, a PPO critic under checkpoint.dir/critic at the same
-steps, the SFT result (RL step 0) under checkpoint.dir/sft. Each RL checkpoint records the sampler,
-the RL step, in one_step_off and fully_async the batches generated for the next steps
-(`in_flight`), and `rl_start`, the policy checkpoint RL started from (None: the HF model): the KL
-reference and a fresh critic are loaded from it, also after a resume.
-
-`checkpoint.resume` may also name a checkpoint of Megatron-LM's training loop (a pretraining or SFT
-run of Megatron-LM, slime or verl's Megatron backend; torch_dist): RL starts from its weights, as
-from an SFT checkpoint, with a fresh optimizer (its Adam state belongs to another optimizer set-up,
-learning rate and data; mrl does not carry it over). It is checked against model.path's HF config
-before any worker starts; model.path still gives the config, the tokenizer and the engine's
-initial weights, which the first sync replaces.
+(mrl/trainer.py, mrl/sft.py) take the Run it returns. What a checkpoint records is at `Run.save`,
+where RL starts from at `resume` and `start_from_policy`; the directory layout (the actor under
+checkpoint.dir, a PPO critic under checkpoint.dir/critic, the SFT result under checkpoint.dir/sft)
+and the Megatron-LM checkpoints `checkpoint.resume` also accepts: docs/checkpoint-format.md.
 """
 
 from __future__ import annotations
@@ -63,7 +53,9 @@ class Run:
         return self.start == 0 and self.rl_start is None
 
     def save(self, step: int, in_flight: list[GeneratedBatch] = ()) -> None:
-        """Checkpoint RL step `step`: the actor, and the critic beside it. `in_flight`: batches
+        """Checkpoint RL step `step`: the actor, and a PPO critic beside it (checkpoint.dir/critic, at the
+        same steps). Each records the sampler, the RL step, `rl_start` (the policy checkpoint RL
+        started from; None: the HF model, see start_from_policy) and `in_flight`: batches
         generated for steps step + 1, step + 2, … and not trained yet (one_step_off, fully_async):
         their samples came from weights a resume cannot recreate, so they are saved with the
         sampler that already counted their prompts, in the same atomic directory."""
@@ -85,7 +77,8 @@ class Run:
 
     def start_from_policy(self) -> None:
         """RL starts from the policy checkpoint `rl_start` (an SFT result), not the HF model: the KL
-        reference is that policy, and so is a fresh critic's transformer unless model.critic_path names one."""
+        reference is that policy, and so is a fresh critic's transformer unless model.critic_path names one.
+        Also after a resume, as every RL checkpoint records `rl_start`."""
         if self.rl_start is None:
             return
         self.cluster.actor.load_policy(self.rl_start, True)
@@ -141,6 +134,12 @@ def resume(run: Run) -> tuple[int, str | None]:
     path = cfg.checkpoint.dir if mode == "auto" else mode
     located = locate(path)
     if located.megatron_lm is not None:
+        # A checkpoint of Megatron-LM's training loop (a pretraining or SFT run of Megatron-LM, slime
+        # or verl's Megatron backend; torch_dist, checked by check_start_checkpoint): RL starts from
+        # its weights, as from an SFT checkpoint, with a fresh optimizer (its Adam state belongs to
+        # another optimizer set-up, learning rate and data; mrl does not carry it over). model.path
+        # still gives the config, the tokenizer and the engine's initial weights, which the first
+        # sync replaces.
         cluster.actor.load_policy(str(located.directory))
         print(f"RL starts from the weights of the Megatron-LM checkpoint {located.directory} (fresh optimizer)",
               flush=True)

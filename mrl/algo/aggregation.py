@@ -1,21 +1,17 @@
 """Reducing a per-token loss to a scalar, and per-sequence sums when sequences are split over ranks.
 
-Shapes: loss, mask [B, T] (B sequences, T response positions) → scalar.
+Shapes: loss, mask [B, T] (B sequences, T response positions) → scalar. The aggregations
+(AGGREGATIONS; each function below says how it weighs tokens): token-mean (DAPO), seq-mean-token-sum
+(Dr. GRPO style) and seq-mean-token-mean (original GRPO). Sequences with no response token are left
+out of the sequence means, so padding rows cannot dilute the loss; with no response token at all
+the result is a zero that still carries a graph.
 
-- token-mean:          every response token weighs the same (DAPO; long answers weigh more).
-- seq-mean-token-sum:  sum over a sequence's tokens, then mean over sequences (Dr. GRPO style with a
-                       constant normaliser left to the caller's learning rate).
-- seq-mean-token-mean: mean over a sequence's tokens, then mean over sequences (original GRPO).
-Sequences with no response token are left out of the sequence means, so padding rows cannot dilute
-the loss; with no response token at all the result is a zero that still carries a graph.
-
-Split sequences (context parallelism): each rank holds part of every sequence, described by a
-SequenceParts. A sequence mean then divides this rank's part of a sequence's sum by the whole
-sequence's tokens, so the result is this rank's share of the whole batch's value: the shares of
-the ranks add up to it (Megatron's DDP adds their gradients). token-mean stays this rank's own mean
-(its share of the micro-batch's tokens weighs it: mrl.megatron.context_parallel.split_micro_batch).
-A metric (`whole_mean`, `whole_max`, `whole_min`) is the whole sequences' value on every rank: its
-sums and extremes go over the CP group.
+Split sequences (context parallelism): each rank holds part of every sequence (a SequenceParts). A
+sequence mean divides this rank's part of a sequence's sum by the whole sequence's tokens, so the
+ranks' results are shares that add up to the whole batch's value (Megatron's DDP adds their
+gradients); token-mean stays this rank's own mean, weighed by its share of the micro-batch's tokens
+(mrl.megatron.context_parallel.split_micro_batch). A metric (`whole_mean`, `whole_max`,
+`whole_min`) is the whole sequences' value on every rank: its sums and extremes go over the CP group.
 """
 
 from __future__ import annotations
@@ -62,19 +58,21 @@ def sequence_sum(values: torch.Tensor, mask: torch.Tensor, parts: SequenceParts 
 
 @AGGREGATIONS.register("token-mean")
 def token_mean(loss: torch.Tensor, mask: torch.Tensor, parts: SequenceParts | None = None) -> torch.Tensor:
-    """Mean over all response tokens here (split sequences: weighed by the caller, see the legend)."""
+    """Mean over all response tokens here: every response token weighs the same (DAPO; long answers
+    weigh more). Split sequences: weighed by the caller (the module docstring)."""
     return masked_mean(loss, mask)
 
 
 @AGGREGATIONS.register("seq-mean-token-sum")
 def seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor, parts: SequenceParts | None = None) -> torch.Tensor:
-    """Per-sequence token sum, averaged over the sequences that have response tokens."""
+    """Per-sequence token sum, averaged over the sequences that have response tokens (Dr. GRPO style,
+    with a constant normaliser left to the caller's learning rate)."""
     return masked_mean(masked_sum(loss, mask, dim=-1), _nonempty(mask, loss.dtype, parts))
 
 
 @AGGREGATIONS.register("seq-mean-token-mean")
 def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, parts: SequenceParts | None = None) -> torch.Tensor:
-    """Per-sequence token mean, averaged over the sequences that have response tokens."""
+    """Per-sequence token mean, averaged over the sequences that have response tokens (original GRPO)."""
     mask = mask.to(loss.dtype)
     per_sequence = masked_sum(loss, mask, dim=-1) / sequence_tokens(mask, parts).clamp(min=1)
     return masked_mean(per_sequence, _nonempty(mask, loss.dtype, parts))

@@ -3,18 +3,14 @@
 Shapes: B sequences, T response positions.
   logp, old_logp : [B, T] log-probabilities of the sampled tokens under the current policy and the
                    policy that generated them (old_logp is a constant: no gradient flows into it)
-  advantages     : [B, T]
-  response_mask  : [B, T] 1 on response tokens, 0 on padding
+  advantages, response_mask : [B, T]; the mask is 1 on response tokens, 0 on padding
   weights        : [B, T] optional constant per-token weights (an off-policy correction, see
                    mrl.algo.rollout_correction) multiplying the per-token loss before aggregation;
                    None leaves the loss exactly as without them
   parts          : sequences split over ranks (context parallelism; mrl.algo.aggregation.SequenceParts),
                    None where this rank holds whole sequences
-Each loss returns (scalar loss, metrics) with metrics as detached 0-d tensors:
-  ppo_kl      mean over response tokens of old_logp - logp
-  pg_clipfrac fraction of response tokens whose clipped objective was the one used
-  ratio_mean, ratio_max  importance ratio statistics over response tokens
-On the first step (logp == old_logp) the ratio is exactly 1, ppo_kl exactly 0 and pg_clipfrac 0.
+Each loss returns (scalar loss, metrics): detached 0-d tensors, named at _clipped_objective. On the
+first step (logp == old_logp) the ratio is exactly 1, ppo_kl exactly 0 and pg_clipfrac 0.
 """
 
 from __future__ import annotations
@@ -166,10 +162,11 @@ def _clipped_objective(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
-    metrics = {  # over whole sequences (split ones too)
-        "ppo_kl": whole_mean(-log_ratio, mask, parts=parts),
+    metrics = {  # over the response tokens of whole sequences (split ones too)
+        "ppo_kl": whole_mean(-log_ratio, mask, parts=parts),  # mean of old_logp - logp
+        # the fraction of response tokens whose clipped objective was the one used
         "pg_clipfrac": whole_mean((clipped > unclipped).to(ratio.dtype), mask, parts=parts),
-        "ratio_mean": whole_mean(ratio, mask, parts=parts),
+        "ratio_mean": whole_mean(ratio, mask, parts=parts),  # importance ratio statistics
         "ratio_max": whole_max(ratio, mask, parts),
     }
     if clip_ratio_c is not None:
@@ -195,5 +192,5 @@ def default_aggregation(loss_name: str) -> str:
 
 
 def policy_loss(name: str, *args: torch.Tensor, **kwargs: float | str | None) -> tuple[torch.Tensor, dict]:
-    """Run the policy loss called `name` (see the module legend for the arguments)."""
+    """Run the policy loss called `name` (the module docstring gives the arguments' shapes)."""
     return POLICY_LOSSES.get(name)(*args, **kwargs)

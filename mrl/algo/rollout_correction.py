@@ -1,44 +1,17 @@
 """Off-policy correction between the engine that sampled a batch and the trainer that learns from it.
 
-The engine (vLLM) samples each response token with log-prob rollout_logp: the behaviour policy μ.
-The trainer recomputes it as old_logp: π_old, the proximal policy PPO's ratio π_θ/π_old is taken
-against. The two differ (kernels, precision, MoE routing; a stale weight version in async modes),
-and PPO's ratio does not see that gap. Each mode turns the per-token ratio
-    ρ_t = π_old / μ = exp(old_logp - rollout_logp)
-into a weight that multiplies the per-token policy-gradient loss. The weight is a constant (computed
-from two fixed log-probs: no gradient flows into it).
+The engine (vLLM) samples each response token with log-prob rollout_logp (the behaviour policy μ);
+the trainer recomputes it as old_logp (π_old, the proximal policy PPO's ratio π_θ/π_old is taken
+against). They differ (kernels, precision, MoE routing; a stale weight version in async modes), and
+PPO's ratio does not see that gap. Each mode (ROLLOUT_CORRECTIONS: tis, mis, icepop; and
+behaviour_weights for decoupled PPO) turns the per-token ratio ρ_t = π_old / μ = exp(old_logp -
+rollout_logp) into a constant weight (no gradient flows into it) on the per-token policy-gradient
+loss. A weight changes the numerator only: a masked token still counts in the loss's normaliser.
+With identical log-probs every weight is exactly 1, so the loss and its gradient are bitwise the
+uncorrected ones.
 
-Shapes: B sequences, T response positions.
-  old_logp, rollout_logp : [B, T] the trainer's / the engine's log-probs of the sampled tokens
-  response_mask          : [B, T] 1 on response tokens, 0 on padding
-  returns a Correction   : weights [B, T] (0 on padding and on masked tokens) and 0-d metrics
-
-Modes (ROLLOUT_CORRECTIONS, algo.rollout_correction):
-  tis     token-level truncated IS:  w_t = min(ρ_t, cap)
-  mis     sequence-level masked IS:  w_t = ρ_seq · 1[low ≤ ρ_seq ≤ high] on every token of the
-          sequence, with ρ_seq = Π_t ρ_t the product over its response tokens (verl's "sequence"
-          level; not the geometric mean)
-  icepop  token-level masked IS (IcePop):  w_t = ρ_t · 1[low ≤ ρ_t ≤ high]
-And for the decoupled PPO objective (AReaL; policy_loss decoupled_ppo), behaviour_weights:
-  w_t = ρ_t, and 0 where ρ_t > cap (AReaL drops those tokens rather than truncating them).
-
-Normaliser: a weight changes the numerator only. A masked token still counts in the loss's
-normaliser (the batch's response tokens, or sequences), as in IcePop's and AReaL's objectives (verl's
-rejection sampling instead takes rejected tokens out of the response mask, so out of the denominator
-too). So the normaliser stays the global count the trainer fixes once per batch, whatever the data
-parallelism and micro-batching, and masking more tokens can only shrink an update, never enlarge the
-weight of the tokens that remain.
-
-With identical engine and trainer log-probs every weight is exactly 1 (ρ = exp(0) = 1 and the bounds
-must admit 1), so the corrected loss and its gradient are bitwise the uncorrected ones.
-
-Metrics (the trainer logs them as rollout/<name>, over the whole batch):
-  is_weight_mean      mean weight over response tokens (masked tokens count as 0)
-  is_ratio_min, _max  the raw ratio (ρ_t; ρ_seq over sequences for mis) before truncation or masking
-  is_clipfrac         tis: fraction of response tokens whose weight was truncated to the cap
-  is_masked_frac      mis, icepop, decoupled: fraction of response tokens given weight 0
-  is_seq_masked_frac  mis: fraction of sequences (with a response) masked out
-  is_eff_sample_size  mean(w)² / mean(w²) over response tokens: 1 for equal weights (verl's ESS)
+Shapes (B sequences, T response positions): old_logp, rollout_logp, response_mask [B, T] → a
+Correction. Each mode's formula, why the normaliser stays, and the metrics: docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -109,7 +82,7 @@ def masked_sequence_is(old_logp: torch.Tensor, rollout_logp: torch.Tensor, respo
     nonempty = (sequence_tokens(mask, parts) > 0).to(mask.dtype)  # whole sequences'
     metrics = _metrics(weights, mask, seq_ratio.unsqueeze(-1), parts, nonempty.unsqueeze(-1))
     metrics["is_masked_frac"] = whole_mean((~keep).to(mask.dtype).unsqueeze(-1).expand_as(mask), mask, parts=parts)
-    metrics["is_seq_masked_frac"] = masked_mean((~keep).to(mask.dtype), nonempty)
+    metrics["is_seq_masked_frac"] = masked_mean((~keep).to(mask.dtype), nonempty)  # of sequences with a response
     return Correction(weights, metrics)
 
 
@@ -144,8 +117,8 @@ def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, respons
 
 def rollout_correction(name: str, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
                        response_mask: torch.Tensor, parts: SequenceParts | None = None, **settings: float) -> Correction:
-    """Run the correction called `name` (see the module legend; `parts`: split sequences, see
-    mrl.algo.aggregation)."""
+    """Run the correction called `name` on old_logp, rollout_logp, response_mask [B, T] (`parts`:
+    split sequences, see mrl.algo.aggregation)."""
     return ROLLOUT_CORRECTIONS.get(name)(old_logp.detach(), rollout_logp.detach(), response_mask, parts=parts,
                                          **settings)
 
@@ -182,7 +155,13 @@ def _within(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
 def _metrics(weights: torch.Tensor, mask: torch.Tensor, ratio: torch.Tensor, parts: SequenceParts | None = None,
              ratio_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """is_weight_mean, is_ratio_min/max (over `ratio_mask`, default the token mask), is_eff_sample_size:
-    the whole sequences' (split ones: over the ranks, mrl.algo.aggregation)."""
+    the whole sequences' (split ones: over the ranks, mrl.algo.aggregation). The trainer logs every
+    metric as rollout/<name> over the whole batch; their meanings: docs/algorithms.md, "Metrics".
+
+    is_weight_mean      mean weight over response tokens (masked tokens count as 0)
+    is_ratio_min, _max  the raw ratio (ρ_t; ρ_seq over sequences for mis) before truncation or masking
+    is_eff_sample_size  mean(w)² / mean(w²) over response tokens: 1 for equal weights (verl's ESS)
+    (is_clipfrac, is_masked_frac, is_seq_masked_frac: set by the mode that has them.)"""
     ratio_mask = mask if ratio_mask is None else ratio_mask
     mean, mean_square = (whole_mean(w, mask, parts=parts) for w in (weights, weights.square()))
     return {

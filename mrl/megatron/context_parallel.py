@@ -4,17 +4,13 @@ the keys and values of the whole sequence.
 The split is Megatron's load-balanced one (megatron.core.utils.get_batch_on_this_cp_rank, and the
 rotary embedding's get_pos_emb_on_this_cp_rank): the sequence is cut into 2·CP equal chunks and
 CP rank r holds chunks r and 2·CP-1-r, so under a causal mask every rank has the same attention work.
-A micro-batch's per-token tensors are sliced here before the model sees them; per-token results
-(log-probs, entropy, values, logits) are gathered back into sequence order here; and core
-attention (megatron_patches/sdpa_attention.py, where the chunk positions are defined) all-gathers
-K and V over the CP group (the backward pass reduce-scatters their gradients) and masks by each
-query's and key's position in the whole sequence. Gradients of the replicated weights are reduced
-over DP×CP by Megatron's DDP. Losses: each rank computes its share of the micro-batch's loss (a
-token mean weighed by its share of the tokens; a sequence mean or a sequence's importance ratio
-over the whole sequence through the micro-batch's `sequence_parts`, mrl.algo.aggregation), so the
-shares add up to the loss of whole sequences.
-
-With CP 1 every function here is the identity.
+Here a micro-batch's per-token tensors are sliced before the model sees them (`split_micro_batch`)
+and per-token results (log-probs, entropy, values, logits) are gathered back into sequence order
+(`gather_outputs`). Core attention (megatron_patches/sdpa_attention.py, where the chunk positions
+are defined) all-gathers K and V over the CP group. Megatron's DDP reduces the replicated weights'
+gradients over DP×CP; each rank's loss is its share of the micro-batch's (a sequence's mean or
+importance ratio over the whole sequence: mrl.algo.aggregation), so the shares add up to the loss of
+whole sequences. With CP 1 every function here is the identity.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """Colocated placement: a rank's training state leaves the GPU while the rollout engine generates
 (trainer.offload_actor_during_rollout), and comes back before the rank's next forward.
 
-What moves, by part: "weights" (the model's parameters, Megatron DDP's param buffers, module
-buffers), "grads" (DDP's grad buffers, `main_grad`), "optimizer" (the fp32 main copies and Adam's
-moments Megatron's optimizer holds) and "reference" (the frozen KL reference copy). Every tensor
-is moved by its storage: the storage's bytes are copied into a host buffer and the storage is
+Every tensor is moved by its storage: the storage's bytes go to a host buffer and the storage is
 resized to 0, which frees the GPU memory while every tensor viewing it (a parameter inside DDP's
-param buffer, a `main_grad` inside the grad buffer, an optimizer's shard) stays the same Python
-object; onloading resizes the storage back and copies the bytes in, so nothing that holds a
-reference (DDP's buckets, the optimizer's param groups, the weight sender) is rebuilt. A storage is
-counted once, under the first part that names it (in PARTS order).
-
-On CUDA the host buffers are pinned, allocated once and reused every step, the copies are
-non-blocking and synchronized once, and torch.cuda.empty_cache() hands the freed blocks back so
-vLLM's wake-up can take them. Only CUDA storages are moved there: an optimizer part that
-optim.offload_fraction already keeps in host memory stays where it is.
-
-On a machine without CUDA every tensor lives in host memory already: offloading is a no-op in
-place that reports the bytes it would move (`moved: False`). `move_host_tensors=True` runs the
-release/restore path on host storages too (tests use it to check that training is unchanged by a
-round trip); the CUDA specifics (pinned buffers, non-blocking copies, empty_cache) are not run
-without a GPU.
+param buffer, a `main_grad`, an optimizer's shard) stays the same Python object; so nothing that
+holds a reference (DDP's buckets, the optimizer's param groups, the weight sender) is rebuilt.
+On a machine without CUDA offloading is a no-op that reports the bytes it would move (`moved:
+False`); `move_host_tensors=True` runs the release/restore path on host storages too (tests check
+with it that a round trip leaves training unchanged). What the plan counts: docs/plan.md, "Actor
+offload during generation".
 """
 
 from __future__ import annotations
@@ -31,6 +19,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+# What moves, by part: "weights" (the model's parameters, Megatron DDP's param buffers, module
+# buffers), "grads" (DDP's grad buffers, `main_grad`), "optimizer" (the fp32 main copies and Adam's
+# moments Megatron's optimizer holds) and "reference" (the frozen KL reference copy). A storage is
+# counted once, under the first part that names it (in PARTS order).
 PARTS = ("weights", "grads", "optimizer", "reference")
 
 
@@ -49,7 +41,13 @@ def _bytes_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
 
 class StateOffloader:
     """Moves a rank's parts off the device and back. `tensors(part)` lists the part's tensors now
-    (the optimizer's state appears at its first step, so it is asked at every offload)."""
+    (the optimizer's state appears at its first step, so it is asked at every offload).
+
+    On CUDA the host buffers are pinned, allocated once and reused every step, the copies are
+    non-blocking and synchronized once, and torch.cuda.empty_cache() hands the freed blocks back so
+    vLLM's wake-up can take them. Only CUDA storages are moved there: an optimizer part that
+    optim.offload_fraction already keeps in host memory stays where it is. Without a GPU those CUDA
+    specifics (pinned buffers, non-blocking copies, empty_cache) are not run."""
 
     def __init__(self, tensors: Callable[[str], Iterable[torch.Tensor]], move_host_tensors: bool = False):
         self.tensors = tensors
@@ -110,7 +108,7 @@ class StateOffloader:
             for h in held:
                 if h.host is None:  # not moved (host memory already)
                     continue
-                h.storage.resize_(h.nbytes)
+                h.storage.resize_(h.nbytes)  # the same storage object: every view of it is whole again
                 _bytes_view(h.storage, h.nbytes).copy_(h.host, non_blocking=self.cuda)
                 moved = True
         if self.cuda and moved:

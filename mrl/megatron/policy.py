@@ -2,36 +2,11 @@
 rollout batches, the forward-only log-prob and value passes, the policy-gradient step and (PPO)
 the critic's value-regression step.
 
-Shape legend:
-  B    sequences in the rollout batch (this data-parallel rank's share)
-  L    label positions of the rollout batch: tokens are [B, L+1], labels = tokens[:, 1:]
-  Lt   label positions kept after trimming the trailing columns that hold no response label
-  s    micro-batch sequence length: Lt right-padded to a multiple of TP (sequence parallelism)
-  b    micro-batch size (sequences per micro-batch; every micro-batch has the same [b, s])
-  V/tp this TP rank's slice of the padded vocabulary (Megatron's vocab-parallel logits [b, s, V/tp])
-
-A rollout batch is a dict of CPU tensors:
-  tokens        long  [B, L+1]  prompt + response ids, right-padded with 0
-  response_mask float [B, L]    1.0 where labels[:, t] = tokens[:, t+1] is a response token
-  advantages    float [B, L]    (RL)
-  old_logprobs  float [B, L]    (RL; from compute_logprobs)
-  rollout_logprobs float [B, L] (RL with algo.rollout_correction or decoupled_ppo: the engine's)
-  ref_logprobs  float [B, L]    (optional; the KL-in-the-loss term)
-  values        float [B, L]    (critic update; from compute_values)
-  returns       float [B, L]    (critic update; the GAE targets)
-  segments      float [B, L]    (packed SFT rows; the sequence of each input position, 0: padding)
-  loss_totals   dict            (optional; from data_parallel_rows) the whole batch's response tokens
-                                and sequences over the DP size: what the loss means divide by
-A micro-batch (see micro_batches) holds the same per-token keys at [b, s], plus "tokens" (the model
-input, tokens[:, :-1]), "labels", "loss_mask" (the same tensor as "response_mask", under the name
-training.lm_loss reads, so SFT and RL share one micro-batching), "index" (original rows, -1 for
-filler rows), "label_columns" (Lt) and the loss weights of the micro-batch (see _loss_weights).
-
-Padded vocabulary rows (V/tp·tp beyond the real vocabulary, in the last TP shard) are masked out
-of the RL log-probs and entropy (mask_padded_vocab): vLLM samples from the real vocabulary, so the
-trainer's log-probs must be over the same support, or every step would show a train/rollout gap
-on tokens the engine can never sample. Megatron's own LM loss (SFT here) does not mask them; they
-are never exported, so that only wastes a little.
+A rollout batch is a dict of CPU tensors, [B, L] per token ([B, L+1] tokens); `micro_batches` cuts
+it into micro-batches of one shape [b, s], as Megatron's pipeline schedules require. The shape
+legend and the batch's keys are the comment above PER_TOKEN_KEYS. Padded vocabulary rows are
+masked out of the RL log-probs and entropy (`mask_padded_vocab`), so the trainer's log-probs are
+over the vocabulary vLLM samples from.
 """
 
 from __future__ import annotations
@@ -46,6 +21,31 @@ from mrl.megatron.model import BuiltModel
 from mrl.megatron.parallel import from_last_stage
 from mrl.megatron.training import LossFn, Trainable, attention_mask, lm_loss, train_step
 
+# Shape legend:
+#   B    sequences in the rollout batch (this data-parallel rank's share)
+#   L    label positions of the rollout batch: tokens are [B, L+1], labels = tokens[:, 1:]
+#   Lt   label positions kept after trimming the trailing columns that hold no response label
+#   s    micro-batch sequence length: Lt right-padded to a multiple of TP (sequence parallelism)
+#   b    micro-batch size (sequences per micro-batch; every micro-batch has the same [b, s])
+#   V/tp this TP rank's slice of the padded vocabulary (Megatron's vocab-parallel logits [b, s, V/tp])
+#
+# A rollout batch is a dict of CPU tensors:
+#   tokens        long  [B, L+1]  prompt + response ids, right-padded with 0
+#   response_mask float [B, L]    1.0 where labels[:, t] = tokens[:, t+1] is a response token
+#   advantages    float [B, L]    (RL)
+#   old_logprobs  float [B, L]    (RL; from compute_logprobs)
+#   rollout_logprobs float [B, L] (RL with algo.rollout_correction or decoupled_ppo: the engine's)
+#   ref_logprobs  float [B, L]    (optional; the KL-in-the-loss term)
+#   values        float [B, L]    (critic update; from compute_values)
+#   returns       float [B, L]    (critic update; the GAE targets)
+#   segments      float [B, L]    (packed SFT rows; the sequence of each input position, 0: padding)
+#   loss_totals   dict            (optional; from data_parallel_rows) the whole batch's response tokens
+#                                 and sequences over the DP size: what the loss means divide by
+# A micro-batch (see micro_batches) holds the same per-token keys at [b, s], plus "tokens" (the model
+# input, tokens[:, :-1]), "labels", "loss_mask" (the same tensor as "response_mask", under the name
+# training.lm_loss reads, so SFT and RL share one micro-batching), "index" (original rows, -1 for
+# filler rows), "label_columns" (Lt) and the loss weights of the micro-batch (see _loss_weights).
+#
 # Per-token keys of a rollout batch, all [B, L]; "tokens" [B, L+1] is handled apart.
 PER_TOKEN_KEYS = ("response_mask", "advantages", "old_logprobs", "rollout_logprobs", "ref_logprobs", "values",
                   "returns", "segments")
@@ -56,6 +56,11 @@ PER_TOKEN_KEYS = ("response_mask", "advantages", "old_logprobs", "rollout_logpro
 # ---------------------------------------------------------------------------------------------
 
 
+# Padded vocabulary rows (V/tp·tp beyond the real vocabulary, in the last TP shard) are masked out
+# of the RL log-probs and entropy: vLLM samples from the real vocabulary, so the trainer's log-probs
+# must be over the same support, or every step would show a train/rollout gap on tokens the engine
+# can never sample. Megatron's own LM loss (SFT here) does not mask them; they are never exported,
+# so that only wastes a little.
 # Logit given to padded vocabulary rows: exp() of it is exactly 0, and 0 · it stays finite (-inf
 # would make the entropy's p·log p a NaN).
 _PADDED_LOGIT = -1e30
@@ -123,7 +128,7 @@ def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int | None = None) 
 def micro_batches(
     batch: dict, tp: int, micro_batch_size: int, max_tokens_per_micro_batch: int | None = None
 ) -> list[dict]:
-    """Split a rollout batch into equal-shaped micro-batches [b, s] (see the module legend); `tp`:
+    """Split a rollout batch into equal-shaped micro-batches [b, s] (the legend above PER_TOKEN_KEYS); `tp`:
     the multiple s is padded to (BuiltModel.sequence_multiple: TP, more with FP8).
 
     Columns after the batch's last response label are trimmed first: they carry no loss and, as

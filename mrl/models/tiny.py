@@ -3,20 +3,10 @@
 `mrl tiny-model --arch deepseek_v3 --out DIR` writes config.json, model.safetensors (hub-style
 per-tensor and per-expert keys), generation_config.json and a tokenizer trained locally with
 `tokenizers`: a complete model directory that transformers and vLLM load, with no download.
-Weights are random and seeded; the same seed writes the same bytes.
-
-config.json is written exactly as `tiny_hf_config(arch)` returns it, in the spelling of hub
-checkpoints (`rope_theta` + `rope_scaling`, Qwen3-MoE `num_experts`), not the one transformers 5
-would re-serialise (`rope_parameters`, `num_local_experts`), so downstream readers meet what they
-will meet on the hub.
-
-Sizes respect what vLLM's CPU kernels accept: attention head sizes of 32/64/…, and for MLA
-kv_lora_rank=512 with qk_rope_head_dim=64.
-
-`--fp8` writes the model's FP8 twin instead, in DeepSeek-V3's release format (mrl/quant/fp8.py):
-the decoder layers' linear weights as float8_e4m3fn with 128×128-block `*_scale_inv` scales,
-everything else as it was, and `quantization_config` in config.json. The tiny hidden sizes are
-below 128, so most blocks are partial edge blocks.
+Weights are random and seeded; the same seed writes the same bytes. config.json is written in the
+spelling of hub checkpoints, not transformers 5's (`tiny_hf_config`), and the sizes are ones vLLM's
+CPU kernels accept (TINY_CONFIGS). `--fp8` writes the model's FP8 twin instead, in DeepSeek-V3's
+release format (`write_fp8_twin`, mrl/quant/fp8.py).
 """
 
 from __future__ import annotations
@@ -50,7 +40,8 @@ _COMMON: dict[str, Any] = dict(
     torch_dtype="float32",
 )
 # Per architecture: only what differs from _COMMON. head_dim is explicit (and 32) wherever the
-# architecture has one, because vLLM's CPU attention accepts only head sizes 32, 64, 80, 96, ….
+# architecture has one, because vLLM's CPU attention accepts only head sizes 32, 64, 80, 96, …;
+# for MLA vLLM's CPU kernels accept kv_lora_rank=512 with qk_rope_head_dim=64 (deepseek_v3 below).
 # vocab_size 1000 is no multiple of 128 and 896 no multiple of 128·TP=2, so padding is exercised.
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(
@@ -118,7 +109,11 @@ _WEIGHT_STD, _NORM_NOISE, _ROUTER_BIAS_STD = 0.05, 0.1, 0.1
 
 
 def tiny_hf_config(arch: str) -> dict[str, Any]:
-    """The config.json contents of the tiny model of `arch`, an architecture or a variant (a fresh copy each call)."""
+    """The config.json contents of the tiny model of `arch`, an architecture or a variant (a fresh copy each call).
+
+    Written to config.json exactly as returned, in the spelling of hub checkpoints (`rope_theta` +
+    `rope_scaling`, Qwen3-MoE `num_experts`), not the one transformers 5 would re-serialise
+    (`rope_parameters`, `num_local_experts`), so downstream readers meet what they will meet on the hub."""
     base, changes = TINY_VARIANTS.get(arch, (arch, {}))
     if base not in TINY_CONFIGS:
         raise ValueError(f"unknown tiny architecture {arch!r}; supported: {', '.join(TINY_MODELS)}")
@@ -242,7 +237,10 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, force: bool 
 
 
 def write_fp8_twin(src_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
-    """Write the FP8 twin of the unquantised HF directory src_dir to out_dir and return its path.
+    """Write the FP8 twin of the unquantised HF directory src_dir to out_dir and return its path:
+    the decoder layers' linear weights as float8_e4m3fn with 128×128-block `*_scale_inv` scales,
+    everything else as it was, and `quantization_config` in config.json. The tiny hidden sizes are
+    below 128, so most blocks are partial edge blocks.
 
     For the tiny zoo: holds the model in memory and writes one model.safetensors. Non-weight files
     are copied; config.json gains DeepSeek-V3's `quantization_config`. (`mrl convert hf-to-fp8`,

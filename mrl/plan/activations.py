@@ -4,35 +4,14 @@ The method of Korthikanti et al., "Reducing Activation Recomputation in Large Tr
 (2022, sec. 4): list every tensor a layer saves for its backward pass, per token, and scale by the
 tokens each rank holds. Their GPT layer (34·s·b·h + 5·a·s²·b bytes) is replaced here by the layers
 mrl builds (megatron-core 0.16.1's local spec: torch RMSNorm, SwiGLU, RoPE, MLA, sequential MoE
-experts with the all-to-all dispatcher), no dropout. Each row below was read off the tensors the
-layers save on CPU (benchmarks/plan_activations.py measures them with saved-tensor hooks and
-compares this table).
+experts with the all-to-all dispatcher), no dropout. Each Row was read off the tensors the layers
+save on CPU (benchmarks/plan_activations.py measures them with saved-tensor hooks and compares).
+Each row has a token scope (`tokens`); the attention kernel (ATTENTION_KINDS), recomputation
+(`selective_modules`, `recompute_bytes`) and the pipeline schedule (`in_flight`) decide what is
+alive at a stage's peak (`stage_activations`).
 
-Recomputation (model.recompute, Megatron's recompute_granularity): "full" keeps only each block's
-input ([s/TP, b, h]; blocks of recompute_num_layers layers) and, while one block is back-propagated,
-that block's layers' rows again; "selective" drops the rows of the recomputed submodules — core
-attention keeps its inputs q, k, v (GQA: k and v before the repeat) and loses the kernel's own
-saves, "mlp"/"moe"/"shared_experts" keep only their input (already a row) — and adds back one
-layer's dropped rows while that layer is back-propagated. "layernorm" and "mla_up_proj" are
-planned as if not recomputed (an overestimate; Megatron frees their outputs' storage in place,
-which saved-tensor hooks cannot see, so they are not measured either).
-
-Token scopes: "sp" rows live on the sequence-parallel slice (s·b/TP tokens); "seq" rows on the
-whole sequence with TP-sharded widths; "routed" rows on the tokens this rank's experts process,
-s·b/TP·topk·ETP with balanced routing; "rope" rows on s positions (not per sequence). Context
-parallelism divides each of these by CP (a rank holds s/CP of every sequence); its core attention
-adds "gathered" rows (the keys and values of the whole sequence, s·b) and, once per stage, the
-flash kernel's "mask" ([s/CP, s], shared by every layer and micro-batch).
-
-Attention: "flash" (a fused kernel: saves q, k, v, the output and the log-sum-exp; GPUs, and the
-CPU for equal q/k and v head dims) or "math" (CPU's fallback for MLA's unequal head dims: fp32
-copies of q, k, v and the s×s probabilities).
-
-Pipeline (1F1B, megatron/core/pipeline_parallel/schedules.py get_pp_rank_microbatches): stage p
-runs PP-p-1 warm-up forwards, so PP-p micro-batches are in flight at its peak (interleaved: the
-first 2(PP-p-1)+(VPP-1)·PP+1 entries of the schedule table). The schedule also keeps each
-in-flight micro-batch's received input and sent output (deallocate_pipeline_outputs is off; these
-are not saved tensors, so the CPU measurement does not see them).
+The rules for recomputation, context parallelism and the pipeline, the measurements and what is not
+modelled: docs/plan.md.
 """
 
 from __future__ import annotations
@@ -45,6 +24,9 @@ from mrl.plan.params import padded_vocab
 from mrl.plan.shapes import Chunk, ModelShape
 
 F32, I64, BOOL = 4, 8, 1
+# "flash": a fused kernel, saving q, k, v, the output and the log-sum-exp (GPUs, and the CPU for
+# equal q/k and v head dims); "math": the CPU's fallback for MLA's unequal head dims, saving fp32
+# copies of q, k, v and the s×s probabilities.
 ATTENTION_KINDS = ("flash", "math")
 
 
@@ -196,6 +178,12 @@ def embedding_rows(layout: ParallelLayout) -> list[Row]:
     return [Row("token ids", "seq", I64 + (BOOL if layout.tp > 1 else 0))]
 
 
+# Token scopes: "sp" rows live on the sequence-parallel slice (s·b/TP tokens); "seq" rows on the
+# whole sequence with TP-sharded widths; "routed" rows on the tokens this rank's experts process
+# (s·b/TP·topk·ETP with balanced routing); "rope" rows on s positions (not per sequence). Context
+# parallelism divides each of these by CP (a rank holds s/CP of every sequence); its core attention
+# adds "gathered" rows (the keys and values of the whole sequence, s·b) and, once per stage, the
+# flash kernel's "mask" ([s/CP, s], shared by every layer and micro-batch).
 def tokens(scope: str, shape: ModelShape, layout: ParallelLayout, mb: MicroBatch) -> float:
     """Tokens of a scope on one rank (balanced routing for "routed"); a CP rank holds s/CP of each
     sequence, except the keys and values gathered over CP ("gathered": all s) and the CP attention
@@ -228,6 +216,14 @@ def _saves_cp_mask(layout: ParallelLayout, attention: str, recompute: Recompute)
     return layout.cp > 1 and attention == "flash" and not recomputed
 
 
+# Recomputation (model.recompute, Megatron's recompute_granularity): "full" keeps only each block's
+# input ([s/TP, b, h]; blocks of recompute_num_layers layers) and, while one block is
+# back-propagated, that block's layers' rows again; "selective" drops the rows of the recomputed
+# submodules (core attention keeps its inputs q, k, v, GQA's k and v before the repeat, and loses the
+# kernel's own saves; "mlp"/"moe"/"shared_experts" keep only their input, already a row) and adds
+# back one layer's dropped rows while that layer is back-propagated. "layernorm" and "mla_up_proj"
+# are planned as if not recomputed (an overestimate; Megatron frees their outputs' storage in place,
+# which saved-tensor hooks cannot see, so they are not measured either).
 def selective_modules(recompute: Recompute) -> tuple[str, ...]:
     """The submodules whose rows selective recompute drops (Megatron's default: core attention)."""
     if recompute.granularity != "selective":
@@ -271,6 +267,9 @@ def recompute_bytes(shape: ModelShape, layout: ParallelLayout, chunk: Chunk, mb:
     return most
 
 
+# 1F1B (megatron/core/pipeline_parallel/schedules.py, get_pp_rank_microbatches): stage p runs
+# PP-p-1 warm-up forwards, so PP-p micro-batches are in flight at its peak (interleaved: the first
+# 2(PP-p-1)+(VPP-1)·PP+1 entries of the schedule table).
 def in_flight(layout: ParallelLayout, stage: int, micro_batches: int) -> list[int]:
     """The model chunk of each forward pass alive at stage `stage`'s activation peak."""
     pp, vpp = layout.pp, layout.virtual_stages or 1
@@ -287,7 +286,9 @@ def in_flight(layout: ParallelLayout, stage: int, micro_batches: int) -> list[in
 @dataclass(frozen=True)
 class StageActivations:
     saved: int  # tensors autograd saves for backward, over the in-flight micro-batches
-    pipeline: int  # the schedule's received inputs and sent outputs of those micro-batches
+    # the schedule's received inputs and sent outputs of those micro-batches (kept, as
+    # deallocate_pipeline_outputs is off; not saved tensors, so the CPU measurement does not see them)
+    pipeline: int
     in_flight: int
 
     @property

@@ -1,21 +1,11 @@
 """Megatron's DDP buffers and distributed-optimizer shards for one rank's parameters.
 
 The rules of megatron-core 0.16.1, as mrl configures it (mrl.megatron.training.make_trainable:
-`grad_reduce_in_fp32=True`, no overlap, so no bucket size limit):
-
-- DistributedDataParallel (distributed/distributed_data_parallel.py) puts the parameters into one
-  buffer per (param dtype, grad dtype), separately for "dense" parameters (reduced over the
-  data×context-parallel group) and for expert parameters (`allreduce=False`, reduced over the
-  expert-data-parallel group).
-- _ParamAndGradBuffer (distributed/param_and_grad_buffer.py) lays the parameters out in reverse
-  order. With the distributed optimizer each parameter starts at a multiple of 64 elements, each
-  bucket ends at a multiple of lcm(DP, 128), a shared (tied) embedding gets a bucket of its own,
-  and the bf16 parameters themselves move into a param buffer of the padded size. Without it there
-  is no padding and the parameters stay where they are.
-- DistributedOptimizer._build_model_gbuf_range (optimizer/distrib_optimizer.py) gives DP rank r
-  the r-th equal slice of every bucket; it keeps an fp32 main copy of the bf16/fp16 elements of
-  its slice (fp32 parameters are their own main copy) and Adam keeps exp_avg and exp_avg_sq (fp32)
-  of them. Without it every rank keeps all of that for every parameter (Float16Optimizer).
+`grad_reduce_in_fp32=True`, no overlap, so no bucket size limit), each beside the function that
+applies it: DistributedDataParallel's buffers (`buffers`), _ParamAndGradBuffer's layout with its
+padding (`_layout`) and the distributed optimizer's shards (`Buffer.owned`). Without the
+distributed optimizer there is no padding and every rank keeps the optimizer state of every
+parameter. The rules and the tests that hold them equal to Megatron's own buffers: docs/plan.md.
 """
 
 from __future__ import annotations
@@ -58,7 +48,13 @@ class Buffer:
         return sum(end - start for start, end in self.ranges)
 
     def owned(self, dp_rank: int) -> int:
-        """Parameter elements whose optimizer state DP rank `dp_rank` keeps."""
+        """Parameter elements whose optimizer state DP rank `dp_rank` keeps.
+
+        DistributedOptimizer._build_model_gbuf_range (optimizer/distrib_optimizer.py) gives DP rank r
+        the r-th equal slice of every bucket; it keeps an fp32 main copy of the bf16/fp16 elements of
+        its slice (fp32 parameters are their own main copy) and Adam keeps exp_avg and exp_avg_sq
+        (fp32) of them. Without it every rank keeps all of that for every parameter (Float16Optimizer).
+        """
         if not self.distributed:
             return self.param_numel
         owned = 0
@@ -91,7 +87,12 @@ class Buffer:
 def buffers(params: list[ParamTensor], dp: int, expert_dp: int, distributed: bool,
             grad_dtype: str = "fp32") -> list[Buffer]:
     """The buffers DDP makes for one model chunk: dense ones first, then expert ones, each grouped
-    by (param dtype, grad dtype) in the order the dtypes first appear."""
+    by (param dtype, grad dtype) in the order the dtypes first appear.
+
+    DistributedDataParallel (distributed/distributed_data_parallel.py) puts the parameters into one
+    buffer per (param dtype, grad dtype), separately for "dense" parameters (reduced over the
+    data×context-parallel group) and for expert parameters (`allreduce=False`, reduced over the
+    expert-data-parallel group)."""
     result = []
     for expert, group_dp in ((False, dp), (True, expert_dp)):
         groups: dict[str, list[ParamTensor]] = {}
@@ -105,7 +106,13 @@ def buffers(params: list[ParamTensor], dp: int, expert_dp: int, distributed: boo
 def _layout(params: list[ParamTensor], dtype: str, grad_dtype: str, expert: bool, dp: int,
             distributed: bool) -> Buffer:
     """_ParamAndGradBuffer.__init__'s index arithmetic (bucket_size None: one bucket, except that
-    a shared embedding is a bucket of its own under the distributed optimizer)."""
+    a shared embedding is a bucket of its own under the distributed optimizer).
+
+    _ParamAndGradBuffer (distributed/param_and_grad_buffer.py) lays the parameters out in reverse
+    order. With the distributed optimizer each parameter starts at a multiple of 64 elements, each
+    bucket ends at a multiple of lcm(DP, 128), a shared (tied) embedding gets a bucket of its own,
+    and the bf16 parameters themselves move into a param buffer of the padded size. Without it there
+    is no padding and the parameters stay where they are."""
     bucket_divisor = math.lcm(dp, BUCKET_ALIGN)
 
     def pad(index: int, divisor: int) -> int:

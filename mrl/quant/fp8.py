@@ -1,22 +1,16 @@
 """DeepSeek-V3's FP8 weight format: e4m3 values with one float32 scale per 128×128 block.
 
-A 2-D weight W [N, K] is stored as two tensors (DeepSeek-V3's release, read by transformers'
-FineGrainedFP8 and vLLM's Fp8Config with `weight_block_size`):
+A 2-D weight W [N, K] (N output features, K input features) is stored as two tensors (DeepSeek-V3's
+release, read by transformers' FineGrainedFP8 and vLLM's Fp8Config with `weight_block_size`):
 
     <name>            Q [N, K]                      float8_e4m3fn
     <name>_scale_inv  S [ceil(N/bn), ceil(K/bk)]    float32, (bn, bk) = weight_block_size = (128, 128)
 
     W[i, j] ≈ Q[i, j] · S[i // bn, j // bk]          (blocks at the right and bottom edges are partial)
 
-Quantisation: S = amax(|block|) / 448, Q = e4m3(W / S), 448 being e4m3's largest finite value, so
-a block's largest entry lands on ±448. DeepSeek's `act_quant` kernel divides by S like this;
-vLLM's `per_block_cast_to_fp8` computes the same S and multiplies by 1/S (same scales and bytes on
-the samples compared) and gives an all-zero block a tiny scale where this gives 1 (transformers'
-choice; either way the block dequantises to zeros). Dequantisation multiplies in float32 and casts once to the target
-dtype, as DeepSeek's `weight_dequant` kernel and transformers' `Fp8Dequantize` do, so a bf16
-twin written by either holds the same bits as `dequantize(..., dtype=torch.bfloat16)`.
-
-Shape legend: N rows (output features), K columns (input features), (bn, bk) the block.
+`quantize` and `dequantize` give the same scales and bits as DeepSeek's kernels, vLLM's and
+transformers' (how, and where they differ: beside each), so a bf16 twin written by either holds the
+same bits as `dequantize(..., dtype=torch.bfloat16)`.
 """
 
 from __future__ import annotations
@@ -98,7 +92,13 @@ def check_scale(name: str, weight_shape: tuple[int, ...], scale_shape: tuple[int
 
 
 def quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] (any float dtype) → (Q [N, K] float8_e4m3fn, S [ceil(N/bn), ceil(K/bk)] float32)."""
+    """W [N, K] (any float dtype) → (Q [N, K] float8_e4m3fn, S [ceil(N/bn), ceil(K/bk)] float32).
+
+    S = amax(|block|) / 448, Q = e4m3(W / S), 448 being e4m3's largest finite value, so a block's
+    largest entry lands on ±448. DeepSeek's `act_quant` kernel divides by S like this; vLLM's
+    `per_block_cast_to_fp8` computes the same S and multiplies by 1/S (same scales and bytes on the
+    samples compared) and gives an all-zero block a tiny scale where this gives 1 (transformers'
+    choice; either way the block dequantises to zeros)."""
     if weight.dim() != 2 or not weight.is_floating_point():
         raise Fp8FormatError(f"cannot quantise {name!r} ({weight.dtype}, shape {list(weight.shape)}): "
                              "block FP8 needs a 2-D floating-point weight.")
@@ -125,7 +125,8 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK, name: str = "
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK,
                dtype: torch.dtype = torch.float32, offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
-    """Q · S in float32, cast once to `dtype`.
+    """Q · S in float32, cast once to `dtype`, as DeepSeek's `weight_dequant` kernel and transformers'
+    `Fp8Dequantize` do.
 
     `q` may be a window of the full weight starting at `offset` (row, column); `scale_inv` is always
     the full weight's grid. Works one block row at a time, so the peak is the output plus one

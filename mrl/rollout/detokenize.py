@@ -3,21 +3,14 @@
 async.partial_rollout continues an interrupted sample as a new request whose prompt is the sample's
 prompt and tokens so far. vLLM then detokenizes and checks stop strings in the continuation alone:
 a stop string that begins before the cut is never seen, and a character whose bytes the cut splits
-comes out garbled (its decode stream, primed with a prompt that ends inside a character, even
-returns the prompt's own text with it). So the merged sample (mrl.modes.continue_generation) gets
-its text and stop from `Detokenizer`, which runs vLLM's detokenization over the whole sample as one
-uninterrupted request: vLLM 0.32's v1 FastIncrementalDetokenizer and check_stop_strings
-(vllm/v1/engine/detokenizer.py), for the settings mrl gives vLLM (skip_special_tokens,
-include_stop_str_in_output off, no min_tokens; mrl.rollout.vllm_engine). No vLLM import: the driver
-merges, and `tokenizers` is the library vLLM's fast detokenizer runs on.
-
-What still differs from an uninterrupted request: a continuation cut inside a character gets no
-stop strings (continuation_stop), so it generates on to EOS or its budget and the merge drops the
-tokens after the stop string (same sample, more engine work). An EOS token that is not a special
-token and whose own text completes a stop string: vLLM leaves the EOS out of the text (finish
-"stop", the text up to the EOS), the merge, which cannot tell it from a stop string's end, cuts the
-text at the stop string. vLLM's slow (Python) detokenizer is not reproduced: a tokenizer without a
-`tokenizers` backend is refused.
+comes out garbled. So the merged sample (mrl.modes.continue_generation) gets its text and stop from
+`Detokenizer`, which runs vLLM's detokenization over the whole sample as one uninterrupted request:
+vLLM 0.32's v1 FastIncrementalDetokenizer and check_stop_strings (vllm/v1/engine/detokenizer.py),
+for the settings mrl gives vLLM (skip_special_tokens, include_stop_str_in_output off, no
+min_tokens; mrl.rollout.vllm_engine). No vLLM import: the driver merges, and `tokenizers` is the
+library vLLM's fast detokenizer runs on. What still differs from an uninterrupted request is noted
+where it arises (`Detokenizer.__init__`, `__call__`, `continuation_stop`); docs/training-modes.md,
+"Partial rollout", describes the feature.
 """
 
 from __future__ import annotations
@@ -49,6 +42,8 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()):
         inner = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "_tokenizer", None)
+        # vLLM's slow (Python) detokenizer is not reproduced: a tokenizer without a `tokenizers`
+        # backend is refused.
         if not isinstance(inner, Tokenizer):
             raise TypeError(f"async.partial_rollout detokenizes continued samples as vLLM's fast detokenizer does, "
                             f"which needs a fast (tokenizers-backed) tokenizer; {type(tokenizer).__name__} is not one: "
@@ -58,7 +53,11 @@ class Detokenizer:
     def __call__(self, prompt_ids: list[int], token_ids: list[int], stop_terminated: bool) -> SampleText:
         """The sample `token_ids` after `prompt_ids`. `stop_terminated`: the engine ended it on a
         stop token (EOS, finish_reason "stop"), which vLLM leaves out of the text unless a stop
-        string ended it instead."""
+        string ended it instead.
+
+        Differs from vLLM for an EOS token that is not a special token and whose own text completes
+        a stop string: vLLM leaves the EOS out of the text (finish "stop", the text up to the EOS);
+        this, which cannot tell it from a stop string's end, cuts the text at the stop string."""
         stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=True)
         text, before_last = "", ""
         for i, token in enumerate(token_ids):
@@ -73,9 +72,11 @@ class Detokenizer:
     def continuation_stop(self, prompt_ids: list[int]) -> tuple[str, ...]:
         """The stop strings to give vLLM for a continuation whose prompt is `prompt_ids` (the
         sample's prompt and tokens so far): none when it ends inside a character, where vLLM's
-        decode stream returns the prompt's own text with that character, so a stop string in the
-        prompt would end the continuation at once. The merge (__call__) finds every stop string
-        anyway; such a continuation only runs on to EOS or its budget rather than stopping early."""
+        decode stream (primed with a prompt that ends inside a character) returns the prompt's own
+        text with that character, so a stop string in the prompt would end the continuation at once.
+        The merge (__call__) finds every stop string anyway; such a continuation only runs on to EOS
+        or its budget rather than stopping early, and the merge drops the tokens after the stop
+        string (the same sample, more engine work)."""
         if self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True).endswith("\ufffd"):
             return ()
         return self.stop
