@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import ray
 import torch
 
-from mrl.config.schema import OptimConfig
+from mrl.config.schema import OptimConfig, SyncConfig
 from mrl.launch.rollout_actor import RolloutServer
 from mrl.launch.worker_group import WorkerGroup
 from mrl.rollout.engine import Generation, SamplingSettings
@@ -99,11 +99,15 @@ class ActorGroup:
 
     # --- weight sync and checkpoints ------------------------------------------------------------
 
-    def push_weights(self, endpoints: list[SyncEndpoint], sync_id: str, transport: str, bucket_bytes: int,
-                     timeout_s: float) -> dict:
-        """One export sent to every engine (endpoints[0] is the hub); the sending leader's report
+    def open_sender(self, endpoints: list[SyncEndpoint], settings: SyncConfig) -> None:
+        """Every rank's weight sender for these engines (endpoints[0] is the hub) and settings:
+        once before the first push, and again when the engines change."""
+        self._all(MegatronActor.open_sender, endpoints, settings)
+
+    def push_weights(self, sync_id: str) -> dict:
+        """One export sent to every engine of the open sender; the sending leader's report
         (bytes, seconds, checksums)."""
-        return self._first(MegatronActor.push_weights, endpoints, sync_id, transport, bucket_bytes, timeout_s)
+        return self._first(MegatronActor.push_weights, sync_id)
 
     def save(self, root: str, step: int, data_state: dict, config: dict, keep: int, async_save: bool) -> None:
         self._all(MegatronActor.save, root, step, data_state, config, keep, async_save)

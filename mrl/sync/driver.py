@@ -11,6 +11,7 @@ from typing import Any
 
 from mrl.config.schema import SyncConfig
 from mrl.profiling import stage
+from mrl.sync.channel import SyncEndpoint
 from mrl.sync.parity import ParityError, check_parity, logprob_gap
 
 
@@ -22,7 +23,8 @@ DEATH_REPORT_S = 5.0
 class WeightSync:
     """Pushes the actor's weights into every engine at once; every sync is checksummed, the first
     one and every `settings.parity_every`-th (and any with a stale or mismatched tensor on some
-    engine) also parity-checked on every engine."""
+    engine) also parity-checked on every engine. The actor's sender is opened with the settings
+    at the first sync, and again at the next one after `endpoints` change (a fleet re-assignment)."""
 
     actor: Any  # mrl.launch.proxies.ActorGroup
     engines: list[Any]  # mrl.launch.proxies.EngineHandle; engines[0] hosts the rendezvous (the hub)
@@ -35,6 +37,7 @@ class WeightSync:
         if not self.engines:
             raise ValueError("WeightSync needs at least one engine")
         self.endpoints = [engine.endpoint() for engine in self.engines]
+        self.opened: list[SyncEndpoint] | None = None  # the endpoints the actor's sender was opened for
 
     @staticmethod
     def _raise_if_an_engine_died(receipts: list[Any], push_error: Exception) -> None:
@@ -52,11 +55,14 @@ class WeightSync:
         s = self.settings
         sync_id = f"sync{self.syncs}-{uuid.uuid4().hex[:6]}"
         start = time.perf_counter()
+        if self.opened != self.endpoints:  # the settings go once; the engines again if they change
+            self.actor.open_sender(self.endpoints, s)
+            self.opened = list(self.endpoints)
         count, hub = len(self.engines), self.endpoints[0]
         receipts = [engine.receive_weights(sync_id, self.channels, count, i, None if i == 0 else hub)
                     for i, engine in enumerate(self.engines)]
         try:
-            sent = self.actor.push_weights(self.endpoints, sync_id, s.transport, s.bucket_mb << 20, s.timeout_s)
+            sent = self.actor.push_weights(sync_id)
         except Exception as push_error:
             self._raise_if_an_engine_died(receipts, push_error)
             raise

@@ -120,6 +120,12 @@ class WeightSender:
         """How many channels each engine must open for this layout."""
         return channel_count(self.transport, self.built.layout.pp)
 
+    def close(self) -> None:
+        """Done with this sender (its engines changed): the names of the shared files it kept from
+        push to push go now (the engines keep their mappings); its channel goes with it."""
+        if self.shared is not None:
+            self.shared.drop()
+
     def push(self, sync_id: str) -> SentReport | None:
         """Export and send every tensor to every engine; returns the leader's report (None on other ranks)."""
         if self.writes_shared:

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mrl.config.schema import OptimConfig, Recompute
+from mrl.config.schema import OptimConfig, Recompute, SyncConfig
 from mrl.layout import ParallelLayout
 from mrl.profiling import TraceRecorder, stage, trace_file
+from mrl.sync.channel import SyncEndpoint
 
 
 @dataclass
@@ -51,8 +52,8 @@ class MegatronActor:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.trainable = self.reference = self.coords = self.setup_args = self.saver = None
-        self.sender = None  # made at the first push_weights (its process groups are a collective)
-        self.sender_settings: tuple | None = None
+        self.sender = None  # mrl.sync.sender.WeightSender, made by open_sender (a collective)
+        self.sender_for: tuple | None = None  # the endpoints and SyncConfig it was opened with
         self.trace = TraceRecorder()  # profile.steps: this rank's torch.profiler trace of a step
         self._master_store: dist.TCPStore | None = None  # rank 0 hosts the default group's rendezvous
         self.offloader = None  # trainer.offload_actor_during_rollout: mrl.megatron.offload.StateOffloader
@@ -242,24 +243,31 @@ class MegatronActor:
 
     # --- weight sync and checkpoints ---------------------------------------------------------
 
-    @stage("push_weights")
-    def push_weights(self, endpoints: list, sync_id: str, transport: str, bucket_bytes: int,
-                     timeout_s: float) -> dict | None:
-        """Stream the current weights to the rollout engines (one export; endpoints[0] is the hub);
-        the leader's report, else None. The sender (and its process groups, a collective) is made
-        at the first sync; a later sync with other settings is refused rather than silently sent
-        with the first's."""
-        self._on_device("push_weights", "weights")
+    def open_sender(self, endpoints: list[SyncEndpoint], settings: SyncConfig) -> None:
+        """Make this rank's weight sender for these engines (endpoints[0] is the hub) with these
+        settings: a collective (its process groups and export plan), once before the first push and
+        again when the engines change. The same engines and settings keep the open sender (and the
+        channel it keeps from push to push); others close it first."""
+        self._on_device("open_sender", "weights")
         from mrl.sync.sender import WeightSender
 
-        settings = (endpoints, transport, bucket_bytes, timeout_s)
+        if self.sender is not None:
+            if self.sender_for == (endpoints, settings):
+                return
+            self.sender.close()
+            self.sender = None  # a failed open leaves none: push_weights then says so
+        self.sender = WeightSender(endpoints, self.trainable.built, self.coords, transport=settings.transport,
+                                   bucket_bytes=settings.bucket_mb << 20, timeout_s=settings.timeout_s)
+        self.sender_for = (endpoints, settings)
+
+    @stage("push_weights")
+    def push_weights(self, sync_id: str) -> dict | None:
+        """Stream the current weights to the engines of the open sender (open_sender); the
+        leader's report, else None."""
+        self._on_device("push_weights", "weights")
         if self.sender is None:
-            self.sender = WeightSender(endpoints, self.trainable.built, self.coords, transport=transport,
-                                       bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-            self.sender_settings = settings
-        elif settings != self.sender_settings:
-            raise ValueError(f"rank {self.rank}: push_weights was first called with {self.sender_settings} "
-                             f"and now with {settings}: one sender per run")
+            raise RuntimeError(f"rank {self.rank}: push_weights before open_sender: open the sender with the "
+                               "engines' endpoints and the sync settings first (mrl.sync.driver.WeightSync does)")
         sent = self.sender.push(sync_id)
         return None if sent is None else {"bytes": sent.bytes, "seconds": sent.seconds,
                                           "checksums": sent.checksums}

@@ -18,6 +18,10 @@ class RecordingGroup:
         self.sent.append((method, args))
         return [None]
 
+    def first(self, method, *args, timeout_s=None):
+        self.sent.append((method, args))
+        return {"bytes": 0}
+
     def by_dp(self, method, *args, timeout_s=None):
         self.sent.append((method, args))
         return [{"dp": 0, "logprobs": torch.zeros(1, 2)}]
@@ -39,17 +43,44 @@ def test_a_wrong_call_fails_on_the_driver_before_anything_is_sent():
     assert group.sent == []
 
 
-def test_push_weights_refuses_settings_other_than_the_first_calls():
-    worker = MegatronActor(0, 1)
+def test_the_settings_go_once_and_a_sender_is_opened_again_only_for_other_engines(monkeypatch):
+    """open_sender takes the engines and the typed sync settings; push_weights only the sync id.
+    The same engines and settings keep the open sender; other engines close it and open anew."""
+    from types import SimpleNamespace
+
+    from mrl.config.schema import SyncConfig
+
+    made: list = []
 
     class Sender:
+        def __init__(self, endpoints, built, coords, **settings):
+            made.append((endpoints, settings))
+
         def push(self, sync_id):
             return None
 
-    worker.sender, worker.sender_settings = Sender(), (["endpoint"], "broadcast", 1 << 20, 60.0)
-    assert worker.push_weights(["endpoint"], "s1", "broadcast", 1 << 20, 60.0) is None
-    with pytest.raises(ValueError, match="one sender per run"):
-        worker.push_weights(["endpoint"], "s2", "colocated", 1 << 20, 60.0)
+        def close(self):
+            made.append("closed")
+
+    monkeypatch.setattr("mrl.sync.sender.WeightSender", Sender)
+    worker = MegatronActor(0, 1)
+    worker.trainable = SimpleNamespace(built=None)
+    with pytest.raises(RuntimeError, match="rank 0: push_weights before open_sender"):
+        worker.push_weights("s0")
+    settings = SyncConfig(transport="broadcast", bucket_mb=1, timeout_s=60.0)
+    worker.open_sender(["endpoint"], settings)
+    worker.open_sender(["endpoint"], settings)
+    assert worker.push_weights("s1") is None
+    worker.open_sender(["other endpoint"], settings)
+    opened = {"transport": "broadcast", "bucket_bytes": 1 << 20, "timeout_s": 60.0}
+    assert made == [(["endpoint"], opened), "closed", (["other endpoint"], opened)]
+
+    group = RecordingGroup()
+    ActorGroup(group).open_sender(["endpoint"], settings)
+    ActorGroup(group).push_weights("s1")
+    with pytest.raises(TypeError):  # the settings went with open_sender: a push takes the sync id alone
+        ActorGroup(group)._first(MegatronActor.push_weights, ["endpoint"], "s2", "broadcast", 1 << 20, 60.0)
+    assert group.sent == [("open_sender", (["endpoint"], settings)), ("push_weights", ("s1",))]
 
 
 def test_a_fleet_generation_takes_each_engines_time_when_it_finishes():

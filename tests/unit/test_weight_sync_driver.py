@@ -1,5 +1,6 @@
-"""WeightSync (the driver's side) with fake engines and a fake actor: one push for every engine,
-each engine's receipt started first, each engine's report and parity checked, naming the engine."""
+"""WeightSync (the driver's side) with fake engines and a fake actor: the sender opened once with
+the settings, one push for every engine, each engine's receipt started first, each engine's report
+and parity checked, naming the engine."""
 
 from __future__ import annotations
 
@@ -46,8 +47,11 @@ class FakeActor:
     def __init__(self, log: list):
         self.log = log
 
-    def push_weights(self, endpoints, sync_id, transport, bucket_bytes, timeout_s):
-        self.log.append(("push", [e.port for e in endpoints], sync_id))
+    def open_sender(self, endpoints, settings):
+        self.log.append(("open", [e.port for e in endpoints], settings.transport))
+
+    def push_weights(self, sync_id):
+        self.log.append(("push", sync_id))
         return {"bytes": 10}
 
     def probe_logprobs(self, probe):
@@ -59,10 +63,24 @@ def test_one_push_feeds_every_engine_and_parity_runs_on_each():
     engines = [FakeEngine(5000, log), FakeEngine(5001, log)]
     sync = WeightSync(FakeActor(log), engines, SyncConfig(transport="broadcast"), channels=2, probe=[[1, 2]])
     metrics = sync()
-    sync_id = log[0][2]
-    assert log == [("receive", 5000, sync_id, 2, 2, 0, None), ("receive", 5001, sync_id, 2, 2, 1, 5000),
-                   ("push", [5000, 5001], sync_id), ("score", 5000), ("score", 5001)]
+    sync_id = log[1][2]
+    assert log == [("open", [5000, 5001], "broadcast"),
+                   ("receive", 5000, sync_id, 2, 2, 0, None), ("receive", 5001, sync_id, 2, 2, 1, 5000),
+                   ("push", sync_id), ("score", 5000), ("score", 5001)]
     assert metrics["sync/engines"] == 2 and metrics["rollout/logprob_abs_diff_max"] == 0.0
+
+
+def test_the_sender_is_opened_once_and_again_when_the_engines_change():
+    log: list = []
+    sync = WeightSync(FakeActor(log), [FakeEngine(5000, log)], SyncConfig(transport="broadcast"), channels=1,
+                      probe=[[1, 2]])
+    sync()
+    sync()
+    sync.endpoints = [SyncEndpoint("10.0.0.2", 6000, "torch.float32")]  # a fleet re-assignment
+    sync()
+    calls = [entry if entry[0] == "open" else entry[0] for entry in log if entry[0] in ("open", "push")]
+    assert calls == [("open", [5000], "broadcast"), "push", "push", ("open", [6000], "broadcast"), "push"]
+    assert [entry[1] for entry in log if entry[0] == "push"] == [entry[2] for entry in log if entry[0] == "receive"]
 
 
 def test_parity_failure_names_the_engine():
@@ -83,7 +101,7 @@ def test_a_stale_engine_is_checked_even_when_parity_is_not_due():
 
 
 class FailingActor(FakeActor):
-    def push_weights(self, endpoints, sync_id, transport, bucket_bytes, timeout_s):
+    def push_weights(self, sync_id):
         raise RuntimeError("rank 0 failed in push_weights: connection reset by peer")
 
 
