@@ -1,6 +1,6 @@
 """`mrl verify`: prove that a HuggingFace checkpoint means the same thing in a Megatron layout
 (mrl/bridge/verify.py), or with `--rollout vllm` that a weight sync hands vLLM exactly the policy
-Megatron holds (mrl/cli/verify_rollout.py). Prints a JSON summary; exits 0 when the checks pass,
+Megatron holds (mrl/verify_rollout.py). Prints a JSON summary; exits 0 when the checks pass,
 1 when one fails, 2 on bad input.
 
 With `--checkpoint CKPT` (mrl's or Megatron-LM's torch_dist) the checkpoint is first merged into a
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.checkpoint:
             summary = verify_checkpoint(args)
         elif args.rollout:
-            from mrl.cli.verify_rollout import verify_rollout
+            from mrl.verify_rollout import verify_rollout
 
             summary = verify_rollout(args.hf, parse_layout(args), transport=args.transport,
                                      tol=args.tol, engine_dtype=args.engine_dtype,

@@ -8,7 +8,9 @@
 4. Check that (a) the engine's log-probs of Megatron's greedy continuation (teacher-forced) agree
    with Megatron's within the tolerance (see `tolerance`), and with an fp32 engine its greedy tokens
    equal Megatron's, (b) they differ from before the update, and (c) every tensor arrived intact
-   and every engine parameter was updated. JSON summary; exit 0 pass, 1 fail, 2 bad input.
+   and every engine parameter was updated.
+The command line (JSON summary; exit 0 pass, 1 fail, 2 bad input) is mrl/cli/verify.py; what the
+check guarantees: docs/sync.md.
 """
 
 from __future__ import annotations
