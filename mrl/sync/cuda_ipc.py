@@ -1,19 +1,13 @@
 """The colocated transport on GPUs: the leader packs a bucket into GPU memory and hands every
 engine a CUDA IPC handle to it; each engine maps the same memory (no host copy on either side).
 
-The handle is torch's own (torch.multiprocessing.reductions), with an event that orders the
-engine's reads after the leader's packing. Torch counts one reference per share and takes one
-back at every open (when the opening process drops the memory, or at once if it had it open),
-so each open needs a share of its own: opened by an engine's process and by each of its workers,
-one share was given back three times, and the trainer held on to every bucket of the sync (a TP2
-engine on an H200: the whole model). So the leader makes as many handles as each engine says it
-opens a bucket (SyncEndpoint.ipc_opens), the receiver keeps its engine's list (for_engine), and
-each opener takes its own (open_shared's `opener`); a handle that will not be opened (a failed
-update, an open that failed) is given back through torch's counter alone (give_back). The leader
-keeps each bucket until every engine has said it loaded it (mrl.sync.link), and an engine
-copies what it keeps. The handles travel in the bucket's JSON header, with the GPU's UUID: the
-engine's process may number the same GPU differently (another CUDA_VISIBLE_DEVICES), so it is
-found by UUID, never by index.
+The one idea: torch counts one reference per share of the memory, so every open needs a share of
+its own: the leader makes one handle per time an engine's processes open a bucket (share), each
+opener takes its own (open_shared), and one never opened is given back (give_back); see share.
+The leader keeps each bucket until every engine has said it loaded it (mrl.sync.link), and an
+engine copies what it keeps. The handles travel in the bucket's JSON header, with the GPU's UUID:
+the engine's process may number the same GPU differently (another CUDA_VISIBLE_DEVICES), so it
+is found by UUID, never by index. When this transport is used: docs/sync.md, "The transports".
 """
 
 from __future__ import annotations
@@ -34,7 +28,17 @@ def device_uuid(index: int) -> str:
 
 def share(flat: torch.Tensor, opens: list[int]) -> dict:
     """JSON-able handles to `flat` (a CUDA tensor) that other processes on this node can open: for
-    each engine, one per time it opens a bucket (`opens`, SyncEndpoint.ipc_opens)."""
+    each engine, one per time it opens a bucket (`opens`, SyncEndpoint.ipc_opens).
+
+    The handle is torch's own (torch.multiprocessing.reductions), with an event that orders the
+    engine's reads after the leader's packing. Torch counts one reference per share and takes one
+    back at every open (when the opening process drops the memory, or at once if it had it open),
+    so each open needs a share of its own: opened by an engine's process and by each of its
+    workers, one share was given back three times, and the trainer held on to every bucket of the
+    sync (a TP2 engine on an H200: the whole model). So the leader makes as many handles as each
+    engine says it opens a bucket, the receiver keeps its engine's list (for_engine), and each
+    opener takes its own (open_shared's `opener`); a handle that will not be opened (a failed
+    update, an open that failed) is given back through torch's counter alone (give_back)."""
     if not flat.is_cuda:
         raise ValueError(f"only a CUDA tensor can be shared through CUDA IPC, not one on {flat.device}")
     return {"handles": [[_handle(flat) for _ in range(n)] for n in opens], "gpu": device_uuid(flat.device.index)}

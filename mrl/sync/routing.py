@@ -2,21 +2,13 @@
 of each HF tensor that its sync plan copies (a TP2 engine's rank 1 never receives rank 0's half),
 point to point from its pipeline stage's leader.
 
-- The engine publishes, once per hub, its *routes*: per worker (TP rank), per HF name, the
-  distinct boxes of that tensor its plan copies (routes_from_plan), in the hub's store under
-  routes_key(token). An engine that cannot take routed buckets publishes why instead.
-- The leader packs, per bucket and per distinct route, the slices into one buffer (pack_routed),
-  announces the bucket on the channel as ever (the header carries each worker's slice entries;
-  no bytes follow there) and sends each buffer to its worker over a gloo group of the leader
-  (member 0) and one engine's workers (member 1 + TP rank). One group per engine: a group
-  spanning engines deadlocked a fan-out of PP stages (each engine joins the stages' groups in the
-  order their buckets reach it). Each is made at the first routed bucket of a channel and kept as
-  long as the channel is.
-- Each worker receives inside the engine's call for that bucket (WorkerGroups.receive), checks
-  every slice's checksum against the sender's, and copies the slices into its parameters.
-
-Routing works where the engine's workers reach the leader over TCP, on this node or another:
-what an engine spanning nodes needs, since its workers cannot map one node's /dev/shm.
+The one idea: the engine publishes its workers' *routes* once (publish_routes); per bucket the
+leader packs each distinct route's slices into one buffer (pack_routed) and sends it over a gloo
+group of its own with that engine's workers (LeaderGroup), while the header still goes over the
+channel; each worker checks and copies what it receives (WorkerGroups.receive). Routing works
+where the engine's workers reach the leader over TCP, on this node or another: what an engine
+spanning nodes needs, since its workers cannot map one node's /dev/shm. Step by step, the
+failures and the tests: docs/sync-routing.md.
 """
 
 from __future__ import annotations
@@ -54,7 +46,9 @@ def routes_from_plan(copies: Iterable[Any]) -> Route:
 
 
 def publish_routes(store: Any, token: str, engine: Any) -> None:
-    """The engine's routes, per worker, or why it takes no routed buckets."""
+    """The engine's routes, per worker, or why it takes no routed buckets, under routes_key(token) in
+    the hub's store, once per hub: per worker (TP rank), per HF name, the distinct boxes of that
+    tensor its plan copies (routes_from_plan)."""
     routes = getattr(engine, "routes", None)
     try:
         value = {"workers": routes()} if routes is not None else {
@@ -91,7 +85,8 @@ def pack_routed(bucket: Bucket, route: Route, dtype: torch.dtype,
     """One worker's slices of a bucket, packed (mrl.sync.wire.pack: cast, with a checksum each)
     into `out(size)` if given, else a fresh buffer; each entry gains its HF `box`. A box that does
     not fit the tensor that came (a model other than the engine's) is left out: the worker names
-    the tensor by its shape."""
+    the tensor by its shape. The leader packs once per distinct route, and announces the bucket
+    on the channel as ever: the header carries each worker's slice entries, no bytes follow there."""
     slices, boxes = [], []
     for name, tensor in bucket:
         for box in route.get(name, ()):
@@ -105,9 +100,11 @@ def pack_routed(bucket: Bucket, route: Route, dtype: torch.dtype,
 
 
 class LeaderGroup:
-    """A leader's routed group with one engine's workers, made when the first routed bucket of its
-    channel is sent and kept with the channel (its prefix is the channel's: a new channel means a
-    new group)."""
+    """A leader's routed group with one engine's workers (the leader member 0, worker r member
+    1 + r), made when the first routed bucket of its channel is sent and kept with the channel (its
+    prefix is the channel's: a new channel means a new group). One group per engine: a group
+    spanning engines deadlocked a fan-out of PP stages (each engine joins the stages' groups in the
+    order their buckets reach it)."""
 
     def __init__(self, group: Any, prefix: str):
         self.group, self.prefix = group, prefix
@@ -189,7 +186,10 @@ def look(store: Any, key: str, who: str) -> bool:
 class WorkerGroups:
     """A worker's routed groups, one per channel (pipeline stage), kept while the channel is: a
     header naming another hub or prefix for a stage means the leader made a new channel. A failure
-    drops the stage's group and the hub's store connection: the next sync makes both anew."""
+    drops the stage's group and the hub's store connection: the next sync makes both anew. Each
+    worker receives inside the engine's call for that bucket (receive, called by
+    mrl.rollout.vllm_weights._recv_routed), checks every slice's checksum against the sender's, and
+    copies the slices into its parameters."""
 
     def __init__(self):
         self.lock = threading.Lock()

@@ -5,26 +5,10 @@ into the shared-memory bucket the engines map; the leader only checksums the buc
 it. GatheredExport (broadcast, a CPU leader): the gather's leader assembles each bucket's HF
 tensors straight into a reused wire buffer, which goes on the channel as it is.
 
-The gather path (mrl.bridge.export) sends every shard to the leader, which assembles the HF
-tensors (a GPU leader then packs them into the bucket: two copies of every byte, one after the
-other), a message per source. Where each HF tensor lies in a bucket follows from the plan alone, so every
-rank computes that layout, maps the leader's file and writes its segments into it, all ranks at
-once. Used when every rank sees the leader's /dev/shm and the engine takes the bytes as they are
-(a CPU engine, no FP8): mrl.sync.sender.WeightSender decides.
-
-Per bucket, two barriers of the export group: "the leader made the file" and "every rank wrote
-its shards". The leader asks for bucket k + 1 only once at most one other bucket is alive (its
-pipeline's slots), and after a failed sync drops each bucket's file as it comes, so at most two
-files exist at a time, as on the gather path.
-
-The two files (bucket k in slot k % 2) are kept from one push to the next: writing into memory that
-is already mapped costs no file to make and no page to fault in (measured: 256 MB into a fresh
-/dev/shm file 0.10 s, into mapped memory 0.017 s). Each file's name goes once the engines have
-loaded its first bucket, as before; every process keeps its mapping instead (the ranks here, the
-engines in mrl.sync.wire.shared_bytes), so a killed trainer leaves no file behind, and the memory
-goes with the last process that maps it. The files are a *generation*, named by a random id that
-the leader announces in each bucket's first barrier; after a push that failed it starts a new one,
-and each process maps the new files and lets the old go.
+The one idea: where each HF tensor lies in a bucket follows from the plan alone, so each rank
+computes that layout and writes its part in place, into memory kept mapped from push to push
+(SLOTS: the two files or buffers, and why they are kept). mrl.sync.sender.WeightSender chooses
+the export; docs/sync.md ("The transports") tells when each is used.
 """
 
 from __future__ import annotations
@@ -42,6 +26,14 @@ from mrl.bridge.mapping import SplitDims
 from mrl.sync.channel import unlink_quietly
 from mrl.sync.wire import Packed, SyncError, bucket_checksums, dtype_named, layout, map_file, unpack, wire_dtype
 
+# The two files (bucket k in slot k % 2) are kept from one push to the next: writing into memory that
+# is already mapped costs no file to make and no page to fault in (measured: 256 MB into a fresh
+# /dev/shm file 0.10 s, into mapped memory 0.017 s). Each file's name goes once the engines have
+# loaded its first bucket, as before; every process keeps its mapping instead (the ranks here, the
+# engines in mrl.sync.wire.shared_bytes), so a killed trainer leaves no file behind, and the memory
+# goes with the last process that maps it. The files are a *generation*, named by a random id that
+# the leader announces in each bucket's first barrier; after a push that failed it starts a new one,
+# and each process maps the new files and lets the old go.
 SLOTS = 2  # files per generation, each reused by every other bucket: at most two buckets alive
 
 
@@ -67,7 +59,14 @@ class SharedExport:
     first push (measured on the demo's four ranks sharing two cores: 7–10 ms a push, each rank).
     The tensors are the model's parameter objects: an update or offload that swaps their storage
     (`param.data = ...`) is seen; one that replaces a parameter object is not (neither is the
-    sender's plan, gathered once)."""
+    sender's plan, gathered once).
+
+    The gather path (mrl.bridge.export) sends every shard to the leader, which assembles the HF
+    tensors (a GPU leader then packs them into the bucket: two copies of every byte, one after the
+    other), a message per source. Here every rank computes the bucket's layout, maps the leader's
+    file and writes its segments into it, all ranks at once. Used when every rank sees the
+    leader's /dev/shm and the engine takes the bytes as they are (a CPU engine, no FP8):
+    mrl.sync.sender.WeightSender decides."""
 
     def __init__(self, built: Any, coords: Any, plan: list[PlanItem], bucket_bytes: int, engine_dtype: str):
         self.rank, self.device = coords.rank, built.device
@@ -91,6 +90,10 @@ class SharedExport:
         nothing. `leader_wait_s`: how long the ranks wait for the leader to make a file (it may first
         open its channel and wait for the engines to load the bucket before last)."""
         lead, who = self.rank == leader, f"rank {self.rank}"
+        # Per bucket, two barriers of the export group: "the leader made the file" and "every rank
+        # wrote its shards". The leader asks for bucket k + 1 only once at most one other bucket is
+        # alive (its pipeline's slots), and after a failed sync drops each bucket's file as it
+        # comes, so at most two files exist at a time, as on the gather path.
         made, written = (_Barrier(group, self.device, wait_s, who) for wait_s in (leader_wait_s, timeout_s))
         if lead and not self.generation:
             self.generation = secrets.randbits(62) + 1
