@@ -56,5 +56,6 @@ def check_parity(gap: dict[str, float], threshold: float, report: WeightUpdateRe
         cause = (f"All {report.tensors} tensors arrived intact and every engine parameter was updated: the gap "
                  "is either numerical (compare dtypes, e.g. a bf16 engine against an fp32 trainer, and the "
                  "threshold) or state the engine derives from its weights was left stale by its reload "
-                 "(pre-packed GEMMs, tied heads, MLA matrices: see mrl/rollout/vllm_engine.py).")
+                 "(pre-packed GEMMs, tied heads, MLA matrices: the post-apply hooks in mrl/rollout/vllm_weights.py, "
+                 "the CPU re-packing in mrl/rollout/vllm_cpu.py).")
     raise ParityError(f"{head} {cause}")
