@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 MRL := .venv/bin/mrl
 
-.PHONY: setup setup-browser demo test test-fast clean
+.PHONY: setup setup-browser demo test test-matrix test-fast clean
 
 setup:
 	bash scripts/setup_env.sh
@@ -21,6 +21,11 @@ demo: setup
 test: setup
 	-bash scripts/setup_browser.sh
 	$(PY) -m pytest
+
+# The sweeps that `make test` leaves out (pytest.ini's `matrix` marker): every architecture, layout
+# and transport where `make test` keeps one case per code path (CONTRIBUTING lists which).
+test-matrix: setup
+	$(PY) -m pytest -m matrix
 
 test-fast: setup
 	$(PY) -m pytest tests/unit

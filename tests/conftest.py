@@ -110,3 +110,17 @@ def synthetic_run(tmp_path) -> Path:
         records = trace_records(step, prompts, groups, rewards, batch, start_step=0, max_samples=6, max_chars=2000)
         write_trace(trace_path(run, step), records)
     return run
+
+
+def pytest_sessionstart(session):
+    from start_counter import StartCounter, enabled
+
+    session.config._mrl_starts = StartCounter() if enabled() else None
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    counter = getattr(config, "_mrl_starts", None)
+    if counter is not None:
+        counts = counter.stop()
+        terminalreporter.write_line("process starts: " + (", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+                                                          or "none"))
