@@ -122,6 +122,7 @@ class RolloutConfig:
 
     engine: Literal["vllm"] = "vllm"
     num_engines: int = 1  # engines in the fleet (mrl/launch/fleet.py), each tensor_parallel_size GPUs wide
+    start_timeout_s: float = 600.0  # an engine not up by then fails the start, naming it
     tensor_parallel_size: int = 1
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     # The engines' weights: null (rollout.dtype) or "fp8", DeepSeek's block FP8 (e4m3, 128×128 float32

@@ -43,6 +43,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("rollout.n_samples_per_prompt", lambda v: v >= 1, ">= 1"),
     ("sync.bucket_mb", lambda v: v >= 1, ">= 1"),
     ("sync.timeout_s", lambda v: v > 0, "> 0"),
+    ("rollout.start_timeout_s", lambda v: v > 0, "> 0"),
     ("sync.parity_threshold", lambda v: v > 0, "> 0"),
     ("sync.parity_every", lambda v: v >= 0, ">= 0"),
     ("algo.clip_low", lambda v: 0 < v < 1, "in (0, 1)"),

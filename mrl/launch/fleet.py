@@ -78,7 +78,7 @@ class EngineFleet:
         try:
             nodes = fleet._gather({i: h.submit(RolloutServer.node_ip) for i, h in enumerate(fleet.handles)},
                                   f"start (model {model}; its log is in the Ray session's worker logs)",
-                                  start_timeout_s)
+                                  start_timeout_s, "rollout.start_timeout_s")
         except BaseException:
             fleet.close()
             raise
@@ -140,16 +140,17 @@ class EngineFleet:
 
     # --- waiting ------------------------------------------------------------------------------
 
-    def _gather(self, refs: dict[int, Any], what: str, timeout_s: float) -> dict[int, Any]:
-        """Each engine's answer (by engine index), all within one deadline. The first engine to
-        fail, or the ones still silent at the deadline, raise EngineError naming them and their nodes."""
+    def _gather(self, refs: dict[int, Any], what: str, timeout_s: float,
+                setting: str = "sync.timeout_s") -> dict[int, Any]:
+        """Each engine's answer (by engine index), all within one deadline (`setting`'s). The first
+        engine to fail, or the ones still silent at the deadline, raise EngineError naming them and their nodes."""
         deadline = time.perf_counter() + timeout_s
         engine_of = {ref: i for i, ref in refs.items()}
         pending, answers = list(engine_of), {}
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.perf_counter(), 0.0))
             if not ready:
-                raise engine_silent(what, ", ".join(self.name(engine_of[ref]) for ref in pending), timeout_s)
+                raise engine_silent(what, ", ".join(self.name(engine_of[ref]) for ref in pending), timeout_s, setting)
             i = engine_of[ready[0]]
             try:
                 answers[i] = ray.get(ready[0])

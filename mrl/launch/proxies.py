@@ -134,10 +134,10 @@ class EngineError(RuntimeError):
     """A rollout engine failed, died or did not answer in time; the message names it and its node."""
 
 
-def engine_silent(what: str, names: str, timeout_s: float) -> EngineError:
-    """The error for engines that did not answer `what` within `timeout_s`."""
+def engine_silent(what: str, names: str, timeout_s: float, setting: str = "sync.timeout_s") -> EngineError:
+    """The error for engines that did not answer `what` within `timeout_s` (the value of `setting`)."""
     return EngineError(f"{what}: {names} did not answer within {timeout_s:.0f}s (hung or overloaded; "
-                       "raise sync.timeout_s if it is only slow)")
+                       f"raise {setting} if it is only slow)")
 
 
 def engine_died(what: str, name: str) -> EngineError:

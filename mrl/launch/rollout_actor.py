@@ -48,6 +48,25 @@ class RolloutServer:
         endpoint() first."""
         return self.receiver.receive(sync_id, channels, engines, index, hub)
 
+    def load_checkpoint(self, model_dir: str, weight_version: int = 0) -> WeightUpdateReport:
+        """Load a HuggingFace checkpoint from disk through the engine's own update path (the same
+        apply and checks as a sync), one safetensors file a bucket, clear the KV cache and tag the
+        generations that follow with `weight_version`: the engine is then as if started on it."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {model_dir}: pass a HuggingFace model directory")
+        self.engine.begin_weight_update()
+        for file in files:
+            self.engine.load_weights(sorted(load_file(file).items()))
+        report = self.engine.finish_weight_update()
+        self.engine.clear_kv_cache()
+        self.engine.weight_version = weight_version
+        return report
+
     def generate(self, prompts: Sequence[str | list[int]],
                  sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[list[Generation]]:
         return self.engine.generate(prompts, sampling)
@@ -101,6 +120,7 @@ def start_rollout_actor(model: str, engine_options: dict[str, Any], *, num_cpus:
         ray.kill(actor)
         raise TimeoutError(
             f"the vLLM engine for {model} did not start within {start_timeout_s:.0f}s "
-            f"(options {engine_options}); its log is in the Ray session's worker logs"
+            f"(options {engine_options}); its log is in the Ray session's worker logs; raise "
+            "rollout.start_timeout_s if it is only slow"
         ) from None
     return actor

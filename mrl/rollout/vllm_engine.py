@@ -27,7 +27,7 @@ from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
 from mrl.rollout.vllm_cpu import _bind_cpu_workers, _unpack_small_cpu_gemms, cpu_attention
 from mrl.rollout.vllm_weights import (_begin_in_place, _begin_reload, _copy_in_place, _finish_in_place, _finish_reload,
                                       _install_plan, _load, _load_shared, _not_planned, _parameter_metadata,
-                                      _recv_routed)
+                                      _recv_routed, _zero_kv_cache)
 from mrl.sync.wire import (Bucket, WeightLoadError, WeightUpdateReport, bucket_checksums, checksums,
                            give_back_unopened, payload_bytes, wire_dtype)
 
@@ -432,6 +432,14 @@ class VLLMEngine:
         self.weight_version += 1
         self.interrupted.clear()  # the interrupted samples continue on these weights
         return self._report
+
+    def clear_kv_cache(self) -> None:
+        """Zero every KV cache block and forget the cached prefixes: what generations before this
+        left there (NaNs from weights loaded half-way) cannot reach a later one through the slots
+        of a block it does not fill (seen on vLLM-CPU: a fixed engine then sampled token 0 only)."""
+        self.wake_up()
+        self.llm.collective_rpc(_zero_kv_cache)
+        self.llm.reset_prefix_cache()
 
     def parameter_metadata(self) -> list[dict]:
         """Per TP worker: its parameters' checkpoint-format shapes and dtypes (see _parameter_metadata)."""

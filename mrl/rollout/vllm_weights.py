@@ -284,6 +284,11 @@ def _load_shared(worker: Any, header: dict, apply: str, received: dict[str, Any]
     return loaded
 
 
+def _zero_kv_cache(worker: Any) -> None:
+    for cache in worker.model_runner.kv_caches:
+        cache.zero_()
+
+
 def _misapplied(worker: Any) -> list[str]:
     """Engine parameters whose planned region does not hold, after every copy, what was copied there:
     a plan entry that writes over another's region (a corrupted destination slice), or a write that
