@@ -23,7 +23,7 @@ from mrl.config import RunConfig, config_to_dict
 from mrl.config.schema import AlgoConfig
 from mrl.config.derived import data_parallel_size, epochs_of, mini_batches
 from mrl.experience import actor_inputs, critic_inputs, rollout_batch, select_rows, split_rows
-from mrl.launch.cluster import generate_once
+from mrl.launch.cluster import one_off_engine
 from mrl.launch.proxies import EngineHandle
 from mrl.metrics import MetricsLogger, plot_metrics, timer
 from mrl.modes import BatchSource, Engines, GeneratedBatch, Prompts, make_source, overlap_metrics
@@ -338,15 +338,21 @@ def accuracies(metrics: dict, when: str) -> dict[str, float | None]:
 
 
 def export_and_evaluate(run: Run, out: Path) -> dict:
-    """Merge the final checkpoint into a HuggingFace directory and score it with a fresh vLLM engine:
-    the model a user takes away must be the one that was trained."""
+    """Merge the final checkpoint into a HuggingFace directory and load it in a fresh vLLM engine:
+    the model a user takes away must be the one that was trained. merged_hf_logprob_gap: the
+    largest |log-prob| difference on the parity probe between that engine and the run's (which
+    holds the last weights pushed); accuracy_merged_hf: its held-out accuracy."""
     from checkpoints_tools.merge import merge
+    from mrl.sync.parity import logprob_gap
 
     cfg = run.cfg
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[cfg.model.dtype]
     merge(cfg.checkpoint.dir, out, dtype=dtype, force=True, progress=False)
-    if not run.heldout:
-        return {"hf_model": str(out)}
-    groups = generate_once(cfg, str(out), [p["prompt_ids"] for p in run.heldout], greedy_settings(cfg))
-    accuracy = share_correct(run, groups)
-    return {"hf_model": str(out), "accuracy_merged_hf": accuracy}
+    probe = run.cluster.sync.probe
+    with one_off_engine(cfg, str(out)) as engine:
+        gap = logprob_gap(engine.score(probe), run.cluster.engines.score(probe))["rollout/logprob_abs_diff_max"]
+        summary = {"hf_model": str(out), "merged_hf_logprob_gap": gap}
+        if run.heldout:
+            groups = engine.generate([p["prompt_ids"] for p in run.heldout], greedy_settings(cfg))
+            summary["accuracy_merged_hf"] = share_correct(run, groups)
+    return summary

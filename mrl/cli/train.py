@@ -75,6 +75,8 @@ def headline(summary: dict) -> str:
         parts.append(f"sampled {before:.3f} → {after:.3f} ({100 * (after - before):+.1f} points)")
     if summary.get("accuracy_merged_hf") is not None:
         parts.append(f"merged HF model scored by vLLM: {summary['accuracy_merged_hf']:.3f}")
+    if summary.get("merged_hf_logprob_gap") is not None:
+        parts.append(f"merged HF model vs the trained engine: max |log-prob gap| {summary['merged_hf_logprob_gap']:.1e}")
     return "; ".join(parts + [f"{summary['seconds']:.0f} s"])
 
 

@@ -173,7 +173,8 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
         if with_engine:
             fleet = EngineFleet.start(engine_checkpoint(cfg, hf_dir), engine_options(cfg), engines, num_cpus=1,
                                       num_gpus=engine_gpus,
-                                      sync_timeout_s=cfg.sync.timeout_s, timeout_s=cfg.sync.timeout_s)
+                                      sync_timeout_s=cfg.sync.timeout_s, timeout_s=cfg.sync.timeout_s,
+                                      start_timeout_s=cfg.rollout.start_timeout_s)
         setup = ActorSetup(hf_dir=hf_dir, layout=layout_of(cfg), params_dtype=cfg.model.dtype,
                            transformer_impl=cfg.model.transformer_impl, recompute=recompute_of(cfg), fp8=cfg.model.fp8,
                            seed=cfg.trainer.seed,
@@ -234,11 +235,12 @@ def engine_checkpoint(cfg: RunConfig, hf_dir: str) -> str:
     return write_quantized(hf_dir, Path(cfg.trainer.output_dir) / "rollout_fp8", force=True)["out"]
 
 
-def generate_once(cfg: RunConfig, hf_dir: str, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list:
-    """Generate with a one-off engine on `hf_dir` in its own actor (vLLM runs one engine per process)."""
-    engine = EngineHandle(start_rollout_actor(engine_checkpoint(cfg, hf_dir), engine_options(cfg)),
-                          cfg.sync.timeout_s)
+@contextmanager
+def one_off_engine(cfg: RunConfig, hf_dir: str) -> Iterator[EngineHandle]:
+    """A one-off engine on `hf_dir` in its own actor (vLLM runs one engine per process), stopped after the block."""
+    engine = EngineHandle(start_rollout_actor(engine_checkpoint(cfg, hf_dir), engine_options(cfg),
+                                              start_timeout_s=cfg.rollout.start_timeout_s), cfg.sync.timeout_s)
     try:
-        return engine.generate(prompt_ids, sampling)
+        yield engine
     finally:
         engine.close()
