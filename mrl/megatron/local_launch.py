@@ -48,7 +48,7 @@ def init_process_group(rank: int, world_size: int, port: int, timeout_s: float =
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
-def _context() -> Any:
+def process_context() -> Any:
     """Ranks fork from a server that holds mrl.megatron.rank_imports and nothing else (no threads,
     process groups or tensors of a caller: a fork of the caller itself is not safe); multiprocessing
     starts it on first use and keeps it for the caller's lifetime. With CUDA, spawned ranks as
@@ -85,7 +85,7 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 900.
 
     Values must be tensors, numbers, strings, or lists/tuples/dicts of them.
     """
-    ctx = _context()
+    ctx = process_context()
     results = ctx.Queue()
     store = rendezvous_store()
     port = store.port
