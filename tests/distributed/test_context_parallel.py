@@ -37,6 +37,10 @@ LAYOUTS = {
     "deepseek_v3": {"CP2": ParallelLayout(cp=2), "TP2×CP2": ParallelLayout(tp=2, cp=2),
                     "CP2×EP2": ParallelLayout(cp=2, ep=2)},
 }
+# `make test` keeps one layout per path (dense CP, dense CP under PP with VPP, MLA + MoE CP under TP,
+# CP with EP); `make test-matrix` runs the rest.
+KEPT = {"qwen3": ["CP2", "PP2×VPP2×CP2"], "deepseek_v3": ["TP2×CP2", "CP2×EP2"]}
+SWEPT = {arch: [name for name in layouts if name not in KEPT[arch]] for arch, layouts in LAYOUTS.items()}
 REFERENCE = ParallelLayout()
 # CP2 (DP2) against a CP1 layout with the same data-parallel slices: their loss metrics must agree
 SAME_DP = {"qwen3": ("CP2", "TP2", ParallelLayout(tp=2))}
@@ -109,10 +113,11 @@ def _update(trainable, built, mine: dict, tp: int, algo: dict) -> dict:
     return {"metrics": metrics, "norm_grad": from_last_stage(norm_grad)}
 
 
-def _all_layouts(rank: int, world_size: int, dirs: dict) -> dict:
+def _all_layouts(rank: int, world_size: int, dirs: dict, chosen: dict[str, list[str]]) -> dict:
     results = {}
-    for arch, layouts in LAYOUTS.items():
-        extra = {SAME_DP[arch][1]: SAME_DP[arch][2]} if arch in SAME_DP else {}
+    for arch, names in chosen.items():
+        layouts = {name: LAYOUTS[arch][name] for name in names}
+        extra = {SAME_DP[arch][1]: SAME_DP[arch][2]} if SAME_DP.get(arch, (None,))[0] in names else {}
         for name, layout in {"reference": REFERENCE, **layouts, **extra}.items():
             algos = ALGOS if name in SEQUENCE_LEVEL_ON[arch] else {"token-mean": ALGOS["token-mean"]}
             results[arch, name] = _run_layout(dirs[arch], layout, algos)
@@ -123,11 +128,12 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-def test_context_parallel_matches_cp1(tiny_model_dir):
-    dirs = {arch: str(tiny_model_dir(arch)) for arch in LAYOUTS}
-    per_rank = run_local(_all_layouts, WORLD, dirs, timeout_s=TIMEOUT_S)
+@pytest.mark.parametrize("chosen", [KEPT, pytest.param(SWEPT, marks=pytest.mark.matrix)], ids=["kept", "swept"])
+def test_context_parallel_matches_cp1(tiny_model_dir, chosen):
+    dirs = {arch: str(tiny_model_dir(arch)) for arch in chosen}
+    per_rank = run_local(_all_layouts, WORLD, dirs, chosen, timeout_s=TIMEOUT_S)
     mask = _rollout_batch(1000)["response_mask"].bool()
-    for arch, layouts in LAYOUTS.items():
+    for arch, layouts in chosen.items():
         ref = per_rank[0][(arch, "reference")]
         for name in layouts:
             for rank in range(WORLD):
