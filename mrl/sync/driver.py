@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +19,7 @@ from mrl.sync.parity import ParityError, check_parity, logprob_gap
 
 # After a failed push: how long a dead engine's receipt may take to report the death.
 DEATH_REPORT_S = 5.0
+WATCH_S = 0.5  # during a push: how often the engines' receipts are looked at for a death
 
 
 @dataclass
@@ -50,6 +53,22 @@ class WeightSync:
             if died is not None:
                 raise died from push_error
 
+    def _push_watching(self, sync_id: str, receipts: list[Any]) -> dict:
+        """The ranks' push, while looking every WATCH_S for an engine whose receipt ended in its
+        death: its error is raised at once. (The senders would wait out their rendezvous timeout
+        for a dead engine that is not the hub; the run's close then stops the ranks still in it.)"""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="push")
+        push = pool.submit(self.actor.push_weights, sync_id)
+        pool.shutdown(wait=False)
+        while True:
+            try:
+                return push.result(timeout=WATCH_S)
+            except FutureTimeout:
+                for receipt in receipts:
+                    died = receipt.failure(0.0)
+                    if died is not None:
+                        raise died from None
+
     @stage("sync_weights")  # a profiler/NVTX range, as the trainer's timed phases are
     def __call__(self) -> dict[str, float]:
         s = self.settings
@@ -62,7 +81,7 @@ class WeightSync:
         receipts = [engine.receive_weights(sync_id, self.channels, count, i, None if i == 0 else hub)
                     for i, engine in enumerate(self.engines)]
         try:
-            sent = self.actor.push_weights(sync_id)
+            sent = self._push_watching(sync_id, receipts)
         except Exception as push_error:
             self._raise_if_an_engine_died(receipts, push_error)
             raise

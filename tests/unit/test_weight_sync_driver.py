@@ -120,3 +120,37 @@ def test_a_push_that_fails_because_an_engine_died_names_that_engine(dead):
         sync()
     if dead is not None:
         assert "connection reset" in str(failure.value.__cause__)
+
+
+class StuckActor(FakeActor):
+    """Its ranks' push waits for an engine that will never join (until released)."""
+
+    def __init__(self, log: list):
+        super().__init__(log)
+        import threading
+
+        self.released = threading.Event()
+
+    def push_weights(self, sync_id):
+        self.released.wait(30)
+        raise RuntimeError("rank 0: no engine joined the rendezvous within 30s")
+
+
+def test_an_engine_that_dies_during_the_push_fails_the_sync_at_once():
+    """The senders would wait out their rendezvous for a dead engine that is not the hub; the
+    driver sees the death in that engine's receipt and raises it without waiting for them."""
+    import time
+
+    log: list = []
+    engines = [FakeEngine(5000, log), FakeEngine(5001, log)]
+    died = RuntimeError("weight update: rollout engine 1 of 2 (node 10.0.0.2) died")
+    engines[1].receive_weights = lambda *args: Receipt(None, died)
+    actor = StuckActor(log)
+    sync = WeightSync(actor, engines, SyncConfig(transport="broadcast"), channels=1, probe=[[1, 2]])
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="rollout engine 1 of 2 .* died"):
+            sync()
+        assert time.monotonic() - start < 15  # a look every 0.5 s; the push alone would take 30 s
+    finally:
+        actor.released.set()
