@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from mrl import megatron_lm_dir as mlm
+from mrl.atomic import open_modes
 
 FORMAT = "mrl-checkpoint"
 VERSION = 1
@@ -97,6 +98,7 @@ def atomic_dir(target: str | os.PathLike, manifest: dict[str, Any] | None = None
     tmp.mkdir()
     try:
         yield tmp
+        open_modes(tmp)  # mkdir honours the umask; safetensors' files are 0600 whatever it says
         _fsync_tree(tmp)
         if manifest is not None:
             write_manifest(tmp, **manifest)

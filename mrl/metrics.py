@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from mrl.atomic import atomic_write
 from mrl.profiling import stage
 
 JSONL_NAME = "metrics.jsonl"
@@ -79,21 +79,6 @@ def _scalar(name: str, value: Any) -> float | int | None:
         return _scalar(name, value.item())
     raise TypeError(f"metric {name!r} is a {type(value).__name__}, not a number; "
                     f"log floats, ints or one-element tensors")
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call write(binary file) on a temp file beside `path`, then rename it over `path`."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def read_metrics(jsonl_path: str | os.PathLike) -> list[dict]:

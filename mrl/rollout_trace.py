@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from mrl.metrics import atomic_write, step_rows
+from mrl.atomic import atomic_write
+from mrl.metrics import step_rows
 from mrl.modes import policy_step
 
 if TYPE_CHECKING:

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from mrl import checkpoint_dir as cd
+from mrl.atomic import open_modes
 from mrl.bridge.hf_checkpoint import CheckpointError, HFCheckpoint
 from mrl.quant.fp8 import QUANTIZATION_CONFIG, quantize_pairs
 
@@ -73,6 +74,7 @@ def _write_twin(ckpt: HFCheckpoint, out: str | Path, force: bool, shard: Shard,
             config = json.loads((staging / "config.json").read_text())
             config["quantization_config"] = dict(quantization)
             (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        open_modes(staging)  # mkdtemp's 0700 and safetensors' 0600: the modes the umask gives instead
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)

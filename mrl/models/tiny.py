@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mrl.atomic import open_modes
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
@@ -281,9 +283,7 @@ def _staged(out: Path, force: bool):
         yield staging
         # mkdtemp makes the directory 0700 and transformers writes the safetensors 0600; a model
         # directory should be readable by others (a vLLM server under another user, a container).
-        staging.chmod(0o755)
-        for file in staging.iterdir():
-            file.chmod(0o644)
+        open_modes(staging)
         _replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

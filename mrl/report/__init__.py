@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mrl.metrics import atomic_write
+from mrl.atomic import atomic_write
 from mrl.report.collect import ReportError, collect_run
 from mrl.report.page import render_page
 
