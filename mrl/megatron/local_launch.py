@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -17,6 +18,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+POLL_S = 0.5  # how often the parent looks for a rank that died without a result
+DEATH_REPORT_S = 2.0  # after a rank's error: how long a peer's death that explains it may take to show
 
 
 class WorkerError(RuntimeError):
@@ -61,6 +66,27 @@ def process_context() -> Any:
     return ctx
 
 
+def _raise_if_one_died(procs: list, missing: list[int], results: Any, wait_s: float = 0.0, then: str = "") -> None:
+    """A rank without a result whose process has exited (killed, out of memory, os._exit) within
+    `wait_s` fails the launch now: its peers would wait for it in their next collective until the
+    timeout, or fail there, blaming the connection."""
+    end = time.monotonic() + wait_s
+    while not (dead := [r for r in missing if procs[r].exitcode is not None]) and time.monotonic() < end:
+        time.sleep(0.1)
+    if not dead:
+        return
+    try:  # a result put just before its process ended is still on its way
+        rank, ok, value = results.get(timeout=1.0)
+        results.put((rank, ok, value))
+        return
+    except queue.Empty:
+        pass
+    code = procs[dead[0]].exitcode
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    message = f"rank {dead[0]} {how} before returning a result{then}"
+    raise WorkerError(message, message)
+
+
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any,
            environ: dict[str, str]) -> None:
     # the fork server's environment is the caller's when the server started: this call's instead
@@ -94,18 +120,30 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 900.
     for p in procs:
         p.start()
     values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
     try:
         while len(values) < world_size:
             try:
-                rank, ok, value = results.get(timeout=timeout_s)
+                rank, ok, value = results.get(timeout=min(POLL_S, max(deadline - time.monotonic(), 0.01)))
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(values))
+                _raise_if_one_died(procs, missing, results)
+                if time.monotonic() < deadline:
+                    continue
                 message = f"ranks {missing} gave no result within {timeout_s:.0f}s"
                 raise WorkerError(message, message) from None
             if not ok:
                 trace, last_line = value
+                # a peer that died may be why (gloo: "Connection closed by peer"): name it first
+                _raise_if_one_died(procs, [r for r in range(world_size) if r not in values and r != rank],
+                                   results, wait_s=DEATH_REPORT_S, then=f"; rank {rank} then failed: {last_line}")
                 raise WorkerError(f"rank {rank} failed:\n{trace}", f"rank {rank}: {last_line}")
             values[rank] = torch.load(io.BytesIO(value), weights_only=True)
+    except BaseException:
+        for p in procs:  # a failed launch: the ranks still running wait for a peer that is gone
+            if p.is_alive():
+                p.kill()
+        raise
     finally:
         for p in procs:
             p.join(timeout=10)
