@@ -4,10 +4,9 @@ through the typed proxies (mrl.launch.proxies); knows no Ray."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,21 +52,30 @@ class WeightSync:
             if died is not None:
                 raise died from push_error
 
-    def _push_watching(self, sync_id: str, receipts: list[Any]) -> dict:
-        """The ranks' push, while looking every WATCH_S for an engine whose receipt ended in its
-        death: its error is raised at once. (The senders would wait out their rendezvous timeout
-        for a dead engine that is not the hub; the run's close then stops the ranks still in it.)"""
-        pool = ThreadPoolExecutor(1, thread_name_prefix="push")
-        push = pool.submit(self.actor.push_weights, sync_id)
-        pool.shutdown(wait=False)
-        while True:
+    def _push_watching(self, sync_id: str, receipts: list[Any]) -> tuple[dict | None, Exception | None]:
+        """The ranks' push (its report, or its own error raised), while looking every WATCH_S for
+        an engine whose receipt ended in its death: (None, that death) at once. The senders would
+        wait out their rendezvous for a dead engine that is not the hub; the push's thread is a
+        daemon, and the run's close stops the ranks still in it."""
+        outcome: dict[str, Any] = {}
+
+        def push() -> None:
             try:
-                return push.result(timeout=WATCH_S)
-            except FutureTimeout:
-                for receipt in receipts:
-                    died = receipt.failure(0.0)
-                    if died is not None:
-                        raise died from None
+                outcome["sent"] = self.actor.push_weights(sync_id)
+            except Exception as err:  # noqa: BLE001 - raised on the driver's thread below
+                outcome["error"] = err
+
+        thread = threading.Thread(target=push, name=f"push {sync_id}", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(WATCH_S)
+            for receipt in receipts if thread.is_alive() else ():
+                died = receipt.failure(0.0)
+                if died is not None:
+                    return None, died
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["sent"], None
 
     @stage("sync_weights")  # a profiler/NVTX range, as the trainer's timed phases are
     def __call__(self) -> dict[str, float]:
@@ -81,10 +89,12 @@ class WeightSync:
         receipts = [engine.receive_weights(sync_id, self.channels, count, i, None if i == 0 else hub)
                     for i, engine in enumerate(self.engines)]
         try:
-            sent = self._push_watching(sync_id, receipts)
+            sent, died = self._push_watching(sync_id, receipts)
         except Exception as push_error:
             self._raise_if_an_engine_died(receipts, push_error)
             raise
+        if died is not None:
+            raise died
         reports = [receipt.result() for receipt in receipts]
         metrics = {"sync/bytes": float(sent["bytes"]), "sync/engines": float(count),
                    "sync/engine_load_s": max(r.load_seconds for r in reports),

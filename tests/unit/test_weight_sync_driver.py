@@ -141,9 +141,15 @@ def test_an_engine_that_dies_during_the_push_fails_the_sync_at_once():
     driver sees the death in that engine's receipt and raises it without waiting for them."""
     import time
 
+    class Waiting(Receipt):  # engine 0, alive, still in its receipt: a look for a death waits it out
+        def failure(self, within_s):
+            time.sleep(within_s)
+            return None
+
     log: list = []
     engines = [FakeEngine(5000, log), FakeEngine(5001, log)]
     died = RuntimeError("weight update: rollout engine 1 of 2 (node 10.0.0.2) died")
+    engines[0].receive_weights = lambda *args: Waiting(None)
     engines[1].receive_weights = lambda *args: Receipt(None, died)
     actor = StuckActor(log)
     sync = WeightSync(actor, engines, SyncConfig(transport="broadcast"), channels=1, probe=[[1, 2]])
@@ -151,6 +157,7 @@ def test_an_engine_that_dies_during_the_push_fails_the_sync_at_once():
     try:
         with pytest.raises(RuntimeError, match="rollout engine 1 of 2 .* died"):
             sync()
-        assert time.monotonic() - start < 15  # a look every 0.5 s; the push alone would take 30 s
+        # a look every 0.5 s: not the push's 30 s, nor DEATH_REPORT_S (5 s) on the live engine 0
+        assert time.monotonic() - start < 4
     finally:
         actor.released.set()
