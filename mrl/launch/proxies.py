@@ -206,6 +206,10 @@ class EngineHandle:
     def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
         return self._call(RolloutServer.score, sequences)
 
+    def load_checkpoint(self, model_dir: str, weight_version: int = 0) -> WeightUpdateReport:
+        """The engine as if started on `model_dir` (RolloutServer.load_checkpoint)."""
+        return self._call(RolloutServer.load_checkpoint, model_dir, weight_version)
+
     def interrupt(self) -> None:
         """Stop the engine's generation now (its own concurrency group: answered while generate runs)."""
         self._call(RolloutServer.interrupt)

@@ -3,14 +3,17 @@
 An engine start costs 10-25 s on 2 cores, so tests that only need "an engine on tiny model A"
 borrow one from `engine_pool` (keyed by architecture, apply mode, TP and a slot) instead of
 starting their own. After each borrow the pool loads model A back from disk through the engine's
-own update path and checks the report, so the next test gets an engine as if freshly started;
-an engine that cannot be reset is killed and started anew. The pool holds at most POOL_CPUS of
-Ray's CPUs (least recently used engines go first) and is emptied before any test that does not
-borrow from it, so runs that start their own actors find Ray's resources free.
+own update path and checks that the engine scores a probe batch exactly as it did when it
+started, so the next test gets an engine as if freshly started; one that does not is killed and
+started anew. The pool holds at most POOL_CPUS of Ray's CPUs (least recently used engines go
+first) and is emptied before any end-to-end test that does not borrow from it, so runs that start
+their own actors find Ray's resources free. Sync ids on a pooled engine must be unique
+(EnginePool.sync_id).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections import OrderedDict
 from contextlib import contextmanager
 
@@ -43,34 +46,46 @@ class EnginePool:
     def borrow(self, arch: str, apply: str = "in_place", tp: int = 1, slot: int = 0):
         """An engine started on tiny model `arch` (tiny_model_dir), returned to that model afterwards."""
         key = (arch, apply, tp, slot)
-        actor = self._engines.pop(key, None) or self._start(key)
-        self._engines[key] = actor  # most recently used last
+        engine = self._engines.pop(key, None) or self._start(key)
+        self._engines[key] = engine  # most recently used last
+        actor = engine[0]
         try:
             yield actor
         finally:
             self._reset(key)
 
+    @staticmethod
+    def sync_id(name: str) -> str:
+        """A sync id no other test uses on a pooled engine (a receiver refuses an id it has seen)."""
+        return f"{name}-{uuid.uuid4().hex[:8]}"
+
     def _start(self, key: tuple):
         from mrl.launch.rollout_actor import start_rollout_actor
+
+        from mrl.models.registry import model_spec_from_hf
+        from mrl.sync.parity import probe_sequences
 
         arch, apply, tp, _ = key
         while self._engines and sum(k[2] for k in self._engines) + tp > POOL_CPUS:
             self._kill(next(iter(self._engines)))
-        return start_rollout_actor(str(self._model_dir(arch)), POOL_ENGINE | {"weight_apply": apply,
-                                                                             "tensor_parallel_size": tp}, num_cpus=tp)
+        actor = start_rollout_actor(str(self._model_dir(arch)), POOL_ENGINE | {"weight_apply": apply,
+                                                                              "tensor_parallel_size": tp}, num_cpus=tp)
+        probe = probe_sequences(model_spec_from_hf(self._model_dir(arch)).vocab_size)
+        return actor, probe, self._ray.get(actor.score.remote(probe), timeout=120)
 
     def _reset(self, key: tuple) -> None:
-        actor = self._engines[key]
+        actor, probe, fresh = self._engines[key]
         try:
             report = self._ray.get(actor.load_checkpoint.remote(str(self._model_dir(key[0]))), timeout=120)
             clean = not report.not_updated and not report.misapplied
+            clean = clean and self._ray.get(actor.score.remote(probe), timeout=120) == fresh
         except Exception:  # noqa: BLE001 - any failure (a test left it waiting, killed, corrupted) means a new engine
             clean = False
         if not clean:
             self._kill(key)
 
     def _kill(self, key: tuple) -> None:
-        actor = self._engines.pop(key)
+        actor = self._engines.pop(key)[0]
         try:
             self._ray.get(actor.shutdown.remote(), timeout=60)  # TP > 1: its workers' shared memory goes too
         except Exception:  # noqa: BLE001 - already dead or hung: the kill below still frees it

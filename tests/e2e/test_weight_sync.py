@@ -76,9 +76,10 @@ def test_sync_makes_vllm_match_megatron(arch, kept, tiny_model_dir, tmp_path, en
             target = models[(push + 1) % 2]
             before = ray.get(actor.score.remote(probe))
             channels = 1 if transport == "colocated" else layout.pp
-            receipt = actor.receive_weights.remote(f"case{index}", channels)
+            case_id = engine_pool.sync_id(f"case{index}")
+            receipt = actor.receive_weights.remote(case_id, channels)
             results = run_local(_push, layout.min_world_size(), str(target), layout, endpoint, transport,
-                                f"case{index}", probe, timeout_s=300)
+                                case_id, probe, timeout_s=300)
             report = ray.get(receipt, timeout=120)
             trainer = next(r["logprobs"] for r in results if r["logprobs"] is not None)
             after = ray.get(actor.score.remote(probe))
@@ -100,8 +101,9 @@ def test_rollout_tp_is_independent_of_the_trainer_layout(arch, tiny_model_dir, t
     with engine_pool.borrow(arch, tp=2) as actor:
         layout = ParallelLayout(pp=2)
         endpoint = ray.get(actor.endpoint.remote())  # before receive_weights, which holds the actor
-        receipt = actor.receive_weights.remote("tp2-engine", 2)
-        results = run_local(_push, 2, str(target), layout, endpoint, "broadcast", "tp2-engine", probe, timeout_s=300)
+        tp2_id = engine_pool.sync_id("tp2-engine")
+        receipt = actor.receive_weights.remote(tp2_id, 2)
+        results = run_local(_push, 2, str(target), layout, endpoint, "broadcast", tp2_id, probe, timeout_s=300)
         report = ray.get(receipt, timeout=120)
         trainer = next(r["logprobs"] for r in results if r["logprobs"] is not None)
         assert not report.mismatched and not report.not_updated
@@ -146,9 +148,10 @@ def test_engine_refusal_reaches_the_trainer_at_once(arch, tiny_model_dir, tmp_pa
         before = ray.get(actor.score.remote(probe))
         endpoint = ray.get(actor.endpoint.remote())  # before receive_weights, which holds the actor
         layout = ParallelLayout(tp=2, ep=2)
-        receipt = actor.receive_weights.remote("refused", 1)
+        refused_id = engine_pool.sync_id("refused")
+        receipt = actor.receive_weights.remote(refused_id, 1)
         results = run_local(_push_until_error, layout.min_world_size(), str(target), layout, endpoint,
-                            "colocated", "refused", timeout_s=300)
+                            "colocated", refused_id, timeout_s=300)
         seconds, error = next(r for r in results if r is not None)
         refusal = r"MoE intermediate size per engine TP rank \(16\) to be a multiple of 32"
         assert re.search(rf"rank 0 \(PP stage 0\): the weight update failed: the engine at \S+ failed: .*{refusal}", error), error
@@ -203,9 +206,10 @@ def test_one_push_updates_two_engines(arch, tiny_model_dir, tmp_path, engine_poo
         endpoints = ray.get([a.endpoint.remote() for a in actors])  # before receive_weights, which holds them
         before = ray.get([a.score.remote(probe) for a in actors])
         layout = ParallelLayout(pp=2)
-        receipts = [a.receive_weights.remote("fanout", 2, 2, i, None if i == 0 else endpoints[0])
+        fanout_id = engine_pool.sync_id("fanout")
+        receipts = [a.receive_weights.remote(fanout_id, 2, 2, i, None if i == 0 else endpoints[0])
                     for i, a in enumerate(actors)]
-        results = run_local(_push, 2, str(target), layout, endpoints, "broadcast", "fanout", probe, timeout_s=300)
+        results = run_local(_push, 2, str(target), layout, endpoints, "broadcast", fanout_id, probe, timeout_s=300)
         reports = ray.get(receipts, timeout=120)
         trainer = next(r["logprobs"] for r in results if r["logprobs"] is not None)
         for index, (report, old, new) in enumerate(zip(reports, before, ray.get([a.score.remote(probe) for a in actors]))):
