@@ -206,7 +206,9 @@ def _stop_after_step_1(proc: subprocess.Popen, run_dir: Path, act) -> tuple[str,
     return err, watcher.at, time.monotonic() - watcher.at
 
 
-@pytest.mark.parametrize("how", ["ctrl_c", "driver_killed"])
+# driver_killed runs no mrl code (Ray's fate sharing stops the rest) and waits 60 s for Ray's agents:
+# `make test-matrix`.
+@pytest.mark.parametrize("how", ["ctrl_c", pytest.param("driver_killed", marks=pytest.mark.matrix)])
 def test_mrl_train_stopped_mid_run_leaves_no_ray_process(tmp_path, tiny_model_dir, how):
     """ctrl_c: SIGINT to `mrl train`'s process group (a terminal's Ctrl-C) → exit 130 within a
     bound, one line on stderr, every Ray process it started gone. driver_killed: SIGKILL of the

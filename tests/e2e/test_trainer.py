@@ -6,7 +6,7 @@ Three runs share one local Ray instance:
      exactly; the parity gate ran; checkpoints at steps 2 and 4; a thread scrapes the Prometheus
      endpoint while it trains; steps 2 and 4 are traced (rollouts/); torch.profiler records steps 2
      and 3 (profile/).
-  2. The same run resumed from its step-2 checkpoint reproduces steps 3 and 4 exactly.
+  2. The same run resumed from its step-2 checkpoint reproduces steps 3 and 4 exactly (matrix).
   3. SFT warm start (packed rows), then GRPO, on a tiny MoE model with EP2, merged to HF and scored
      with vLLM.
   4. PPO with a Megatron critic (GAE) on a tiny dense model in TP2.
@@ -236,6 +236,7 @@ def test_profile_traces_every_rank_and_the_driver_for_the_chosen_steps_only(dens
             assert len(events) > 100 and not missing, (path, len(events), missing)
 
 
+@pytest.mark.matrix  # the same resume path in TP2 with a critic: test_ppo_with_a_megatron_critic
 def test_resume_reproduces_the_uninterrupted_run(dense_run, tmp_path):
     from mrl.trainer import train
 
