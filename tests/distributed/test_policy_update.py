@@ -27,7 +27,7 @@ def _vocab_parallel_parity(rank: int, world_size: int, real: int | None) -> dict
     from megatron.core import parallel_state as ps
 
     from mrl.megatron.parallel import destroy_layout, initialize_layout
-    from mrl.megatron.policy import vocab_parallel_entropy, vocab_parallel_logprobs
+    from mrl.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 
     initialize_layout(ParallelLayout(tp=2))
     generator = torch.Generator().manual_seed(0)
