@@ -40,7 +40,7 @@ class EnginePool:
 
     def __init__(self, ray, model_dir) -> None:
         self._ray, self._model_dir = ray, model_dir
-        self._engines: OrderedDict[tuple, object] = OrderedDict()
+        self._engines: OrderedDict[tuple, tuple] = OrderedDict()  # key → (actor, probe, its first scores)
 
     @contextmanager
     def borrow(self, arch: str, apply: str = "in_place", tp: int = 1, slot: int = 0):
@@ -61,7 +61,6 @@ class EnginePool:
 
     def _start(self, key: tuple):
         from mrl.launch.rollout_actor import start_rollout_actor
-
         from mrl.models.registry import model_spec_from_hf
         from mrl.sync.parity import probe_sequences
 
@@ -120,11 +119,16 @@ def pytest_collection_modifyitems(session, config, items):
     """The tests that borrow engines run last among the end-to-end tests, grouped by architecture
     (then in their own order), so that each pooled engine serves its tests one after another."""
     places = [i for i, item in enumerate(items) if "engine_pool" in getattr(item, "fixturenames", ())]
-    others = [i for i, item in enumerate(items) if "/e2e/" in str(item.path) and i not in set(places)]
+    borrowing = set(places)
+    others = [i for i, item in enumerate(items) if "/e2e/" in str(item.path) and i not in borrowing]
     if not places:
         return
+
+    def arch(i: int) -> str:  # tests without an architecture last
+        callspec = getattr(items[i], "callspec", None)
+        return callspec.params.get("arch", "~") if callspec is not None else "~"
+
     e2e = sorted(places + others)
-    arch = lambda i: str(getattr(items[i], "callspec", None) and items[i].callspec.params.get("arch", "~"))  # noqa: E731
     ordered = [items[i] for i in others] + [items[i] for i in sorted(places, key=arch)]
     for place, item in zip(e2e, ordered):
         items[place] = item
