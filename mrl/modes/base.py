@@ -63,8 +63,16 @@ class BatchSource:
         raise NotImplementedError
 
     def after_update(self, step: int, trained: bool, metrics: dict) -> None:
-        if trained:  # nothing trained (dynamic sampling kept no group): the engine has these weights
-            metrics.update(self.push())
+        """Step `step` has trained, or trained nothing (`trained` False: dynamic sampling kept no
+        group). Either way its weights go out when the mode's push is due, unchanged ones too: an
+        engine's weight versions then count trainer steps, as policy_step reads them, in every mode
+        (docs/training-modes.md, "A step that trains nothing")."""
+        metrics["actor/empty_step"] = float(not trained)
+        self._after_step(step, metrics)
+
+    def _after_step(self, step: int, metrics: dict) -> None:
+        """The mode's work once a step is done: push the weights after it (when due)."""
+        metrics.update(self.push())
 
     def in_flight(self) -> list[GeneratedBatch]:
         """What a checkpoint taken now must save to resume exactly: generated batches not yet trained."""
@@ -144,10 +152,10 @@ class OneStepOffSource(BatchSource):
             self.pending = self.launch(step + 1)  # with the weights after step - 1, while this step trains
         return batch
 
-    def after_update(self, step: int, trained: bool, metrics: dict) -> None:
+    def _after_step(self, step: int, metrics: dict) -> None:
         if self.pending is not None:
             self.ready = self._wait(metrics)  # the engine is idle from here: the push cannot meet a generation
-        super().after_update(step, trained, metrics)
+        super()._after_step(step, metrics)
 
     def in_flight(self) -> list[GeneratedBatch]:
         return [self.ready] if self.ready is not None else []

@@ -200,7 +200,7 @@ class FullyAsyncSource(BatchSource):
         return sum(len(b.groups) for b in self.ready.values()) + sum(
             len(c.pending.prompt_indices) for chunks in self.running.values() for c in chunks if c.finished())
 
-    def after_update(self, step: int, trained: bool, metrics: dict) -> None:
+    def _after_step(self, step: int, metrics: dict) -> None:
         if step % self.plan.sync_every == 0 or step == self.last_step:
             partial = self.plan.interrupt is not None
             if partial and any(c.done is None or c.resumed is not None for cs in self.running.values() for c in cs):
@@ -209,7 +209,7 @@ class FullyAsyncSource(BatchSource):
                 for chunks in self.running.values():
                     for chunk in chunks:
                         self._finish(chunk)
-            metrics.update(self.push())  # even if nothing trained: the versions count pushes
+            metrics.update(self.push())  # even if nothing trained: a version is a step (BatchSource.after_update)
             self.weights_step = step
             if partial:
                 metrics["async/continued_samples"] = float(self._continue_unfinished())

@@ -65,9 +65,9 @@ class StreamingAsyncSource(FullyAsyncSource):
             self.next_step = max(b.step for b in batches) + 1
         self.came_back: list[dict[str, float]] = []  # engine metrics of the chunks back since the last step
 
-    def after_update(self, step: int, trained: bool, metrics: dict) -> None:
+    def _after_step(self, step: int, metrics: dict) -> None:
         self._collect()  # what came back is no longer on the engines (FullyAsyncSource._busy_seconds)
-        super().after_update(step, trained, metrics)
+        super()._after_step(step, metrics)
 
     def next(self, step: int, metrics: dict) -> GeneratedBatch:
         self.window = time.perf_counter()

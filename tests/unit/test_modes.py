@@ -563,3 +563,61 @@ def test_a_streaming_checkpoint_is_refused_without_streaming_or_with_another_syn
                      batch_prompts=BATCH)
         with pytest.raises(RuntimeError, match=message):
             (StreamingAsyncSource if streaming else FullyAsyncSource)(engine.push, 6, plan, saved)
+
+
+# --- a step that trains nothing (dynamic sampling kept no group) -------------------------------
+
+
+class WeighingEngine(HeldEngine):
+    """HeldEngine that knows which weights it holds, as the actor's count of updates when they were
+    pushed (`updates`: the actor's count now), and which weights generated each prompt."""
+
+    def __init__(self):
+        super().__init__()
+        self.updates, self.holds, self.made_with = 0, 0, {}
+
+    def push(self) -> dict:
+        self.holds = self.updates
+        return super().push()
+
+    def generate(self, step: int, indices: list[int]) -> PendingBatch:
+        self.made_with.update({i: self.holds for i in indices})
+        return super().generate(step, indices)
+
+
+@pytest.mark.parametrize("mode, eta", [("sync", 0), ("one_step_off", 1), ("fully_async", 1), ("streaming", 1)])
+def test_a_step_that_trains_nothing_still_pushes_and_every_tag_stays_exact(mode, eta):
+    """Step 3 of 5 trains nothing. Its weights (the step-2 ones) go out all the same, so an
+    engine's weight version still counts trainer steps: one push a step, and every later sample's
+    policy step names weights equal to those that generated it. The staleness is then what the
+    mode promises (sync 0; one_step_off and fully_async with η = 1: 1 from step 2 on, never
+    more), and the updates a sample is behind are never more than its steps behind. Skipping the
+    push instead tagged every sample after step 3 a step older than the weights that made it
+    (sync: staleness 1 from step 4 on; one_step_off: 2 at step 5)."""
+    engine, steps = WeighingEngine(), 5
+    engine.push()  # the run's first sync: version 1 holds the start step's (0) weights
+    if mode in ("sync", "one_step_off"):
+        source = _source(mode, engine, steps)
+    else:
+        plan = _plan(engine, start_step=0, max_staleness=eta, sync_every=1, queue_size=8,
+                     chunk_prompts=1 if mode == "streaming" else BATCH, batch_prompts=BATCH, wait_s=5.0)
+        source = (StreamingAsyncSource if mode == "streaming" else FullyAsyncSource)(engine.push, steps, plan)
+    weights_after, staleness, metrics = {0: 0}, [], {}
+    for step in range(1, steps + 1):
+        step_metrics = {}
+        batch = source.next(step, step_metrics)
+        trained = step != 3
+        engine.updates += trained
+        weights_after[step] = engine.updates
+        source.after_update(step, trained, step_metrics)
+        for index, p in zip(batch.prompt_indices, batch.policy_steps(), strict=True):  # one sample a prompt
+            assert weights_after[p] == engine.made_with[index], (step, index, p, engine.events)
+            staleness.append((step, step - 1 - p, weights_after[step - 1] - engine.made_with[index]))
+        metrics[step] = step_metrics | overlap_metrics(step, batch, step_metrics | {"timing_s/step": 10.0},
+                                                       source.engine_seconds)
+    assert [e for e in engine.events if e.startswith("push")] == [f"push v{v}" for v in range(1, steps + 2)]
+    assert [metrics[s]["actor/empty_step"] for s in range(1, steps + 1)] == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert [metrics[s]["async/staleness_max"] for s in range(1, steps + 1)] == [0.0] + [float(eta)] * (steps - 1)
+    assert all(behind <= steps_behind <= eta for _, steps_behind, behind in staleness), staleness
+    if eta:  # the step after the empty one trains the weights it was generated with: a version, no update, behind
+        assert {behind for step, _, behind in staleness if step == 4} == {0}
