@@ -31,6 +31,7 @@ def _run(prog: str, argv: list[str] | None, job: Callable[[RunConfig], dict]) ->
         return 2
     from mrl.launch.fleet import EngineError
     from mrl.launch.worker_group import WorkerGroupError
+    from mrl.rewards.watch import RewardFailedError
 
     start = time.perf_counter()
     try:
@@ -38,7 +39,7 @@ def _run(prog: str, argv: list[str] | None, job: Callable[[RunConfig], dict]) ->
     except ConfigError as exc:  # found at start-up, before any work (e.g. a checkpoint that does not fit)
         print(exc, file=sys.stderr)
         return 2
-    except (WorkerGroupError, EngineError) as exc:  # a rank or engine died or failed: one line, tracebacks in a file
+    except (WorkerGroupError, EngineError, RewardFailedError) as exc:  # a rank, engine or reward failed: one line
         print(f"{prog}: {exc} (traceback: {write_traceback(exc, cfg.trainer.output_dir)})", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:  # Ctrl-C: the run closed everything it started on the way out

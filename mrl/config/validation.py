@@ -14,6 +14,7 @@ from typing import Any
 
 from mrl.checkpoint_dir import CheckpointDirError, locate
 from mrl.config.derived import actor_gpus, actor_world_size
+from mrl.config.preflight import preflight
 from mrl.config.ranges import out_of_range
 from mrl.config.schema import RunConfig
 from mrl.layout import LayoutError, ModelDims, ParallelLayout
@@ -30,8 +31,8 @@ def validate(cfg: RunConfig, check_files: bool = True) -> list[str]:
     errors += _check_fp8(cfg, check_files)
     errors += _check_sync_apply(cfg, check_files)
     errors += _check_rollout_quantization(cfg)
-    if check_files:
-        errors += _check_files(cfg) + _check_port(cfg)
+    if check_files:  # preflight reads every data record, imports a custom reward, probes the output dirs
+        errors += _check_files(cfg) + _check_port(cfg) + preflight(cfg)
     return errors
 
 

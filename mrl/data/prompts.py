@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 PARQUET_NEEDS = "reading parquet needs pyarrow, which is not installed: pip install pyarrow (or convert the file to .jsonl)."
+MISSING = object()  # field_value's answer for a field the record lacks
 
 
 class DataError(ValueError):
@@ -105,6 +106,20 @@ def prompt_samples(
             prompt = template.render(record, tokenizer)
         except DataError as exc:
             raise DataError(f"record {index}: {exc}") from None
-        truth = record.get(answer_key)
+        truth = field_value(record, answer_key)
+        truth = None if truth is MISSING else truth
         samples.append({"prompt": prompt, "ground_truth": None if truth is None else str(truth), "metadata": record})
     return samples
+
+
+def field_value(record: dict[str, Any], key: str) -> Any:
+    """record[key], or MISSING; a dotted key that is not a field reads nested mappings
+    ("reward_model.ground_truth": where verl's parquet files keep the answer)."""
+    if key in record:
+        return record[key]
+    value: Any = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return MISSING
+        value = value[part]
+    return value

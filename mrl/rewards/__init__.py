@@ -10,10 +10,13 @@ from mrl.registry import UnknownNameError
 from mrl.rewards import rule_based  # noqa: F401  (registers the built-ins)
 from mrl.rewards.base import REWARD_FUNCTIONS, RewardFn, RewardInput, RewardResult, call_reward
 from mrl.rewards.sandbox import InWorkers, RewardLoadError, SandboxedReward
+from mrl.rewards.watch import RewardErrorWatch, RewardFailedError
 
 # sympy can run unbounded on a pathological answer, and math-verify's timeouts need a main thread.
 REWARD_FUNCTIONS.register("math_verify")(
     InWorkers("mrl.rewards.math_verify_reward:math_verify", "math_verify", "pip install math-verify==0.9.0"))
+# The built-ins that compare a response with data.answer_key: every record must have one.
+NEEDS_ANSWER = frozenset({"exact_answer", "boxed_math", "math_verify"})
 
 if TYPE_CHECKING:
     from mrl.rewards.reward_model import RewardModelScorer
@@ -63,6 +66,6 @@ def _reward_model(path: str | None) -> RewardModelScorer:
 
 
 __all__ = [
-    "REWARD_FUNCTIONS", "InProcessReward", "InWorkers", "RewardFn", "RewardInput", "RewardLoadError", "RewardResult",
-    "SandboxedReward", "build_reward",
+    "NEEDS_ANSWER", "REWARD_FUNCTIONS", "InProcessReward", "InWorkers", "RewardErrorWatch", "RewardFailedError",
+    "RewardFn", "RewardInput", "RewardLoadError", "RewardResult", "SandboxedReward", "build_reward",
 ]

@@ -33,6 +33,10 @@ class RewardResult:
     error: str | None = None
 
 
+class RewardLoadError(ValueError):
+    """A custom reward spec that cannot be loaded; the message names the spec and the fix."""
+
+
 class RewardFn(Protocol):
     def __call__(
         self, prompt: str, response: str, ground_truth: str | None, metadata: dict

@@ -24,13 +24,10 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Sequence
 
-from mrl.rewards.base import RewardFn, RewardInput, RewardResult, call_reward
+from mrl.rewards.base import RewardFn, RewardInput, RewardLoadError, RewardResult, call_reward
+from mrl.rewards.signature import adapt
 
 log = logging.getLogger(__name__)
-
-
-class RewardLoadError(ValueError):
-    """A custom reward spec that cannot be loaded; the message names the spec and the fix."""
 
 
 @dataclass(frozen=True)
@@ -58,18 +55,43 @@ def parse_spec(spec: str, check_file: bool = True) -> tuple[str, str]:
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """Import the function a spec names. Runs the user's module: call it inside a worker."""
+    """Import the function a spec names, as mrl calls it (a verl compute_score is wrapped: signature.py).
+    Runs the user's module: call it inside a worker. A failure is a RewardLoadError of one line."""
     target, function = parse_spec(spec)
-    if target.endswith(".py"):
-        module_spec = importlib.util.spec_from_file_location(f"mrl_user_reward_{Path(target).stem}", target)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
+    try:
+        if target.endswith(".py"):
+            module_spec = importlib.util.spec_from_file_location(f"mrl_user_reward_{Path(target).stem}", target)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except SyntaxError as exc:
+        raise RewardLoadError(f"reward {spec!r}: {exc.filename} line {exc.lineno} has a syntax error ({exc.msg}): "
+                              "fix that line.") from None
+    except ImportError as exc:
+        raise RewardLoadError(f"reward {spec!r}: importing {target} failed with {type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())}: install the missing module, or fix the import path / "
+                              "PYTHONPATH.") from None
+    except Exception as exc:
+        raise RewardLoadError(f"reward {spec!r}: importing {target} raised {type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())}: fix the module's top-level code.") from None
     fn = getattr(module, function, None)
     if not callable(fn):
-        raise RewardLoadError(f"{target} has no callable {function!r} (from reward {spec!r}).")
-    return fn
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise RewardLoadError(f"{target} has no callable {function!r} (from reward {spec!r}; its functions: "
+                              f"{', '.join(names) or 'none'}): fix the name after the colon.")
+    return adapt(fn, spec)
+
+
+def load_problem(spec: str, timeout_s: float = 60.0) -> str | None:
+    """Why the reward `spec` names cannot be used (one line), or None: imported and its signature
+    checked in a spawned process, as the workers will, so the user's module never runs here."""
+    try:
+        _Worker(spec, multiprocessing.get_context("spawn"), timeout_s).kill()
+    except RewardLoadError as exc:
+        return str(exc)
+    return None
 
 
 def _worker_main(spec: str, conn: Connection) -> None:
@@ -77,7 +99,8 @@ def _worker_main(spec: str, conn: Connection) -> None:
     try:
         fn = load_reward_fn(spec)
     except BaseException as exc:  # report any import-time failure to the parent, then stop
-        conn.send(("load_error", f"{type(exc).__name__}: {exc}"))
+        conn.send(("load_error", str(exc) if isinstance(exc, RewardLoadError)
+                   else f"cannot load reward {spec!r}: {type(exc).__name__}: {' '.join(str(exc).split())}"))
         return
     conn.send(("ready", None))
     while True:
@@ -101,7 +124,8 @@ class _Worker:
         child.close()
         if not self.conn.poll(start_timeout_s):
             self.kill()
-            raise RewardLoadError(f"reward worker for {spec!r} did not start within {start_timeout_s:.0f}s.")
+            raise RewardLoadError(f"reward worker for {spec!r} did not start within {start_timeout_s:.0f}s: does "
+                                  "importing its module wait on something (a lock, the network)?")
         try:
             kind, message = self.conn.recv()
         except EOFError:
@@ -109,7 +133,7 @@ class _Worker:
             raise RewardLoadError(f"reward worker for {spec!r} died while importing it (exit code {self.process.exitcode}).")
         if kind == "load_error":
             self.kill()
-            raise RewardLoadError(f"cannot load reward {spec!r}: {message}")
+            raise RewardLoadError(message)
 
     def kill(self) -> None:
         self.conn.close()

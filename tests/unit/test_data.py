@@ -129,3 +129,10 @@ def test_sampler_drop_last_and_state_mismatch():
         EpochSampler(7, 2).load_state_dict(sampler.state_dict())
     with pytest.raises(ValueError, match="lower data.batch_size"):
         EpochSampler(2, 3)
+
+
+def test_a_dotted_answer_key_reads_verl_nested_ground_truth():
+    record = {"prompt": "1+1=", "reward_model": {"ground_truth": 2}}
+    (sample,) = prompt_samples([record], PromptTemplate(), answer_key="reward_model.ground_truth")
+    assert sample["ground_truth"] == "2"
+    assert prompt_samples([record], PromptTemplate(), answer_key="reward_model.style")[0]["ground_truth"] is None
