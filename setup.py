@@ -16,6 +16,7 @@ setup(
         "transformers>=4.57",
         "tokenizers",
         "safetensors",
+        "xxhash",  # checkpoint checksums
         "pyyaml",
         "psutil",
         "tqdm",

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -259,8 +260,11 @@ def open_checkpoint(ckpt: str | Path, hf_config: str | Path | None = None) -> So
 def _open_mrl(directory: Path, hf_config: str | Path | None) -> Source:
     try:
         manifest = cd.read_manifest(directory)
+        note = cd.verify_checksums(directory, manifest)  # a flipped bit merges into wrong weights otherwise
     except cd.CheckpointDirError as err:
         raise CheckpointError(str(err)) from None
+    if note:
+        print(note, file=sys.stderr)
     if manifest.get("value_head"):
         raise CheckpointError(f"{directory} is a PPO critic checkpoint (a value head, no LM head): there is no HF causal "
                               "LM to write; merge the actor's checkpoint (the parent of its critic/ directory)")

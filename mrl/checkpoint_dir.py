@@ -3,8 +3,9 @@
 Shared by the trainer's save/resume, `mrl convert` and `mrl-merge`: atomic iteration directories
 (temp dir → fsync → manifest last → rename), the `latest` pointer, resolving a path a user gave
 (`locate` also recognises Megatron-LM's own layout, mrl/megatron_lm_dir.py), validating a manifest
-against the files on disk, pruning old iterations, and the copy of an HF model's non-weight files
-that a checkpoint keeps under hf/.
+against the files on disk (sizes, and xxh3-64 checksums: verify_checksums), pruning old iterations,
+the copy of an HF model's non-weight files that a checkpoint keeps under hf/, and a root's owner
+(run.json: which run writes there, mrl/run_identity.py).
 No torch and no megatron here, so the merge CLI can check a directory before importing either.
 """
 
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import xxhash
+
 from mrl import megatron_lm_dir as mlm
 from mrl.atomic import open_modes
 
@@ -27,6 +30,8 @@ VERSION = 1
 MANIFEST = "mrl_manifest.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
+CHECKSUM = "xxh3_64"  # non-cryptographic: it finds damage (bit flips, torn writes), not tampering
+_READ_CHUNK = 16 << 20
 _ITER = re.compile(r"^iter_(\d{7,})$")
 # Weight files and their indexes: everything else of an HF directory (config, generation config,
 # tokenizer) is what a checkpoint needs to be written back as a loadable HF model.
@@ -67,9 +72,23 @@ def list_files(directory: Path) -> dict[str, int]:
     return sizes
 
 
-def write_manifest(directory: Path, **fields: Any) -> dict:
-    """Write mrl_manifest.json listing every file in `directory` with its size; return it."""
-    manifest = {"format": FORMAT, "version": VERSION, **fields, "files": list_files(directory)}
+def file_checksum(path: str | os.PathLike) -> str:
+    """The file's xxh3-64 digest (hex), read in 16 MiB chunks."""
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path, checksums: dict[str, str] | None = None, **fields: Any) -> dict:
+    """Write mrl_manifest.json listing every file in `directory` with its size and checksum; return
+    it. `checksums` (relative path → digest) are those already computed by the processes that wrote
+    the files; the others are computed here."""
+    files, known = list_files(directory), checksums or {}
+    sums = {name: known.get(name) or file_checksum(Path(directory) / name) for name in files}
+    manifest = {"format": FORMAT, "version": VERSION, **fields, "files": files,
+                "checksums": {"algorithm": CHECKSUM, "files": sums}}
     tmp = Path(directory) / f".{MANIFEST}.tmp"
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
@@ -220,6 +239,26 @@ def check_files_present(directory: Path, files: dict[str, int]) -> None:
             raise CheckpointDirError(
                 f"checkpoint file {path} is truncated or damaged: {actual} bytes, manifest says {size}; restore it"
             )
+
+
+def verify_checksums(directory: str | os.PathLike, manifest: dict) -> str | None:
+    """Check every file against the manifest's checksum; the first that differs is named. Returns a
+    one-line note for a checkpoint written before mrl recorded checksums (sizes checked only)."""
+    directory = Path(directory)
+    recorded = manifest.get("checksums")
+    if recorded is None:
+        return (f"note: {directory} records no checksums (written by an older mrl): its files were checked by "
+                "size only")
+    if recorded.get("algorithm") != CHECKSUM:
+        raise CheckpointDirError(f"{directory / MANIFEST} records {recorded.get('algorithm')!r} checksums; this mrl "
+                                 f"checks {CHECKSUM}: use the mrl release that wrote it")
+    for name, expected in recorded["files"].items():
+        actual = file_checksum(directory / name)
+        if actual != expected:
+            raise CheckpointDirError(
+                f"checkpoint file {directory / name} is damaged: its {CHECKSUM} checksum is {actual}, the manifest "
+                f"says {expected}; restore it from a copy, or resume from an earlier iteration")
+    return None
 
 
 def list_iterations(root: str | os.PathLike) -> list[tuple[int, Path]]:

@@ -9,6 +9,8 @@ Directory mechanics (temporary directory, fsync, manifest last, rename, `latest`
 mrl.checkpoint_dir; rank 0 does them, every rank writes its shards. Async saves snapshot the state
 (a copy in CPU memory) before returning, write in a background thread, and publish (manifest,
 rename, `latest`) only in `wait()`, which every rank calls at the same point (it is collective).
+Each rank checksums the shard files it wrote right after writing them (from the page cache, in
+parallel over ranks); rank 0 gathers the digests into the manifest and hashes the few files left.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ class PendingSave:
     hf_dir: str | None
     thread: threading.Thread | None = None
     error: list = field(default_factory=list)
+    checksums: dict = field(default_factory=dict)  # this rank's shard files → xxh3-64
     done: bool = False
 
     def wait(self, timeout_s: float = WRITE_TIMEOUT_S) -> Path:
@@ -133,9 +136,11 @@ class PendingSave:
             raise RuntimeError(f"checkpoint write to {self.tmp} failed on {failed.item()} rank(s): {self.error[:1]}")
         for finalize in self.request.finalize_fns:  # Megatron's .metadata, written by rank 0
             finalize()
-        torch.distributed.barrier()
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, self.checksums)
         if torch.distributed.get_rank() == 0:
-            _publish(self.tmp, self.target, self.manifest, self.hf_dir)
+            checksums = {name: digest for part in gathered for name, digest in part.items()}
+            _publish(self.tmp, self.target, self.manifest | {"checksums": checksums}, self.hf_dir)
         torch.distributed.barrier()
         self.done = True
         return self.target
@@ -149,6 +154,11 @@ def _publish(tmp: Path, target: Path, manifest: dict, hf_dir: str | None) -> Non
     tmp.rename(target)
     cd._fsync_path(target.parent)
     cd.write_latest(target.parent, target.name)
+
+
+def _rank_checksums(tmp: Path) -> dict[str, str]:
+    """Checksums of the shard files this rank wrote (torch_dist names them __<rank>_<n>.distcp)."""
+    return {path.name: cd.file_checksum(path) for path in tmp.glob(f"__{torch.distributed.get_rank()}_*.distcp")}
 
 
 def _snapshot_buckets(buckets: list) -> list:
@@ -205,6 +215,7 @@ def save_checkpoint(
     def write() -> None:
         try:
             request.async_fn(*args, **request.async_fn_kwargs)
+            pending.checksums = _rank_checksums(tmp)
         except BaseException as err:  # noqa: BLE001 - reported by wait() on every rank
             pending.error.append(repr(err))
 

@@ -144,11 +144,14 @@ def test_async_save_writes_the_same_checkpoint(dense_run):
     async_dir = cd.resolve(dense_run["roots"]["async"])
     sync_manifest, async_manifest = cd.read_manifest(sync_dir), cd.read_manifest(async_dir)
     sync_files, async_files = sync_manifest.pop("files"), async_manifest.pop("files")
-    assert sync_manifest == async_manifest and sorted(sync_files) == sorted(async_files)
+    sync_sums, async_sums = sync_manifest.pop("checksums")["files"], async_manifest.pop("checksums")["files"]
+    assert sync_manifest == async_manifest and sorted(sync_files) == sorted(async_files) == sorted(sync_sums)
     for name in sync_files:
         if name not in (".metadata", cd.MANIFEST):  # .metadata records the directory's own path
-            # Tensor data taken before step 3, although the async write ran during it.
+            # Tensor data taken before step 3, although the async write ran during it; each rank's
+            # checksums of its shards (taken in the write thread) are those of the sync save.
             assert (sync_dir / name).read_bytes() == (async_dir / name).read_bytes(), name
+            assert sync_sums[name] == async_sums[name] == cd.file_checksum(async_dir / name), name
 
 
 @pytest.mark.parametrize("layout", [ParallelLayout(pp=2), ParallelLayout()], ids=["PP2", "TP1xDP2"])

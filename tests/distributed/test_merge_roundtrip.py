@@ -145,10 +145,14 @@ def test_not_a_checkpoint(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def test_missing_and_truncated_distcp(checkpoints, tmp_path, capsys):
+def test_flipped_missing_and_truncated_distcp(checkpoints, tmp_path, capsys):
     root = _copy(checkpoints["qwen3", "TP2"], tmp_path)
     distcp = sorted((root / "iter_0000000").glob("*.distcp"))[0]
     data = distcp.read_bytes()
+    flipped = bytearray(data)
+    flipped[-400:] = bytes(b ^ 0x5A for b in flipped[-400:])  # a few hundred bytes, the size unchanged
+    distcp.write_bytes(bytes(flipped))
+    _fails(capsys, [str(root), "--out", str(tmp_path / "o")], f"{distcp.name} is damaged: its xxh3_64 checksum is")
     distcp.write_bytes(data[: len(data) // 2])
     _fails(capsys, [str(root), "--out", str(tmp_path / "o")], f"{distcp.name} is truncated or damaged")
     distcp.unlink()
