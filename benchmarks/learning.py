@@ -41,8 +41,7 @@ def train_sft(workdir: Path, steps: int | None, extra: list[str]) -> Path:
     from mrl.sft import sft_only
 
     out = workdir / "sft"
-    cfg = load_config(RECIPES["grpo"], [f"trainer.output_dir={out}", f"model.path={workdir / 'model'}",
-                                        f"checkpoint.dir={out / 'checkpoints'}", "checkpoint.export_hf=false"]
+    cfg = load_config(RECIPES["grpo"], [f"trainer.output_dir={out}", "checkpoint.export_hf=false"]
                       + ([f"trainer.sft_steps={steps}"] if steps else []) + extra)
     summary = sft_only(cfg)
     print(f"SFT: {json.dumps(summary.get('sft', summary))}", flush=True)
@@ -58,7 +57,7 @@ def run_rl(mode: str, seed: int, sft: Path, args, workdir: Path) -> dict:
     from mrl.trainer import train
 
     out = workdir / f"{mode}-seed{seed}"
-    overrides = [f"trainer.output_dir={out}", f"model.path={workdir / 'model'}", f"checkpoint.dir={out / 'checkpoints'}",
+    overrides = [f"trainer.output_dir={out}", f"model.path={workdir / 'sft' / 'model'}", "model.tiny=null",
                  f"checkpoint.resume={sft}", "trainer.sft_steps=0", f"trainer.total_steps={args.steps}",
                  f"trainer.eval_every={args.eval_every}", f"rollout.seed={seed}", "checkpoint.export_hf=false",
                  f"trainer.eval_samples={args.eval_samples}",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -28,8 +29,8 @@ def run(repo: Path, workdir: Path, steps: int, overrides: list[str]) -> list[dic
     command = [sys.executable, "-c", "import sys; from mrl.cli import main; sys.exit(main(sys.argv[1:]))",
                "train", "configs/tiny_cpu_grpo.yaml",
                f"trainer.total_steps={steps}", "trainer.sft_steps=0", "trainer.eval_every=0", "trainer.eval_samples=0",
-               "checkpoint.save_every=0", f"trainer.output_dir={out}", f"model.path={workdir / 'model'}",
-               f"checkpoint.dir={out / 'checkpoints'}", *overrides]
+               "checkpoint.export_hf=false", f"trainer.output_dir={out}", *overrides]
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run each time, not a resume of the last one
     subprocess.run(command, cwd=repo, check=True, stdout=subprocess.DEVNULL)
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [m for m in map(json.loads, lines) if "timing_s/sync_weights" in m]

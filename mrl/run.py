@@ -15,14 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mrl.checkpoint_dir import list_iterations, locate, read_latest, resolve
+from mrl.checkpoint_dir import (CheckpointDirError, list_iterations, locate, read_latest, read_manifest, resolve,
+                                verify_checksums)
 from mrl.config import ConfigError, RunConfig, config_to_dict, save_config
 from mrl.config.derived import optim_for
 from mrl.data import EpochSampler, load_splits
 from mrl.inputs import prepare_model, tokenize_samples
 from mrl.launch.cluster import Cluster, start_cluster
-from mrl.rewards import build_reward
+from mrl.rewards import RewardErrorWatch, build_reward
 from mrl.rewards.ahead import ScoresAhead
+from mrl.run_owner import claim, identity, ownership_problem
 
 if TYPE_CHECKING:
     from mrl.modes import GeneratedBatch
@@ -42,6 +44,7 @@ class Run:
     start: int = 0  # the RL step resumed from (0: none)
     rl_start: str | None = None  # the policy checkpoint RL starts from (None: the HF model)
     in_flight: dict | list | None = None  # a resumed checkpoint's generated, untrained batches (GeneratedBatch states)
+    reward_watch: RewardErrorWatch | None = None  # RL: counts failed reward calls, stops a run whose every call fails
 
     @property
     def out(self) -> Path:
@@ -94,15 +97,20 @@ class Run:
 
 
 def open_run(cfg: RunConfig, sft_only: bool = False) -> Run:
-    """Everything before the first step: refuse to overwrite an earlier run, prepare the model and
-    the data, start the workers (no engine for `sft_only`) and, for RL, load what to resume from."""
+    """Everything before the first step: refuse to overwrite an earlier run or to use another's
+    checkpoints, check the checkpoint to resume, prepare the model and the data, start the workers
+    (no engine for `sft_only`) and, for RL, load what to resume from."""
+    ours = identity(config_to_dict(cfg))
+    check_owner(cfg, ours)
     if sft_only:
         refuse_to_overwrite_sft(cfg)
     else:
         refuse_to_overwrite(cfg)
+        check_resume_files(cfg)
     hf_dir, tokenizer = prepare_model(cfg.model, cfg.trainer.seed)
     if not sft_only:
         check_start_checkpoint(cfg, hf_dir)
+    claim(cfg.checkpoint.dir, ours)  # every check passed: this run's checkpoints go there
     train_set, heldout = (tokenize_samples(s, tokenizer) for s in load_splits(cfg.data, cfg.trainer.seed, tokenizer))
     sampler = EpochSampler(len(train_set), cfg.data.batch_size, seed=cfg.trainer.seed)
     save_config(cfg)  # also creates the output directory
@@ -115,6 +123,7 @@ def open_run(cfg: RunConfig, sft_only: bool = False) -> Run:
         raise
     run = Run(cfg, tokenizer, train_set, heldout, sampler, reward, cluster)
     if not sft_only:
+        run.reward_watch = RewardErrorWatch(cfg.reward.max_failing_steps, run.out / "reward_errors.jsonl")
         try:
             run.start, run.rl_start = resume(run)
         except BaseException:
@@ -214,14 +223,46 @@ def starts_fresh(cfg: RunConfig) -> bool:
     return mode == "never" or (mode == "auto" and read_latest(cfg.checkpoint.dir) is None)
 
 
+def check_owner(cfg: RunConfig, ours: dict) -> None:
+    """checkpoint.dir must be this run's (mrl/run_owner.py) or hold no checkpoint. Raises
+    ConfigError naming both runs and the fix."""
+    problem = ownership_problem(cfg.checkpoint.dir, ours)
+    if problem:
+        raise ConfigError([problem])
+
+
+def check_resume_files(cfg: RunConfig) -> None:
+    """The mrl checkpoint a run resumes (and its critic's) whole: every file's checksum checked
+    against its manifest before a worker starts, the damaged file named."""
+    if starts_fresh(cfg):
+        return
+    path = cfg.checkpoint.dir if cfg.checkpoint.resume == "auto" else cfg.checkpoint.resume
+    try:
+        located = locate(path)
+        if located.megatron_lm is not None:
+            return  # Megatron-LM writes no checksums; its metadata is checked by check_start_checkpoint
+        critic = critic_checkpoint(str(located.directory))
+        for directory in [located.directory] + ([critic] if critic.is_dir() else []):
+            note = verify_checksums(directory, read_manifest(directory))
+            if note:
+                print(note, flush=True)
+    except CheckpointDirError as err:
+        raise ConfigError([f"checkpoint.resume: {err}"]) from None
+
+
 def refuse_to_overwrite(cfg: RunConfig) -> None:
-    """A fresh run (resume: never) must not meet an earlier run's checkpoints, nor a fresh run's SFT
-    an earlier SFT checkpoint: it would fail at its save, after the work, or mix two runs in one `latest`."""
-    if cfg.checkpoint.resume == "never" and list_iterations(cfg.checkpoint.dir):
-        raise FileExistsError(
-            f"checkpoint.dir {cfg.checkpoint.dir} already holds checkpoints and checkpoint.resume is 'never': "
-            "resume them (checkpoint.resume=auto), or choose another checkpoint.dir, or remove it"
-        )
+    """A fresh run (resume: never), or one starting from another checkpoint, must not meet this run's
+    checkpoints, nor a fresh run's SFT an earlier SFT checkpoint: it would fail at its save, after
+    the work, or mix two starts in one `latest`."""
+    mode, root = cfg.checkpoint.resume, cfg.checkpoint.dir
+    if mode == "never" and list_iterations(root):
+        raise ConfigError([f"checkpoint.dir {root} already holds checkpoints and checkpoint.resume is 'never': resume "
+                           "them (checkpoint.resume=auto), or choose another trainer.output_dir, or remove them"])
+    if mode not in ("auto", "never") and list_iterations(root) and \
+            not Path(mode).resolve().is_relative_to(Path(root).resolve()):
+        raise ConfigError([f"checkpoint.dir {root} already holds this run's checkpoints, and checkpoint.resume names "
+                           f"another ({mode}): continue this run (checkpoint.resume=auto), or start from {mode} in a "
+                           "new run (another trainer.output_dir)"])
     if starts_fresh(cfg) and cfg.trainer.sft_steps:
         refuse_to_overwrite_sft(cfg)
 
@@ -230,7 +271,6 @@ def refuse_to_overwrite_sft(cfg: RunConfig) -> None:
     """An SFT that would save where an earlier SFT checkpoint lies stops before the work, not after."""
     root = sft_checkpoint_root(cfg)
     if list_iterations(root):
-        raise FileExistsError(
+        raise ConfigError([
             f"{root} already holds an SFT checkpoint: start RL from it (checkpoint.resume={root} "
-            "trainer.sft_steps=0), or choose another checkpoint.dir, or remove it"
-        )
+            "trainer.sft_steps=0), or choose another trainer.output_dir, or remove it"])

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from mrl import algo
+from mrl.checkpoint_dir import iter_name
 from mrl.config import RunConfig, config_to_dict
 from mrl.config.schema import AlgoConfig
 from mrl.config.derived import data_parallel_size, epochs_of, mini_batches
@@ -33,12 +34,25 @@ from mrl.rewards.ahead import ScoresAhead
 from mrl.rollout.engine import SamplingSettings, seeded_per_prompt
 from mrl.rollout_trace import trace_rollouts
 from mrl.run import Run, open_run
+from mrl.stopping import StopRequest
 from mrl.sft import run_sft
 
 
 def train(cfg: RunConfig) -> dict:
-    """Run SFT warm start (if asked), then RL; returns held-out accuracies and where things went."""
+    """Run SFT warm start (if asked), then RL; returns held-out accuracies and where things went.
+    SIGTERM or Ctrl-C during RL ends the run after the step in progress, with a checkpoint
+    (summary["stopped"]; mrl/stopping.py)."""
+    stop = StopRequest()
+    stop.install()
+    try:
+        return _train(cfg, stop)
+    finally:
+        stop.restore()
+
+
+def _train(cfg: RunConfig, stop: StopRequest) -> dict:
     run = open_run(cfg)
+    stop.install()  # ray.init put its own SIGTERM handler in place of ours
     logger = source = None
     try:
         summary = {"resumed_from": run.start, "output_dir": str(run.out)}
@@ -60,6 +74,7 @@ def train(cfg: RunConfig) -> dict:
         if run.start == 0:
             logger.log(0, first)
         source = batch_source(run)  # trainer.mode: where batches come from, when weights go out
+        stop.boundary = True  # from here a signal ends the run at a step boundary, with a checkpoint
         for step in range(run.start + 1, cfg.trainer.total_steps + 1):
             with profiled_step(run, step):  # profile.steps: torch.profiler traces (mrl/profiling.py)
                 metrics = rl_step(step, run, source)
@@ -67,13 +82,16 @@ def train(cfg: RunConfig) -> dict:
                 metrics |= evaluate(run)
                 summary |= accuracies(metrics, "after")
             logger.log(step, metrics)
-            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+            if step == cfg.trainer.total_steps or stop.signum or saves_at(cfg, step):  # the last step, always
                 run.save(step, source.in_flight())
-        if cfg.checkpoint.save_every and cfg.trainer.total_steps % cfg.checkpoint.save_every:
-            run.save(cfg.trainer.total_steps)
+            if stop.signum:
+                summary["stopped"] = {"signal": stop.name, "step": step,
+                                      "checkpoint": str(Path(cfg.checkpoint.dir) / iter_name(step))}
+                break
         for group in run.cluster.trainers():
             group.finish_save()
-        if cfg.checkpoint.export_hf and cfg.checkpoint.save_every:
+        stop.boundary = False
+        if cfg.checkpoint.export_hf and not stop.signum:
             summary.update(export_and_evaluate(run, run.out / "hf"))
     finally:  # also on a failure or Ctrl-C: abandon the generations in flight, then stop every process
         if source is not None:
@@ -87,6 +105,11 @@ def train(cfg: RunConfig) -> dict:
             keys.insert(2, "eval/accuracy_sampled")
         summary["plot"] = str(plot_metrics(run.out / "metrics.jsonl", run.out / "curves.png", keys=keys))
     return summary
+
+
+def saves_at(cfg: RunConfig, step: int) -> bool:
+    """checkpoint.save_every's steps (the last one and a stop are saved whatever it says)."""
+    return bool(cfg.checkpoint.save_every) and step % cfg.checkpoint.save_every == 0
 
 
 def rl_step(step: int, run: Run, source: BatchSource) -> dict:
@@ -128,6 +151,7 @@ def collect(run: Run, generated: GeneratedBatch, metrics: dict) -> Rollout:
         rewards, ahead = reward_results(run.reward, prompts, groups, run.out / "reward_errors.jsonl",
                                         ahead_key=generated.step)
     metrics["reward/scored_ahead"] = float(ahead)
+    metrics.update(run.reward_watch.observe(rewards))  # reward/errors; N steps of nothing but failures stop the run
     scores = torch.tensor([r.score for r in rewards], dtype=torch.float32)
     batch = rollout_batch(groups, scores.tolist())
     metrics.update(rollout_metrics(batch, groups, scores))
@@ -225,10 +249,9 @@ def shape_rewards(batch: dict, scores: torch.Tensor, cfg: RunConfig, metrics: di
             batch["token_level_rewards"], batch["response_mask"], cfg.rollout.max_new_tokens,
             a.overlong.buffer_length, a.overlong.penalty_factor)
         scores = scores + penalty
-    if a.dynamic_sampling:
-        keep = algo.informative_groups(scores, batch["group_ids"])
+    if a.dynamic_sampling:  # the fraction trained: informative groups, cut to whole DP slices
+        keep = _whole_dp_slices(algo.informative_groups(scores, batch["group_ids"]), data_parallel_size(cfg))
         metrics["actor/kept_sample_fraction"] = float(keep.float().mean())
-        keep = _whole_dp_slices(keep, data_parallel_size(cfg))
         if not keep.any():
             return None
         batch = select_rows(batch, keep)

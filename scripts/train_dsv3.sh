@@ -8,7 +8,8 @@
 #
 #   MODEL_PATH  HF checkpoint directory, bf16 weights (default /models/DeepSeek-V3)
 #   DATA_PATH   prompts, .jsonl or .parquet (default /data/dapo-math-17k.jsonl)
-#   CKPT_DIR    torch_dist checkpoints, on storage every node sees (default /checkpoints/dsv3-671b-grpo)
+#   RUN_DIR     the run's output dir (checkpoints, metrics, HF export), on storage every node sees
+#               (default /checkpoints/dsv3-671b-grpo); a rerun with the same RUN_DIR resumes it
 #
 # Layout of the actor: 128 GPUs = TP8 × PP4 × DP4 for attention and dense parts, and
 # EP32 × ETP1 × PP4 for the routed experts (world rank r = 8·node + local GPU):
@@ -56,12 +57,12 @@ fi
 
 MODEL_PATH=${MODEL_PATH:-/models/DeepSeek-V3}
 DATA_PATH=${DATA_PATH:-/data/dapo-math-17k.jsonl}
-CKPT_DIR=${CKPT_DIR:-/checkpoints/dsv3-671b-grpo}
+RUN_DIR=${RUN_DIR:-/checkpoints/dsv3-671b-grpo}
 RECIPE="$(cd "$(dirname "$0")/.." && pwd)/configs/dsv3_671b_grpo.yaml"
 
 exec mrl train "$RECIPE" \
   launch.address="$address" \
   model.path="$MODEL_PATH" \
   data.path="$DATA_PATH" \
-  checkpoint.dir="$CKPT_DIR" \
+  trainer.output_dir="$RUN_DIR" \
   ${args[@]+"${args[@]}"}

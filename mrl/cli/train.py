@@ -2,20 +2,25 @@
 
 Exit 0 when the run finished; 2 when the configuration is wrong (every problem listed, nothing
 started); 1 when the run failed (the error names the rank, engine, stage or tensor involved);
-130 when interrupted (Ctrl-C): the run's actors, engines and, if it started it, Ray are stopped
-first (the loop's finally), then one line says so.
+128 + the signal's number when SIGTERM or Ctrl-C stopped it: during RL after the step in progress,
+with a checkpoint and the command that resumes; otherwise (a second signal, set-up, SFT) at once,
+the run's actors, engines and, if it started it, Ray stopped first, and one line says what was
+saved last.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import signal
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Callable
 
+from mrl.checkpoint_dir import read_latest
 from mrl.config import ConfigError, RunConfig, load_config
 
 
@@ -42,15 +47,29 @@ def _run(prog: str, argv: list[str] | None, job: Callable[[RunConfig], dict]) ->
     except (WorkerGroupError, EngineError, RewardFailedError) as exc:  # a rank, engine or reward failed: one line
         print(f"{prog}: {exc} (traceback: {write_traceback(exc, cfg.trainer.output_dir)})", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as exc:  # Ctrl-C: the run closed everything it started on the way out
-        print(f"{prog}: interrupted (Ctrl-C) after {time.perf_counter() - start:.0f} s; its actors and engines "
-              f"were stopped (the last step logged is in {cfg.trainer.output_dir}/metrics.jsonl; where it was "
-              f"interrupted: {write_traceback(exc, cfg.trainer.output_dir)})", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # a signal that stops at once: the run closed everything it started
+        name = str(exc).split(":")[0] or "SIGINT"
+        latest = read_latest(cfg.checkpoint.dir)
+        saved = f"its last checkpoint is {cfg.checkpoint.dir}/{latest}" if latest else "nothing was saved"
+        print(f"{prog}: stopped at once by {name} after {time.perf_counter() - start:.0f} s, without saving: {saved}; "
+              f"its actors and engines were stopped (where: {write_traceback(exc, cfg.trainer.output_dir)})",
+              file=sys.stderr)
+        return 128 + signal.Signals[name].value
     summary["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(summary, indent=2))
+    if "stopped" in summary:
+        stopped = summary["stopped"]
+        print(f"{prog}: stopped by {stopped['signal']} after RL step {stopped['step']}, saved in "
+              f"{stopped['checkpoint']}; resume with: {prog} {shlex.join(resume_args(args, cfg))}", file=sys.stderr)
+        return 128 + signal.Signals[stopped["signal"]].value
     print(headline(summary))
     return 0
+
+
+def resume_args(args: argparse.Namespace, cfg: RunConfig) -> list[str]:
+    """The command line again, resuming this run's own checkpoints (not a checkpoint.resume PATH)."""
+    overrides = [o for o in args.overrides if not o.startswith("checkpoint.resume=")]
+    return [args.config, *overrides, *([] if cfg.checkpoint.resume == "auto" else ["checkpoint.resume=auto"])]
 
 
 def write_traceback(exc: BaseException, output_dir: str) -> Path:

@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
+from mrl.config.derived import fill_run_paths
 from mrl.config.loading import ConfigError, apply_overrides, build, read_recipe, yaml_key
 from mrl.config.schema import RunConfig
 from mrl.config.validation import validate
@@ -23,6 +24,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), check_files: bo
     errors: list[str] = []
     tree = apply_overrides(read_recipe(path), list(overrides), errors)
     cfg = build(RunConfig, tree, errors)
+    fill_run_paths(cfg)
     errors += validate(cfg, check_files=check_files)
     if errors:
         raise ConfigError(errors, str(path))

@@ -5,10 +5,20 @@ the engine's options), so no two layers can disagree about them."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Literal
 
 from mrl.config.schema import OptimConfig, Recompute, RunConfig
 from mrl.layout import ParallelLayout
+
+
+def fill_run_paths(cfg: RunConfig) -> None:
+    """Paths left empty go under the run's output dir: its checkpoints, and a tiny-zoo model."""
+    out = Path(cfg.trainer.output_dir)
+    if not cfg.checkpoint.dir:
+        cfg.checkpoint.dir = str(out / "checkpoints")
+    if cfg.model.tiny and not cfg.model.path:
+        cfg.model.path = str(out / "model")
 
 
 def layout_of(cfg: RunConfig) -> ParallelLayout:

@@ -27,7 +27,10 @@ class ConfigError(ValueError):
     def __init__(self, errors: list[str], source: str | None = None) -> None:
         self.errors = list(errors)
         where = f" in {source}" if source else ""
-        super().__init__(f"{len(self.errors)} config error(s){where}:\n" + "\n".join(f"  - {e}" for e in self.errors))
+        if len(self.errors) == 1:  # one problem: one line
+            super().__init__(f"config error{where}: {self.errors[0]}")
+        else:
+            super().__init__(f"{len(self.errors)} config errors{where}:\n" + "\n".join(f"  - {e}" for e in self.errors))
 
 
 def read_recipe(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:

@@ -63,6 +63,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("critic.cliprange_value", lambda v: v > 0, "> 0"),
     ("reward.timeout_s", lambda v: v > 0, "> 0"),
     ("reward.workers", lambda v: v >= 1, ">= 1"),
+    ("reward.max_failing_steps", lambda v: v >= 0, ">= 0 (0: never stop)"),
     ("data.batch_size", lambda v: v >= 1, ">= 1"),
     ("data.arithmetic.heldout_fraction", lambda v: 0 < v < 1, "in (0, 1)"),
     ("data.arithmetic.train_size", lambda v: v >= 1, ">= 1"),

@@ -72,7 +72,9 @@ class ModelConfig:
     """The actor (and optional critic) checkpoints, as HuggingFace directories."""
 
     path: str = ""
-    tiny: str | None = None  # a tiny-zoo architecture: written to `path` at start when missing
+    # A tiny-zoo architecture, written at start when missing to `path`, which must then be inside
+    # the run's output dir ("": OUTPUT_DIR/model): a mistyped path is an error, never a random model
+    tiny: str | None = None
     critic_path: str | None = None  # PPO with GAE: the critic's initial trunk (None: `path`)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
@@ -252,6 +254,7 @@ class RewardConfig:
     timeout_s: float = 10.0
     workers: int = 2
     model_path: str | None = None  # for name: reward_model
+    max_failing_steps: int = 3  # stop after N steps in a row whose every reward call failed (0: never)
 
 
 @dataclass
@@ -283,8 +286,8 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = "checkpoints"
-    save_every: int = 0  # steps (0: only at the end)
+    dir: str = ""  # "": OUTPUT_DIR/checkpoints (a run's files live under its output dir)
+    save_every: int = 0  # steps (0: only at the end; the last step is always saved)
     keep_last: int = 2
     export_hf: bool = True  # after training: merge the final checkpoint into OUTPUT_DIR/hf, evaluate it with vLLM
     async_save: bool = False

@@ -233,13 +233,23 @@ def _model_dims(cfg: RunConfig, check_files: bool) -> tuple[ModelDims | None, li
 
         if model.tiny not in TINY_ARCHS:
             return None, [f"model.tiny {model.tiny!r} is not a tiny-zoo architecture; use one of {', '.join(TINY_ARCHS)}."]
-        if not model.path:
-            return None, ["model.tiny needs model.path: the directory the tiny model is written to."]
-        return model_spec_from_hf(tiny_hf_config(model.tiny)).dims, []
-    if not model.path:
+        out = Path(cfg.trainer.output_dir).resolve()
+        if not Path(model.path).resolve().is_relative_to(out):
+            return None, [f"model.path {model.path} is outside the run's output dir {cfg.trainer.output_dir}, and "
+                          f"model.tiny {model.tiny!r} writes its zoo model only inside it: to train the model at "
+                          f"{model.path} set model.tiny=null; for the zoo model leave model.path unset."]
+        if not (Path(model.path) / "config.json").is_file():  # written at start: the zoo's config is the model's
+            return model_spec_from_hf(tiny_hf_config(model.tiny)).dims, []
+        written = json.loads((Path(model.path) / "config.json").read_text()).get("model_type")
+        if written != tiny_hf_config(model.tiny)["model_type"]:
+            return None, [f"model.path {model.path} holds a {written!r} model, not the tiny {model.tiny!r}: set "
+                          "model.tiny=null to train it, or use another trainer.output_dir."]
+    elif not model.path:
         return None, ["model.path is empty: set it to a HuggingFace model directory (or set model.tiny)."]
     if not check_files:
         return None, []
+    if not Path(model.path).exists():
+        return None, [f"model.path {model.path} does not exist: point it at a HuggingFace model directory."]
     if not (Path(model.path) / "config.json").is_file():
         return None, [f"model.path {model.path} has no config.json: point it at a HuggingFace model directory."]
     try:

@@ -93,8 +93,8 @@ class Cluster:
 
     def _away_before_generating(self) -> None:
         """trainer.offload_actor_during_rollout: the engines generate only with the trainers' state
-        away. The push sends it away; a step that trained nothing (dynamic sampling) did not push, and
-        an evaluation before the first push has not either: it leaves here, reported with the next onload."""
+        away. The push sends it away; an evaluation before the first push has not pushed: the state
+        leaves here, reported with the next onload."""
         if self.cfg.trainer.offload_actor_during_rollout and not self.offloaded:
             self._unreported = _added(self._unreported, self._offload(list(OFFLOAD_PARTS), list(OFFLOAD_PARTS)))
 

@@ -116,10 +116,7 @@ def test_fully_async_resume_continues_the_sample_stream_exactly(async_run, tmp_p
     from mrl.rollout_trace import read_traces
 
     tmp, model, overrides = async_run
-    shutil.copytree(tmp / "run_ckpt", tmp_path / "run_ckpt")
-    shutil.rmtree(tmp_path / "run_ckpt" / "iter_0000004")
-    (tmp_path / "run_ckpt" / "latest").write_text("iter_0000002\n")
-    _train(tmp_path, "run", model, *overrides)  # resume: auto finds the step-2 checkpoint
+    _train(tmp_path, "run", model, *overrides, f"checkpoint.resume={tmp / 'run_ckpt' / 'iter_0000002'}")
     original, again = _metrics(tmp / "run"), _metrics(tmp_path / "run")
     assert sorted(again) == [3, 4]
     for step in (3, 4):

@@ -13,15 +13,16 @@ Three runs share one local Ray instance:
   5. GRPO started from a checkpoint written the way Megatron-LM writes one (PP2, torch_dist), in TP2.
   6. GRPO on the demo's DeepSeek-V3 with context parallelism (TP2 × CP2), merged to HF.
   7. trainer.mode one_step_off on one rank: every batch after the first a weight version behind;
-     resumed from its step-2 checkpoint (which holds the batch generated for step 3), it reproduces
-     steps 3 and 4 exactly.
+     run again and stopped by SIGTERM after step 2 or 3, its checkpoint (which holds the batch
+     generated for the next step) resumed by the same command reproduces the steps after exactly.
 A reward model, truncated IS, actor offload and two engines share one run: test_trainer_features.py.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import signal
 import socket
 import textwrap
 import threading
@@ -241,14 +242,10 @@ def test_resume_reproduces_the_uninterrupted_run(dense_run, tmp_path):
     from mrl.trainer import train
 
     tmp, cfg, _ = dense_run
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(tmp / "ckpt", ckpt)
-    for stale in ckpt.glob("iter_0000004"):
-        shutil.rmtree(stale)
-    (ckpt / "latest").write_text("iter_0000002\n")
     reward = cfg.reward.name
-    resumed = load_config(RECIPE, SMALL + [
-        f"trainer.output_dir={tmp_path / 'run'}", f"checkpoint.dir={ckpt}", f"model.path={cfg.model.path}",
+    resumed = load_config(RECIPE, SMALL + [  # another run, started from the first's step 2 on purpose
+        f"trainer.output_dir={tmp_path / 'run'}", f"checkpoint.resume={tmp / 'ckpt' / 'iter_0000002'}",
+        f"model.path={cfg.model.path}",
         "model.tiny=null", "parallel.tp=1", "parallel.pp=2", "parallel.ep=1", f"reward.name={reward}",
     ])
     summary = train(resumed)
@@ -264,7 +261,8 @@ def test_sft_then_grpo_on_moe_with_expert_parallelism(tmp_path, ray_local, capsy
     from mrl.cli.train import sft as sft_command
     from mrl.trainer import train
 
-    cfg = load_config(RECIPE, _overrides(tmp_path, tmp_path / "model", "model.tiny=qwen3_moe", "parallel.tp=1",
+    model = tmp_path / "run" / "model"  # the zoo model, written inside the run's output dir; the later runs train it
+    cfg = load_config(RECIPE, _overrides(tmp_path, model, "model.tiny=qwen3_moe", "parallel.tp=1",
                                          "parallel.ep=2", "trainer.sft_steps=3", "trainer.sft_pack_tokens=24",
                                          "trainer.total_steps=2", "checkpoint.export_hf=true", "algo.kl_coef=0.1"))
     summary = train(cfg)
@@ -276,7 +274,7 @@ def test_sft_then_grpo_on_moe_with_expert_parallelism(tmp_path, ray_local, capsy
     assert first["actor/ppo_kl"] == 0.0 and first["actor/kl_loss"] == 0.0, first
     assert (tmp_path / "ckpt" / "sft" / "latest").read_text().strip() == "iter_0000003"
     # `mrl sft` alone (no engine) writes an SFT checkpoint that RL starts from in a run of its own.
-    sft_only = _overrides(tmp_path / "sft_only", tmp_path / "model", "model.tiny=qwen3_moe", "parallel.tp=1",
+    sft_only = _overrides(tmp_path / "sft_only", model, "model.tiny=null", "parallel.tp=1",
                           "parallel.ep=2", "trainer.sft_steps=3", "trainer.sft_pack_tokens=24")
     assert sft_command([str(RECIPE), *sft_only]) == 0
     lines = capsys.readouterr().out.splitlines()  # the summary's JSON (indented), then the headline
@@ -284,13 +282,13 @@ def test_sft_then_grpo_on_moe_with_expert_parallelism(tmp_path, ray_local, capsy
     assert printed["steps"] == 3 and printed["loss_last"] < printed["loss_first"], printed
     sft_root = tmp_path / "sft_only" / "ckpt" / "sft"
     assert (sft_root / "latest").read_text().strip() == "iter_0000003"
-    again = load_config(RECIPE, _overrides(tmp_path / "again", tmp_path / "model", "model.tiny=qwen3_moe",
+    again = load_config(RECIPE, _overrides(tmp_path / "again", model, "model.tiny=null",
                                            "parallel.tp=1", "parallel.ep=2", "trainer.total_steps=1",
                                            "algo.kl_coef=0.1", f"checkpoint.resume={sft_root}"))
     assert train(again)["resumed_from"] == 0
     restarted = _metrics(tmp_path / "again" / "run")[1]
     assert restarted["actor/kl_loss"] == 0.0 and restarted["actor/lr"] == first["actor/lr"], restarted
-    _merged_is_the_trained_model(summary, tmp_path / "model")
+    _merged_is_the_trained_model(summary, model)
     assert (Path(summary["hf_model"]) / "model.safetensors.index.json").exists()
 
 
@@ -307,7 +305,7 @@ def test_grpo_with_context_parallelism_on_mla_and_moe(tmp_path, ray_local):
 
     reward = tmp_path / "length_reward.py"
     reward.write_text(textwrap.dedent(LENGTH_REWARD))
-    cfg = load_config(RECIPE, _overrides(tmp_path, tmp_path / "model", "parallel.cp=2", "trainer.total_steps=2",
+    cfg = load_config(RECIPE, _overrides(tmp_path, tmp_path / "run" / "model", "parallel.cp=2", "trainer.total_steps=2",
                                          f"reward.name={reward}:score", "checkpoint.export_hf=true",
                                          "sync.parity_every=1"))
     summary = train(cfg)
@@ -318,7 +316,7 @@ def test_grpo_with_context_parallelism_on_mla_and_moe(tmp_path, ray_local):
     gaps = [m["rollout/logprob_abs_diff_max"] for m in metrics.values() if "rollout/logprob_abs_diff_max" in m]
     assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
     assert max(m["rollout/train_logprob_abs_diff_max"] for m in metrics.values()) < 1e-4
-    _merged_is_the_trained_model(summary, tmp_path / "model")
+    _merged_is_the_trained_model(summary, tmp_path / "run" / "model")
 
 
 def _merged_is_the_trained_model(summary: dict, start: Path) -> None:
@@ -361,11 +359,8 @@ def test_ppo_with_a_megatron_critic(tmp_path, tiny_model_dir, ray_local):
         merge(tmp_path / "ckpt" / "critic", tmp_path / "critic_hf")
     assert not (tmp_path / "critic_hf").exists()
     again = tmp_path / "again"
-    shutil.copytree(tmp_path / "ckpt", again / "ckpt")
-    for root in (again / "ckpt", again / "ckpt" / "critic"):
-        shutil.rmtree(root / "iter_0000003")
-        (root / "latest").write_text("iter_0000002\n")
-    train(load_config(PPO_RECIPE, _overrides(again, tiny_model_dir("qwen3"), *ppo)))
+    train(load_config(PPO_RECIPE, _overrides(again, tiny_model_dir("qwen3"), *ppo,
+                                             f"checkpoint.resume={tmp_path / 'ckpt' / 'iter_0000002'}")))
     resumed = _metrics(again / "run")
     assert sorted(resumed) == [3]
     for key in ("critic/vf_loss", "critic/vpred_mean", "critic/grad_norm", "critic/vf_explained_var", "actor/pg_loss",
@@ -459,28 +454,56 @@ def test_one_step_off_trains_each_batch_after_the_first_a_weight_version_behind(
     assert len(prompts) == len(set(prompts)) == 16  # 4 steps × 4 prompts, none trained twice
 
 
-def test_one_step_off_resume_trains_the_saved_batch_and_reproduces_the_run(one_step_off_run, tmp_path):
+@contextmanager
+def _sigterm_after_step(metrics: Path, step: int):
+    """While the block runs, send this process SIGTERM once `metrics` logs `step` (as a scheduler would)."""
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(0.05):
+            rows = metrics.read_text().splitlines() if metrics.exists() else []
+            if any(json.loads(row)["step"] >= step for row in rows):
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def test_sigterm_saves_at_a_step_boundary_and_resume_auto_reproduces_the_run(one_step_off_run, tmp_path):
+    """SIGTERM once step 2 is logged (checkpoint.save_every 0): the run ends after the step in
+    progress with a checkpoint that holds the batch generated for the next step; the same command
+    (resume: auto) continues it, and every step after the stop is the uninterrupted run's."""
     import time
 
     from mrl.rollout_trace import read_traces
     from mrl.trainer import train
 
     tmp, overrides = one_step_off_run
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(tmp / "ckpt", ckpt)
-    shutil.rmtree(ckpt / "iter_0000004")
-    (ckpt / "latest").write_text("iter_0000002\n")
-    cfg = load_config(RECIPE, SMALL + [f"trainer.output_dir={tmp_path / 'run'}", f"checkpoint.dir={ckpt}", *overrides])
+    cfg = load_config(RECIPE, SMALL + [f"trainer.output_dir={tmp_path / 'run'}", "checkpoint.save_every=0",
+                                       *overrides])
+    with _sigterm_after_step(tmp_path / "run" / "metrics.jsonl", 2):
+        stopped = train(cfg)["stopped"]
+    at = stopped["step"]
+    assert stopped["signal"] == "SIGTERM" and at in (2, 3), stopped
+    assert stopped["checkpoint"] == str(tmp_path / "run" / "checkpoints" / f"iter_{at:07d}")
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == f"iter_{at:07d}"
     started = time.perf_counter()
-    assert train(cfg)["resumed_from"] == 2
+    summary = train(cfg)
+    assert summary["resumed_from"] == at and "stopped" not in summary
     print(f"one_step_off resume: {time.perf_counter() - started:.0f}s")
     original, again = _metrics(tmp / "run"), _metrics(tmp_path / "run")
-    assert sorted(again) == [3, 4]
-    for step in (3, 4):
+    assert sorted(again) == [1, 2, 3, 4]
+    for step in range(at + 1, 5):
         for key in ("critic/score/mean", "actor/ppo_kl", "actor/pg_loss", "actor/grad_norm", "response_length/mean",
                     "rollout/train_logprob_abs_diff_max", "async/staleness_max"):
             assert again[step][key] == original[step][key], (step, key)
     # The same samples, tagged with the same policy: step 3's were generated before the checkpoint.
     fields = ("step", "prompt", "response", "score", "advantage", "policy_step")
-    before = [tuple(r[f] for f in fields) for r in read_traces(tmp / "run") if r["step"] >= 3]
-    assert [tuple(r[f] for f in fields) for r in read_traces(tmp_path / "run")] == before
+    before = [tuple(r[f] for f in fields) for r in read_traces(tmp / "run") if r["step"] > at]
+    assert [tuple(r[f] for f in fields) for r in read_traces(tmp_path / "run") if r["step"] > at] == before

@@ -79,7 +79,7 @@ def test_a_save_between_steps_brings_the_state_back_with_the_engines_asleep():
 
 
 def test_a_generation_without_a_push_before_it_sends_the_state_away_first():
-    """A step that trained nothing (dynamic sampling) pushes nothing: the next generation offloads."""
+    """A generation with no push before it (an evaluation before the first sync) offloads first."""
     cluster, events = _cluster(True)
     cluster.engines.generate_async = lambda prompts, sampling: events.append("generate")
     cluster.generate_async([[1]], None)

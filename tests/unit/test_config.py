@@ -337,7 +337,7 @@ def test_missing_files(tmp_path):
                        "checkpoint.resume=/nope/ckpt", f"model.critic_path={tmp_path}")
     assert errors == [
         "reward.name: reward file /nope/r.py not found (from '/nope/r.py:score'): check the path.",
-        "model.path /models/DeepSeek-V3 has no config.json: point it at a HuggingFace model directory.",
+        "model.path /models/DeepSeek-V3 does not exist: point it at a HuggingFace model directory.",
         f"model.critic_path {tmp_path} has no config.json: point it at an HF model directory.",
         "data.path /data/dapo-math-17k.jsonl not found: fix the path.",
         "data.heldout_path /nope/held.parquet not found: fix the path.",
@@ -393,7 +393,7 @@ def test_all_errors_are_reported_together():
     with pytest.raises(ConfigError) as info:
         load_config(TINY, ["algo.kl_coeff=1", "parallel.tp=3", "rollout.top_p=0", "data.path=/nope.jsonl"])
     text = str(info.value)
-    assert text.startswith(f"5 config error(s) in {TINY}:\n  - unknown key 'algo.kl_coeff'")
+    assert text.startswith(f"5 config errors in {TINY}:\n  - unknown key 'algo.kl_coeff'")
     for part in ("rollout.top_p must be", "data.synthetic is true and data.path is set", "parallel.tp 3", "/nope.jsonl not found"):
         assert part in text
 

@@ -25,7 +25,8 @@ PPO_ONLY = {"critic/grad_norm", "critic/lr", "critic/skipped", "critic/values_ma
             "critic/vpred_mean", "timing_s/update_critic", "timing_s/values"}
 STEP_METRICS = PPO_ONLY | {
     "actor/entropy", "actor/grad_norm", "actor/lr", "actor/pg_clipfrac", "actor/pg_loss", "actor/ppo_kl",
-    "actor/ratio_max", "actor/ratio_mean", "actor/skipped", "actor/kl_loss", "actor/kept_sample_fraction",
+    "actor/ratio_max", "actor/ratio_mean", "actor/skipped", "actor/kl_loss", "actor/kept_sample_fraction", "actor/empty_step",
+    "reward/errors", "reward/error_fraction",
     "critic/advantages_max", "critic/advantages_mean", "critic/advantages_min", "critic/returns_max",
     "critic/returns_mean", "critic/returns_min", "critic/score/max", "critic/score/mean", "critic/score/min",
     "eval/accuracy", "eval/accuracy_sampled", "perf/throughput", "perf/gen_tokens_per_s", "response_length/clip_ratio",

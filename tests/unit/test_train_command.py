@@ -26,14 +26,14 @@ def test_missing_data_file_is_named(capsys):
 
 def test_an_earlier_sft_checkpoint_is_not_overwritten(tmp_path):
     from mrl import checkpoint_dir as cd
-    from mrl.config import load_config
+    from mrl.config import ConfigError, load_config
     from mrl.run import refuse_to_overwrite
 
     earlier = tmp_path / "ckpt" / "sft" / "iter_0000250"
     earlier.mkdir(parents=True)
     cd.write_manifest(earlier, step=250)
     cfg = load_config(RECIPE, [f"checkpoint.dir={tmp_path / 'ckpt'}"])
-    with pytest.raises(FileExistsError, match=r"already holds an SFT checkpoint: start RL from it \(checkpoint.resume="):
+    with pytest.raises(ConfigError, match=r"already holds an SFT checkpoint: start RL from it \(checkpoint.resume="):
         refuse_to_overwrite(cfg)  # before the SFT runs, not when it saves
     refuse_to_overwrite(load_config(RECIPE, [f"checkpoint.dir={tmp_path / 'ckpt'}", "trainer.sft_steps=0"]))
 
@@ -90,18 +90,30 @@ def test_a_dead_engine_is_one_line_and_exit_1(capsys, tmp_path):
                                        f"exited: …) (traceback: {tmp_path / 'error.log'})\n")
 
 
-def test_ctrl_c_is_one_line_and_exit_130_with_where_it_stopped_in_a_file(capsys, tmp_path):
+def test_a_stop_at_once_is_one_line_naming_what_was_saved_and_where_it_stopped_in_a_file(capsys, tmp_path):
     from mrl.cli.train import _run
 
     def job(cfg):
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt("SIGTERM: stopped at once")
 
     code = _run("mrl train", [RECIPE, f"trainer.output_dir={tmp_path}"], job)
     err = capsys.readouterr().err
-    assert code == 130
-    assert err.startswith("mrl train: interrupted (Ctrl-C) after 0 s; its actors and engines were stopped") and \
-        err.count("\n") == 1, err
+    assert code == 128 + 15
+    assert err.startswith("mrl train: stopped at once by SIGTERM after 0 s, without saving: nothing was saved; its "
+                          "actors and engines were stopped") and err.count("\n") == 1, err
     assert "KeyboardInterrupt" in (tmp_path / "error.log").read_text()
+
+
+def test_a_stop_at_a_step_boundary_names_the_checkpoint_and_the_command_that_resumes(capsys, tmp_path):
+    from mrl.cli.train import _run
+
+    def job(cfg):
+        return {"stopped": {"signal": "SIGTERM", "step": 3, "checkpoint": f"{cfg.checkpoint.dir}/iter_0000003"}}
+
+    code = _run("mrl train", [RECIPE, f"trainer.output_dir={tmp_path}"], job)
+    assert code == 128 + 15
+    assert capsys.readouterr().err == (f"mrl train: stopped by SIGTERM after RL step 3, saved in {tmp_path}/checkpoints/"
+                                       f"iter_0000003; resume with: mrl train {RECIPE} trainer.output_dir={tmp_path}\n")
 
 
 def test_a_legacy_megatron_lm_start_is_refused_before_workers_start(tmp_path, tiny_model_dir, capsys):

@@ -32,7 +32,7 @@ def fake_mrl(tmp_path):
 
 
 def run(args: list[str], path: str, **env: str) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MODEL_PATH", "DATA_PATH", "CKPT_DIR")}
+    base = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MODEL_PATH", "DATA_PATH", "RUN_DIR")}
     return subprocess.run([BASH, str(SCRIPT), *args], env=base | {"PATH": path} | env,
                           capture_output=True, text=True, timeout=30)
 
@@ -61,20 +61,20 @@ def test_runs_mrl_train_with_recipe_and_overrides(fake_mrl):
     assert result.returncode == 0, result.stderr
     assert record.read_text().splitlines() == [
         "train", str(RECIPE), "launch.address=head:6379", "model.path=/models/DeepSeek-V3",
-        "data.path=/data/dapo-math-17k.jsonl", "checkpoint.dir=/checkpoints/dsv3-671b-grpo",
+        "data.path=/data/dapo-math-17k.jsonl", "trainer.output_dir=/checkpoints/dsv3-671b-grpo",
         "rollout.temperature=0.7",
     ]
-    result = run([], path, RAY_ADDRESS="10.0.0.1:6379", MODEL_PATH="/m/v3 bf16", DATA_PATH="/d.jsonl", CKPT_DIR="/c")
+    result = run([], path, RAY_ADDRESS="10.0.0.1:6379", MODEL_PATH="/m/v3 bf16", DATA_PATH="/d.jsonl", RUN_DIR="/c")
     assert result.returncode == 0, result.stderr
     argv = record.read_text().splitlines()
-    assert argv[2:] == ["launch.address=10.0.0.1:6379", "model.path=/m/v3 bf16", "data.path=/d.jsonl", "checkpoint.dir=/c"]
+    assert argv[2:] == ["launch.address=10.0.0.1:6379", "model.path=/m/v3 bf16", "data.path=/d.jsonl", "trainer.output_dir=/c"]
 
 
 def test_script_defaults_are_the_recipe_values():
     """The overrides the script passes are valid keys, and its defaults repeat the recipe's values."""
     cfg = load_config(RECIPE, check_files=False)
     text = SCRIPT.read_text()
-    for default in (cfg.model.path, cfg.data.path, cfg.checkpoint.dir):
+    for default in (cfg.model.path, cfg.data.path, cfg.trainer.output_dir):
         assert f":-{default}}}" in text
-    load_config(RECIPE, ["launch.address=h:6379", "model.path=/m", "data.path=/d.jsonl", "checkpoint.dir=/c"],
+    load_config(RECIPE, ["launch.address=h:6379", "model.path=/m", "data.path=/d.jsonl", "trainer.output_dir=/c"],
                 check_files=False)
