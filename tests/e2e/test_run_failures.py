@@ -6,11 +6,12 @@
      actor is left alive (the other engine neither).
   2. one_step_off (a generation in flight while the step trains), two data-parallel trainer ranks:
      one rank's process is killed → WorkerGroupError naming that rank; no mrl actor is left alive.
-  3. `mrl train` (its own Ray) sent SIGINT mid-run → exits 130 within a bound with a one-line
-     message; the Ray processes it started (gcs, raylet, workers) are gone. Its driver (in
+  3. `mrl train` (its own Ray) sent SIGTERM mid-run (as a scheduler does) → saves after the step
+     in progress and exits 143 within a bound, one line naming the checkpoint and the command that
+     resumes; the Ray processes it started (gcs, raylet, workers) are gone. Its driver (in
      fully_async also the rollouter) SIGKILLed → the engine, the rank and Ray's processes go too.
-  4. `mrl train` on a cluster it joined (launch.address) sent SIGINT mid-run → exits 130, its
-     actors are gone, the cluster keeps running.
+  4. `mrl train` on a cluster it joined (launch.address) sent Ctrl-C (SIGINT to its process group)
+     mid-run → saves, exits 130, its actors are gone, the cluster keeps running.
 
 One mode per failure kind (each run costs an engine start): the engine kill in fully_async (the
 rollouter's chunks queue on the killed engine), the trainer kill in one_step_off.
@@ -206,12 +207,23 @@ def _stop_after_step_1(proc: subprocess.Popen, run_dir: Path, act) -> tuple[str,
     return err, watcher.at, time.monotonic() - watcher.at
 
 
+def _saved_and_said_so(err: str, tmp: Path, signal_name: str) -> None:
+    """One line names the signal, the step's checkpoint (on disk, `latest`) and the resume command."""
+    found = re.search(rf"^mrl train: stopped by {signal_name} after RL step (\d+), saved in (\S+); resume with: "
+                      rf"mrl train {RECIPE} .*trainer.total_steps=200", err, re.M)
+    assert found and "Traceback" not in err, err[-3000:]
+    step, saved = int(found.group(1)), Path(found.group(2))
+    assert step >= 1 and saved == tmp / "ckpt" / f"iter_{step:07d}" and (saved / "mrl_manifest.json").is_file()
+    assert (tmp / "ckpt" / "latest").read_text().strip() == saved.name
+
+
 # driver_killed runs no mrl code (Ray's fate sharing stops the rest) and waits 60 s for Ray's agents:
 # `make test-matrix`.
-@pytest.mark.parametrize("how", ["ctrl_c", pytest.param("driver_killed", marks=pytest.mark.matrix)])
+@pytest.mark.parametrize("how", ["sigterm", pytest.param("driver_killed", marks=pytest.mark.matrix)])
 def test_mrl_train_stopped_mid_run_leaves_no_ray_process(tmp_path, tiny_model_dir, how):
-    """ctrl_c: SIGINT to `mrl train`'s process group (a terminal's Ctrl-C) → exit 130 within a
-    bound, one line on stderr, every Ray process it started gone. driver_killed: SIGKILL of the
+    """sigterm: SIGTERM to `mrl train`'s driver (Kubernetes, Slurm's --signal=B:TERM) → a checkpoint
+    after the step in progress, exit 143 within a bound, one line on stderr naming it and the
+    command that resumes, every Ray process it started gone. driver_killed: SIGKILL of the
     driver alone (in fully_async it is the rollouter: it drives the engines' chunks) → the engines,
     the trainer rank and Ray's own processes go with it (Ray's fate sharing), nothing keeps running."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -227,8 +239,8 @@ def test_mrl_train_stopped_mid_run_leaves_no_ray_process(tmp_path, tiny_model_di
                 names[child.pid] = " ".join(child.cmdline())
             except psutil.Error:
                 names[child.pid] = "?"
-        if how == "ctrl_c":
-            os.killpg(proc.pid, signal.SIGINT)
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
         else:
             proc.kill()
 
@@ -236,12 +248,10 @@ def test_mrl_train_stopped_mid_run_leaves_no_ray_process(tmp_path, tiny_model_di
     print(f"{how} {at - started:.0f}s into the run; exited {took:.1f}s later; stderr tail: {err[-300:]}")
     for name in ("raylet", "gcs_server", "ray::RolloutServer", "ray::MegatronActor"):
         assert any(name in n for n in names.values()), (name, names)
-    if how == "ctrl_c":
-        assert proc.returncode == 130, (proc.returncode, err[-3000:])
-        assert took < 60, f"mrl train took {took:.0f}s to stop after SIGINT"
-        assert re.search(r"^mrl train: interrupted \(Ctrl-C\) after \d+ s; its actors and engines were stopped",
-                         err, re.M), err[-3000:]
-        assert "Traceback" not in err, err[-3000:]
+    if how == "sigterm":
+        assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err[-3000:])
+        assert took < 60, f"mrl train took {took:.0f}s to stop after SIGTERM"
+        _saved_and_said_so(err, tmp_path, "SIGTERM")
     # Ray's agents beside a raylet that died under them (driver_killed) first try to report that
     # to the GCS, dead too, and exit when that times out: they get longer; everything else 30 s.
     agents = [p for p in children if how == "driver_killed" and names[p.pid].startswith(RAY_AGENTS)]
@@ -299,7 +309,7 @@ def test_mrl_train_on_a_joined_cluster_stops_its_own_actors_only(tmp_path, tiny_
 
         err, _, took = _stop_after_step_1(proc, tmp_path / "run", interrupt)
         assert proc.returncode == 130 and took < 60, (proc.returncode, took, err[-3000:])
-        assert re.search(r"^mrl train: interrupted \(Ctrl-C\)", err, re.M) and "Traceback" not in err, err[-3000:]
+        _saved_and_said_so(err, tmp_path, "SIGINT")
         assert len(actors) == 2, [" ".join(p.cmdline())[:60] for p in actors]  # the engine and the trainer rank
         end = time.monotonic() + 30
         while any(_running(p) for p in actors) and time.monotonic() < end:
