@@ -7,7 +7,10 @@ about 3x the weight bytes). For each mode, best of --repeats:
   - async: the time the call blocks the training loop (snapshot + planning) and the time until the
     checkpoint is durable and published (`wait()` returned);
   - plain: every rank writes the same number of bytes as its checkpoint files with write + fsync
-    into the same directory (the disk's limit for this volume of data).
+    into the same directory (the disk's limit for this volume of data);
+  - checksum: each rank hashes (xxh3-64) the shards it wrote, as the save does right after writing
+    them (from the page cache): its share of the sync save; verify: one process checks every file
+    of the checkpoint against its manifest, as merge and a resume do before they read it.
 
     .venv/bin/python benchmarks/checkpoint_save.py [--layers 6] [--repeats 2] [--workdir DIR]
 """
@@ -55,7 +58,8 @@ def _plain_write(directory: Path, nbytes: int, rank: int) -> float:
 
 
 def _bench(rank: int, world: int, hf_dir: str, workdir: str, repeats: int) -> dict:
-    from mrl.megatron.checkpoint import save_checkpoint
+    from mrl import checkpoint_dir as cd
+    from mrl.megatron.checkpoint import _rank_checksums, save_checkpoint
     from mrl.megatron.model import build_model
     from mrl.megatron.parallel import initialize_layout
     from mrl.megatron.training import OptimConfig, lm_micro_batches, make_trainable, train_step
@@ -71,7 +75,7 @@ def _bench(rank: int, world: int, hf_dir: str, workdir: str, repeats: int) -> di
     train_step(trainable, lm_micro_batches(tokens, layout.tp))
     root = Path(workdir) / "ckpt"
     result = {"weight_bytes_rank": weight_bytes, "sync_s": [], "async_block_s": [], "async_durable_s": [],
-              "plain_s": []}
+              "plain_s": [], "checksum_s": [], "verify_s": []}
     step = 0
     for _ in range(repeats):
         step += 1
@@ -79,6 +83,15 @@ def _bench(rank: int, world: int, hf_dir: str, workdir: str, repeats: int) -> di
         start = time.perf_counter()
         save_checkpoint(root, trainable, step=step)
         result["sync_s"].append(time.perf_counter() - start)
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        _rank_checksums(root / f"iter_{step:07d}")
+        result["checksum_s"].append(time.perf_counter() - start)
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            cd.verify_checksums(root / f"iter_{step:07d}", cd.read_manifest(root / f"iter_{step:07d}"))
+        result["verify_s"].append(time.perf_counter() - start)
         step += 1
         torch.distributed.barrier()
         start = time.perf_counter()
@@ -110,13 +123,16 @@ def main() -> None:
     per_rank = run_local(_bench, 2, str(hf_dir), str(workdir), args.repeats, timeout_s=1800)
     total_ckpt = sum(r["checkpoint_bytes_rank"] for r in per_rank)
     worst = {key: min(max(r[key][i] for r in per_rank) for i in range(args.repeats))
-             for key in ("sync_s", "async_block_s", "async_durable_s", "plain_s")}  # slowest rank, best repeat
+             for key in ("sync_s", "async_block_s", "async_durable_s", "plain_s", "checksum_s", "verify_s")}
+    # (the slowest rank, the best repeat)
     summary = {
         "weights_gb": round(sum(r["weight_bytes_rank"] for r in per_rank) / 1e9, 3),
         "checkpoint_gb": round(total_ckpt / 1e9, 3),
         **{k: round(v, 3) for k, v in worst.items()},
         "sync_gb_per_s": round(total_ckpt / 1e9 / worst["sync_s"], 3),
         "plain_gb_per_s": round(total_ckpt / 1e9 / worst["plain_s"], 3),
+        "checksum_share_of_sync_save": round(worst["checksum_s"] / worst["sync_s"], 4),
+        "verify_over_sync_save": round(worst["verify_s"] / worst["sync_s"], 4),
     }
     print(json.dumps(summary))
     shutil.rmtree(workdir / "ckpt", ignore_errors=True)
