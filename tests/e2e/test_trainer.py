@@ -496,6 +496,8 @@ def test_sigterm_saves_at_a_step_boundary_and_resume_auto_reproduces_the_run(one
     started = time.perf_counter()
     summary = train(cfg)
     assert summary["resumed_from"] == at and "stopped" not in summary
+    # save_every 0: the last step is saved all the same
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "iter_0000004"
     print(f"one_step_off resume: {time.perf_counter() - started:.0f}s")
     original, again = _metrics(tmp / "run"), _metrics(tmp_path / "run")
     assert sorted(again) == [1, 2, 3, 4]
