@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from mrl import algo
+from mrl import algo, evaluation
 from mrl.checkpoint_dir import iter_name
 from mrl.config import RunConfig, config_to_dict
 from mrl.config.schema import AlgoConfig
@@ -31,7 +31,7 @@ from mrl.modes import BatchSource, Engines, GeneratedBatch, Prompts, make_source
 from mrl.profiling import profiled_step
 from mrl.rewards import RewardInput, RewardResult
 from mrl.rewards.ahead import ScoresAhead
-from mrl.rollout.engine import SamplingSettings, seeded_per_prompt
+from mrl.rollout.engine import SamplingSettings
 from mrl.rollout_trace import trace_rollouts
 from mrl.run import Run, open_run
 from mrl.stopping import StopRequest
@@ -202,18 +202,11 @@ def batch_source(run: Run) -> BatchSource:
 def sampling_for(cfg: RunConfig, step: int) -> SamplingSettings:
     """The rollout's sampling settings; seeded per step, so a resumed run samples the same (each
     prompt then gets a seed of its own from this one: seeded_per_prompt)."""
-    r = cfg.rollout
-    return SamplingSettings(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_new_tokens,
-                            n=r.n_samples_per_prompt, stop=tuple(r.stop), seed=r.seed * 1_000_003 + step)
+    return evaluation.rollout_settings(cfg.rollout, seed=cfg.rollout.seed * 1_000_003 + step)
 
 
 def greedy_settings(cfg: RunConfig) -> SamplingSettings:
-    return SamplingSettings(temperature=0.0, max_tokens=cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop))
-
-
-def score(reward, prompts: list[dict], groups, error_log: Path | None = None) -> torch.Tensor:
-    """Scores in sample order; failed reward calls (scored 0) are appended to `error_log`."""
-    return torch.tensor([r.score for r in reward_results(reward, prompts, groups, error_log)[0]], dtype=torch.float32)
+    return evaluation.greedy_settings(cfg.rollout)
 
 
 def reward_inputs(prompts: list[dict], groups) -> list[RewardInput]:
@@ -327,29 +320,20 @@ def mean_over_ranks(results: list[dict]) -> dict[str, float]:
 
 
 def evaluate(run: Run, sampled: bool = True) -> dict[str, float | None]:
-    """Held-out accuracy: greedy (`eval/accuracy`) and, with `trainer.eval_samples` N (and
-    `sampled`), the mean over N samples a prompt drawn as the rollout draws them
-    (`eval/accuracy_sampled`: the policy's own expected accuracy, what RL optimises; greedy decoding
-    can stay put while it moves). Every sampled evaluation draws from the same seeds, so two
-    evaluations use the same random numbers and differ by the weights."""
+    """Held-out accuracy (mrl/evaluation.py): greedy (`eval/accuracy`) and, with
+    `trainer.eval_samples` N (and `sampled`), the mean over N samples a prompt drawn as the rollout
+    draws them (`eval/accuracy_sampled`: the policy's own expected accuracy, what RL optimises;
+    greedy decoding can stay put while it moves)."""
     if not run.heldout:
         return {"eval/accuracy": None}
-    metrics = {"eval/accuracy": heldout_accuracy(run, greedy_settings(run.cfg))}
-    if (n := run.cfg.trainer.eval_samples) and sampled:
-        base = replace(sampling_for(run.cfg, step=0), n=n)
-        metrics["eval/accuracy_sampled"] = heldout_accuracy(run, seeded_per_prompt(base, range(len(run.heldout))))
+    n = run.cfg.trainer.eval_samples if sampled else 0
+    summary = evaluation.evaluate(lambda ids, sampling: run.cluster.generate(ids, sampling)[0],
+                                  run.reward.score_batch, run.heldout, greedy_settings(run.cfg),
+                                  replace(sampling_for(run.cfg, step=0), n=n) if n else None)
+    metrics = {"eval/accuracy": summary["greedy"]["accuracy"]}
+    if n:
+        metrics["eval/accuracy_sampled"] = summary["sampled"]["pass@1"]
     return metrics
-
-
-def heldout_accuracy(run: Run, sampling: SamplingSettings | list[SamplingSettings]) -> float:
-    """The run's engines' accuracy on the held-out split with these sampling settings."""
-    groups, _ = run.cluster.generate([p["prompt_ids"] for p in run.heldout], sampling)
-    return share_correct(run, groups)
-
-
-def share_correct(run: Run, groups) -> float:
-    """The share of held-out samples the reward scores >= 1 (correct)."""
-    return float((score(run.reward, run.heldout, groups) >= 1.0).float().mean())
 
 
 def accuracies(metrics: dict, when: str) -> dict[str, float | None]:
@@ -376,6 +360,6 @@ def export_and_evaluate(run: Run, out: Path) -> dict:
         gap = logprob_gap(engine.score(probe), run.cluster.engines.score(probe))["rollout/logprob_abs_diff_max"]
         summary = {"hf_model": str(out), "merged_hf_logprob_gap": gap}
         if run.heldout:
-            groups = engine.generate([p["prompt_ids"] for p in run.heldout], greedy_settings(cfg))
-            summary["accuracy_merged_hf"] = share_correct(run, groups)
+            merged = evaluation.evaluate(engine.generate, run.reward.score_batch, run.heldout, greedy_settings(cfg))
+            summary["accuracy_merged_hf"] = merged["greedy"]["accuracy"]
     return summary

@@ -262,10 +262,10 @@ def test_sft_then_grpo_on_moe_with_expert_parallelism(tmp_path, ray_local, capsy
     from mrl.trainer import train
 
     model = tmp_path / "run" / "model"  # the zoo model, written inside the run's output dir; the later runs train it
-    cfg = load_config(RECIPE, _overrides(tmp_path, model, "model.tiny=qwen3_moe", "parallel.tp=1",
-                                         "parallel.ep=2", "trainer.sft_steps=3", "trainer.sft_pack_tokens=24",
-                                         "trainer.total_steps=2", "checkpoint.export_hf=true", "algo.kl_coef=0.1"))
-    summary = train(cfg)
+    overrides = _overrides(tmp_path, model, "model.tiny=qwen3_moe", "parallel.tp=1", "parallel.ep=2",
+                           "trainer.sft_steps=3", "trainer.sft_pack_tokens=24", "trainer.total_steps=2",
+                           "checkpoint.export_hf=true", "algo.kl_coef=0.1")
+    summary = train(load_config(RECIPE, overrides))
     assert summary["sft"]["steps"] == 3 and summary["sft"]["loss_last"] < summary["sft"]["loss_first"]
     sft_log = [json.loads(line) for line in (tmp_path / "run" / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert len(sft_log) == 3 and all(0 <= row["sft/padding_fraction"] < 1 for row in sft_log), sft_log
@@ -290,6 +290,14 @@ def test_sft_then_grpo_on_moe_with_expert_parallelism(tmp_path, ray_local, capsy
     assert restarted["actor/kl_loss"] == 0.0 and restarted["actor/lr"] == first["actor/lr"], restarted
     _merged_is_the_trained_model(summary, model)
     assert (Path(summary["hf_model"]) / "model.safetensors.index.json").exists()
+    # `mrl eval` of the merged model: the trainer's own evaluation code, so the same greedy accuracy
+    from mrl.cli.eval import main as eval_main
+
+    assert eval_main([str(RECIPE), *overrides, "--model", summary["hf_model"], "--samples", "2",
+                      "--out", str(tmp_path / "eval.json")]) == 0
+    evaluated = json.loads((tmp_path / "eval.json").read_text())
+    assert evaluated["prompts"] == 8 and evaluated["greedy"]["accuracy"] == summary["accuracy_merged_hf"], evaluated
+    assert evaluated["sampled"]["k"] == 2 and 0.0 <= evaluated["sampled"]["maj@2"] <= evaluated["sampled"]["pass@2"]
 
 
 LENGTH_REWARD = """

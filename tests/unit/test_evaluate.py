@@ -1,5 +1,6 @@
-"""The held-out evaluation: greedy accuracy, and with trainer.eval_samples the sampled accuracy
-drawn as the rollout draws (same temperature, one fixed seed every time)."""
+"""The held-out evaluation (mrl/evaluation.py, the trainer's and `mrl eval`'s): greedy accuracy, and
+with trainer.eval_samples the sampled accuracy drawn as the rollout draws (same temperature, one
+fixed seed every time); pass@k, maj@k and per data source."""
 
 from types import SimpleNamespace
 
@@ -56,3 +57,41 @@ def test_sampled_accuracy_is_the_mean_over_every_sample_with_the_rollouts_temper
 def test_no_heldout_set_no_accuracy():
     run = _run(4, [])
     assert evaluate(run) == {"eval/accuracy": None}
+
+
+def test_pass_at_k_majority_at_k_and_per_data_source():
+    from mrl import evaluation
+
+    # prompt 0: 1 of 4 right, the majority wrong; 1: 3 of 4 right; 2: none; 3: 2 of 4, tie → the first answer
+    answers = [["7", "8", "8", "8"], ["5", "5", "5", "6"], ["1", "2", "3", "4"], ["9", "0", "9", "0"]]
+    truths = ["7", "5", "x", "9"]
+    sources = ["gsm", "gsm", "math", "math"]
+
+    def generate(prompt_ids, sampling):
+        if isinstance(sampling, list):  # sampled: per prompt, seeded
+            return [[Generation(p, [1], t, [0.0]) for t in answers[p[0]]] for p in prompt_ids]
+        return [[Generation(p, [1], answers[p[0]][0], [0.0])] for p in prompt_ids]
+
+    samples = [{"prompt": f"p{i}", "prompt_ids": [i], "ground_truth": t, "metadata": {"data_source": src}}
+               for i, (t, src) in enumerate(zip(truths, sources))]
+    score = lambda inputs: [RewardResult(float(s.response == s.ground_truth), {"extracted": s.response})  # noqa: E731
+                            for s in inputs]
+    greedy = evaluation.greedy_settings(SimpleNamespace(max_new_tokens=4, stop=[]))
+    summary = evaluation.evaluate(generate, score, samples, greedy, evaluation.rollout_settings(
+        SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, n_samples_per_prompt=4, stop=[]), 0))
+    assert summary["prompts"] == 4
+    assert summary["greedy"] == {"accuracy": 0.75}  # the first answers: 7, 5, 1, 9
+    assert summary["sampled"] == {"k": 4, "pass@1": 6 / 16, "pass@4": 0.75, "maj@4": 0.5}
+    assert summary["by_source"] == {
+        "gsm": {"greedy": {"accuracy": 1.0}, "sampled": {"k": 4, "pass@1": 4 / 8, "pass@4": 1.0, "maj@4": 0.5}},
+        "math": {"greedy": {"accuracy": 0.5}, "sampled": {"k": 4, "pass@1": 2 / 8, "pass@4": 0.5, "maj@4": 0.5}}}
+
+
+def test_mrl_eval_refuses_a_model_that_is_neither_an_hf_directory_nor_a_checkpoint(tmp_path, capsys):
+    from mrl.cli.eval import main
+
+    (tmp_path / "junk").mkdir()
+    assert main(["configs/tiny_cpu_grpo.yaml", f"trainer.output_dir={tmp_path / 'run'}",
+                 "--model", str(tmp_path / "junk")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--model {tmp_path / 'junk'} is neither an HF directory" in err, err
