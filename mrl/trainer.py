@@ -13,12 +13,14 @@ through typed proxies. Set-up, resume and checkpoints are the run's state (mrl/r
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from mrl import algo, evaluation
+from mrl.atomic import atomic_write
 from mrl.checkpoint_dir import iter_name
 from mrl.config import RunConfig, config_to_dict
 from mrl.config.schema import AlgoConfig
@@ -39,9 +41,9 @@ from mrl.sft import run_sft
 
 
 def train(cfg: RunConfig) -> dict:
-    """Run SFT warm start (if asked), then RL; returns held-out accuracies and where things went.
-    SIGTERM or Ctrl-C during RL ends the run after the step in progress, with a checkpoint
-    (summary["stopped"]; mrl/stopping.py)."""
+    """Run SFT warm start (if asked), then RL; returns held-out accuracies and where things went
+    (also saved as OUTPUT_DIR/summary.json). SIGTERM or Ctrl-C during RL ends the run after the step
+    in progress, with a checkpoint (summary["stopped"]; mrl/stopping.py)."""
     stop = StopRequest()
     stop.install()
     try:
@@ -51,6 +53,7 @@ def train(cfg: RunConfig) -> dict:
 
 
 def _train(cfg: RunConfig, stop: StopRequest) -> dict:
+    started = time.perf_counter()
     run = open_run(cfg)
     stop.install()  # ray.init put its own SIGTERM handler in place of ours
     logger = source = None
@@ -104,6 +107,8 @@ def _train(cfg: RunConfig, stop: StopRequest) -> dict:
         if cfg.trainer.eval_samples:
             keys.insert(2, "eval/accuracy_sampled")
         summary["plot"] = str(plot_metrics(run.out / "metrics.jsonl", run.out / "curves.png", keys=keys))
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    atomic_write(run.out / "summary.json", lambda f: f.write((json.dumps(summary, indent=2) + "\n").encode()))
     return summary
 
 

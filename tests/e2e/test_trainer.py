@@ -141,6 +141,7 @@ def test_grpo_first_step_is_on_policy_and_metrics_are_logged(dense_run):
     (evaluated,) = [row["eval/accuracy"] for row in logged if row["step"] == 0 and "eval/accuracy" in row]
     assert summary["accuracy_before"] == evaluated and (8 * evaluated).is_integer(), (summary, evaluated)
     assert (tmp / "run" / "curves.png").stat().st_size > 0
+    assert json.loads((tmp / "run" / "summary.json").read_text()) == summary  # saved beside the metrics
 
 
 def test_a_failing_or_hanging_reward_scores_zero_and_training_goes_on(dense_run):
