@@ -1,20 +1,21 @@
 """Run metrics: one `MetricsLogger.log(step, metrics)` call feeds every sink of a training run.
 
-Sinks: a console progress bar, metrics.jsonl, TensorBoard, wandb when asked for, and Prometheus
-gauges when a port is given (mrl/prometheus.py). Metric names follow verl's (critic/score/mean,
-actor/ppo_kl, timing_s/step, ...). A resumed run (`resume_step=N`) drops the rows of steps after N
-that the interrupted run logged, so they are not logged twice. `plot_metrics` draws curves.png from
-metrics.jsonl; `timer` measures a phase into timing_s/<name>. The sinks, the names and resuming in
-full: docs/metrics.md.
+Sinks: console progress (a tqdm bar on a terminal, otherwise one plain line per step), metrics.jsonl,
+TensorBoard, wandb when asked for, and Prometheus gauges when a port is given (mrl/prometheus.py).
+Metric names follow verl's (critic/score/mean, actor/ppo_kl, timing_s/step, ...). A resumed run
+(`resume_step=N`) drops the rows of steps after N that the interrupted run logged, so they are not
+logged twice. `plot_metrics` draws curves.png from metrics.jsonl; `timer` measures a phase into
+timing_s/<name>. The sinks, the names and resuming in full: docs/metrics.md.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TextIO
 
 from mrl.atomic import atomic_write
 from mrl.profiling import stage
@@ -22,7 +23,7 @@ from mrl.profiling import stage
 JSONL_NAME = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOT_KEYS = ("critic/score/mean", "response_length/mean", "actor/entropy")
-# Shown beside the progress bar when a step reports them: metric name -> short label.
+# Shown beside the progress bar (or in the step's line) when a step reports them: metric name -> short label.
 CONSOLE_KEYS = {
     "critic/score/mean": "score",
     "actor/ppo_kl": "kl",
@@ -81,6 +82,29 @@ def _scalar(name: str, value: Any) -> float | int | None:
                     f"log floats, ints or one-element tensors")
 
 
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+class _ProgressLines:
+    """Progress where the stream is not a terminal (a log file, CI, a pipe): one plain line per
+    logged step (step/total, CONSOLE_KEYS, seconds per step) instead of a bar redrawn with \\r."""
+
+    def __init__(self, stream: TextIO, desc: str, total: int, initial: int):
+        self.stream, self.desc, self.total = stream, desc, total
+        self._step, self._time = initial, time.perf_counter()
+
+    def show(self, step: int, shown: list[str], values: Mapping[str, float | int]) -> None:
+        now = time.perf_counter()
+        if "timing_s/step" not in values and step > self._step:  # the run did not time its steps: measure
+            shown = shown + [f"s/step {(now - self._time) / (step - self._step):.4g}"]
+        self._step, self._time = max(step, self._step), now
+        print(f"{self.desc} step {step}/{self.total}", *shown, file=self.stream, flush=True)
+
+
 def read_metrics(jsonl_path: str | os.PathLike) -> list[dict]:
     """The rows of a metrics.jsonl; a line cut short (a crash mid-write) is skipped."""
     path = Path(jsonl_path)
@@ -122,7 +146,7 @@ class MetricsLogger:
     def __init__(self, output_dir: str | os.PathLike, total_steps: int, *, jsonl: bool = True,
                  tensorboard: bool = True, wandb: bool = False, wandb_project: str = "mrl",
                  run_name: str | None = None, config: dict | None = None, resume_step: int | None = None,
-                 progress: bool = True, prometheus_port: int | None = None):
+                 progress: bool = True, prometheus_port: int | None = None, progress_stream: TextIO | None = None):
         if not isinstance(total_steps, int) or total_steps < 0:
             raise ValueError(f"total_steps={total_steps!r}; fix: pass the run's number of steps (an int >= 0)")
         if resume_step is not None and (not isinstance(resume_step, int) or resume_step < 0):
@@ -140,7 +164,7 @@ class MetricsLogger:
         # The first step the interrupted run logged but this one logs again (0: a fresh run).
         first_dropped = None if resume_step is None else (resume_step + 1 if resume_step else 0)
         self._closed = False
-        self._jsonl = self._writer = self._wandb_run = self._bar = None
+        self._jsonl = self._writer = self._wandb_run = self._bar = self._lines = None
 
         self.jsonl_path = self.output_dir / JSONL_NAME if jsonl else None
         if self.jsonl_path is not None:
@@ -157,11 +181,16 @@ class MetricsLogger:
         if wandb_module is not None:
             self._wandb_run = wandb_module.init(project=wandb_project, name=self.run_name, config=config,
                                                 dir=str(self.output_dir))
-        if progress:
-            from tqdm.auto import tqdm
+        if progress:  # on progress_stream (default: stderr, where tqdm writes)
+            stream = sys.stderr if progress_stream is None else progress_stream
+            initial = min(resume_step or 0, total_steps)
+            if _is_terminal(stream):
+                from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=min(resume_step or 0, total_steps), desc=self.run_name,
-                             unit="step", dynamic_ncols=True)
+                self._bar = tqdm(total=total_steps, initial=initial, desc=self.run_name, unit="step",
+                                 dynamic_ncols=True, file=stream)
+            else:
+                self._lines = _ProgressLines(stream, self.run_name, total_steps, initial)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:
         """Log the metrics of one step to every sink; returns the values logged (None dropped)."""
@@ -187,8 +216,10 @@ class MetricsLogger:
             self._wandb_run.log(values, step=step)
         if self._prometheus is not None:
             self._prometheus.update(step, values)
+        shown = [f"{label} {values[name]:.4g}" for name, label in CONSOLE_KEYS.items() if name in values]
+        if self._lines is not None:
+            self._lines.show(step, shown, values)
         if self._bar is not None:
-            shown = [f"{label} {values[name]:.4g}" for name, label in CONSOLE_KEYS.items() if name in values]
             self._bar.set_postfix_str(" ".join(shown), refresh=False)
             if step > self._bar.n:
                 self._bar.update(min(step, self.total_steps) - self._bar.n)

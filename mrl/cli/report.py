@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mrl.report import REPORT_NAME, ReportError, write_report
+REPORT_NAME = "report.html"  # mrl.report.REPORT_NAME, named without importing the report's dependencies
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", help="a run's output directory (trainer.output_dir), e.g. runs/tiny-cpu-grpo")
     parser.add_argument("--out", help=f"where to write the page (default: RUN_DIR/{REPORT_NAME})")
     args = parser.parse_args(argv)
+    from mrl.report import ReportError, write_report
+
     try:
         path = write_report(args.run_dir, args.out)
     except ReportError as exc:

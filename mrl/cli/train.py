@@ -101,12 +101,18 @@ def headline(summary: dict) -> str:
 
 
 def train(argv: list[str] | None = None) -> int:
-    from mrl.trainer import train as run_training
+    def run_training(cfg: RunConfig) -> dict:
+        from mrl.trainer import train as run
+
+        return run(cfg)
 
     return _run("mrl train", argv, run_training)
 
 
 def sft(argv: list[str] | None = None) -> int:
-    from mrl.sft import sft_only
+    def sft_only(cfg: RunConfig) -> dict:
+        from mrl.sft import sft_only as run
+
+        return run(cfg)
 
     return _run("mrl sft", argv, sft_only)

@@ -16,11 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mrl.bridge.verify import verify
 from mrl.cli.layout_args import add_layout_arguments, parse_layout
 from mrl.config.schema import DEFAULT_BUCKET_MB
 from mrl.layout import LayoutError
-from mrl.megatron.local_launch import WorkerError
 from mrl.models.registry import UnsupportedModelError
 
 
@@ -49,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --hf (an HF model) or --checkpoint (a Megatron checkpoint)")
     if args.checkpoint and args.rollout:
         parser.error("--rollout checks an HF model's sync (--hf); --checkpoint is not used with it")
+    from mrl.bridge.verify import verify
+    from mrl.megatron.local_launch import WorkerError
+
     try:
         if args.checkpoint:
             summary = verify_checkpoint(args)
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 def verify_checkpoint(args: argparse.Namespace) -> dict:
     """Merge the checkpoint into a temporary HF directory, then verify it in the layout against it."""
     from checkpoints_tools.merge import check_verifiable, merge
+    from mrl.bridge.verify import verify
 
     check_verifiable(args.checkpoint)
     with tempfile.TemporaryDirectory(prefix="mrl-verify-") as tmp:

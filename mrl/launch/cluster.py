@@ -4,6 +4,7 @@ typed proxy (mrl.launch.proxies); and the one operation that joins them, the wei
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -204,13 +205,39 @@ def init_ray(address: str | None, num_cpus: int, num_gpus: int | None = None) ->
     done) when Ray is already running. True: the caller owns Ray and shuts it down."""
     if ray.is_initialized():
         return False
-    if address:
-        ray.init(address=address, log_to_driver=False)
-    else:
-        # "local": a new instance, even where `ray start` left a cluster (alive or dead) that a bare
-        # ray.init() would try to join (Ray's /tmp/ray/ray_current_cluster)
-        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
+    with _without_default_auth_notice():
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            # "local": a new instance, even where `ray start` left a cluster (alive or dead) that a bare
+            # ray.init() would try to join (Ray's /tmp/ray/ray_current_cluster)
+            ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                     log_to_driver=False)
     return True
+
+
+# The logger of Ray's token-authentication set-up (Ray 2.60: ray/_private/authentication/).
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class _DefaultAuthNotice(logging.Filter):
+    """Drops Ray's notice that a new local instance turned token authentication on, as it does by
+    default when RAY_AUTH_MODE is unset ("Token authentication is enabled for this Ray cluster. Set
+    RAY_AUTH_MODE=disabled to opt out."), which every run printed. Nothing else: the warning that
+    authentication is disabled passes, and the authentication itself is Ray's (RAY_AUTH_MODE)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
+@contextmanager
+def _without_default_auth_notice() -> Iterator[None]:
+    notice, logger = _DefaultAuthNotice(), logging.getLogger(RAY_AUTH_LOGGER)
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
 
 
 @contextmanager

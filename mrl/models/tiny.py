@@ -20,11 +20,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from mrl.atomic import open_modes
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported where a model is written, so `mrl tiny-model --help` stays quick
+    import torch
     from tokenizers import Tokenizer
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
@@ -195,6 +194,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
     DeepSeek-V3's e_score_correction_bias (an fp32 buffer) is non-zero so biased routing is tested.
     Parameters are visited in name order, so the draw does not depend on module registration order.
     """
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
@@ -214,6 +215,7 @@ def write_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, force: bool 
     Files: config.json, model.safetensors (fp32, hub-style per-expert keys), generation_config.json,
     tokenizer.json, tokenizer_config.json.
     """
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config_dict = tiny_hf_config(arch)
@@ -304,13 +306,17 @@ def _replace_dir(new: Path, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """`mrl tiny-model --arch ARCH --out DIR [--seed N] [--force] [--fp8]`; returns the exit status."""
     parser = argparse.ArgumentParser(prog="mrl tiny-model", description="Write a tiny random HF model.")
-    parser.add_argument("--arch", required=True, choices=TINY_MODELS)
+    # Help lists the five architectures; the variants (TINY_VARIANTS) serve the parity tests and are
+    # accepted by name without being offered.
+    parser.add_argument("--arch", required=True, metavar="ARCH", help=f"one of {', '.join(TINY_ARCHS)}")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     parser.add_argument("--fp8", action="store_true",
                         help="write the model's FP8 twin (DeepSeek-V3's block-scaled release format)")
     args = parser.parse_args(argv)
+    if args.arch not in TINY_MODELS:
+        parser.error(f"--arch {args.arch!r} is not a tiny architecture; choose one of {', '.join(TINY_ARCHS)}")
     try:
         if args.fp8:
             with tempfile.TemporaryDirectory() as tmp:

@@ -1,5 +1,7 @@
-"""mrl/metrics.py: metrics.jsonl, resume truncation, TensorBoard events, the curves PNG, Timer, errors."""
+"""mrl/metrics.py: metrics.jsonl, resume truncation, TensorBoard events, the curves PNG, Timer, errors,
+console progress (a bar on a terminal, plain lines elsewhere)."""
 
+import io
 import json
 import sys
 
@@ -120,11 +122,33 @@ def test_bad_values_get_a_one_line_error(tmp_path):
         logger.log(1, {})
 
 
-def test_progress_bar_shows_step_and_key_metrics(tmp_path, capsys):
-    with MetricsLogger(tmp_path, 4, jsonl=False, tensorboard=False, resume_step=1) as logger:
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_terminal_shows_step_and_key_metrics(tmp_path):
+    terminal = _Terminal()
+    with MetricsLogger(tmp_path, 4, jsonl=False, tensorboard=False, resume_step=1, progress_stream=terminal) as logger:
         logger.log(2, {"critic/score/mean": 0.5, "actor/ppo_kl": 0.001, "timing_s/step": 2.0})
-    err = capsys.readouterr().err
-    assert "2/4" in err and "score 0.5" in err and "kl 0.001" in err and "s/step 2" in err
+    shown = terminal.getvalue()
+    assert "\r" in shown  # tqdm's bar, redrawn in place
+    assert "2/4" in shown and "score 0.5" in shown and "kl 0.001" in shown and "s/step 2" in shown
+
+
+def test_progress_elsewhere_is_one_plain_line_per_step(tmp_path, capsys):
+    log = io.StringIO()  # a log file, CI, a pipe: not a terminal
+    with MetricsLogger(tmp_path, 4, jsonl=False, tensorboard=False, resume_step=1, run_name="run",
+                       progress_stream=log) as logger:
+        logger.log(2, {"critic/score/mean": 0.5, "actor/ppo_kl": 0.001, "timing_s/step": 2.0})
+        logger.log(3, {"critic/score/mean": 0.75})  # no timing_s/step: the time between the two logs
+        logger.log(4, {"eval/accuracy": 0.25, "timing_s/step": 1.25})
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and len(lines) == 3
+    assert lines[0] == "run step 2/4 score 0.5 kl 0.001 s/step 2"
+    assert lines[1].startswith("run step 3/4 score 0.75 s/step ") and float(lines[1].split()[-1]) >= 0
+    assert lines[2] == "run step 4/4 acc 0.25 s/step 1.25"
+    assert capsys.readouterr() == ("", "")  # the stream given, nothing else
 
 
 def test_timer_records_and_adds_up():
