@@ -1,4 +1,5 @@
-"""What a run directory holds, gathered for the report page: the metric curves grouped into charts,
+"""What a run directory holds, gathered for the report page: the RL and SFT curves grouped into
+charts (a metric constant over the run is listed, not charted), the evaluations, the saved summary,
 the resolved config and the traced samples. Pure reading: nothing in the run directory changes."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import yaml
 from mrl.checkpoint_dir import list_iterations
 from mrl.config import SAVED_NAME as CONFIG_NAME
 from mrl.metrics import JSONL_NAME, read_metrics
+from mrl.report.evaluations import evaluations, read_summary, summary_rows
 from mrl.rollout_trace import read_traces
 
 
@@ -33,6 +35,8 @@ SECTIONS: list[tuple[str, tuple[str, ...]]] = [
     ("Timing", ("timing_s/", "perf/")),
 ]
 OTHER = "Other"
+SFT_DIR = "sft"  # mrl/sft.py logs the warm start's steps to OUTPUT_DIR/sft/metrics.jsonl
+SFT_SECTIONS: list[tuple[str, tuple[str, ...]]] = [("SFT warm start", ("",))]
 STEP_TIME = "timing_s/step"
 REST_OF_STEP = "timing_s/(rest of step)"  # the step's time no timed phase accounts for
 # The loop's phases in the order they run (mrl/trainer.py), stacked bottom to top; others follow.
@@ -50,10 +54,13 @@ NOTES = {
     "rollout/logprob_abs_diff": "the parity gate: |engine - trainer| log-prob on the probe batch, when checked",
     "critic/vf_explained_var": "how much of the returns' variance the critic's values explain",
     "timing_s/phases": "seconds per step by phase, stacked; the line is the whole step",
+    "sft/loss": "next-token loss on the answer tokens",
+    "sft/padding_fraction": "fraction of the batch's tokens that are padding",
 }
 # Families shown first in their section, in this order (the rest follow alphabetically).
-FIRST = ("critic/score", "eval/accuracy", "response_length", "actor/entropy", "actor/ppo_kl", "actor/kl_loss",
-         "actor/pg_loss", "actor/pg_clipfrac", "actor/ratio", "actor/grad_norm", "rollout/train_logprob_abs_diff")
+FIRST = ("sft/loss", "critic/score", "eval/accuracy", "response_length", "actor/entropy", "actor/ppo_kl",
+         "actor/kl_loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/ratio", "actor/grad_norm",
+         "rollout/train_logprob_abs_diff")
 _STAT = re.compile(r"(?:[/_])(mean|max|min)$")
 _STATS = ("mean", "max", "min")
 
@@ -71,21 +78,43 @@ def collect_run(run_dir: str | Path) -> dict[str, Any]:
     if not steps:
         raise ReportError(f"{run / JSONL_NAME} has no step rows yet; fix: report on a run that has logged a step")
     config, config_source = read_config(run)
+    sections, constant = chart_sections(series)
+    sft = sft_curves(run)
+    summary, summary_source = read_summary(run)
     return {
         "run": _run_name(config) or run.resolve().name,
         "path": str(run.resolve()),
         "steps": steps,
         "series": series,
-        "sections": chart_sections(list(series)),
+        "sections": sections,
+        "constant": constant,
+        "sft": sft,
+        "evaluations": _finite(evaluations(steps, series, summary, sft is not None or "sft" in (summary or {}))),
+        "summary": _finite(summary),
+        "summary_rows": _finite(summary_rows(summary)),
+        "summary_source": summary_source,
         "config": config,
         "config_source": config_source,
         "samples": _finite(read_traces(run)),
     }
 
 
-def metric_series(rows: list[dict]) -> tuple[list[int], dict[str, list[float | None]]]:
+def sft_curves(run: Path) -> dict | None:
+    """The SFT warm start's steps, series and charts (its own x axis), or None for a run without one."""
+    path = run / SFT_DIR / JSONL_NAME
+    if not path.is_file():
+        return None
+    steps, series = metric_series(read_metrics(path), rest_of_step=False)
+    if not steps:
+        return None
+    sections, constant = chart_sections(series, SFT_SECTIONS)
+    return {"steps": steps, "series": series, "sections": sections, "constant": constant, "source": str(path)}
+
+
+def metric_series(rows: list[dict], rest_of_step: bool = True) -> tuple[list[int], dict[str, list[float | None]]]:
     """Steps in order and each numeric metric's value at each step (None where not logged); a step
-    logged twice keeps its last row; non-finite values become None (JSON has no NaN)."""
+    logged twice keeps its last row; non-finite values become None (JSON has no NaN). With
+    `rest_of_step`, timing_s/(rest of step): the step's time that no timed phase accounts for."""
     by_step: dict[int, dict] = {}
     for row in rows:
         by_step[row["step"]] = row
@@ -93,7 +122,7 @@ def metric_series(rows: list[dict]) -> tuple[list[int], dict[str, list[float | N
     keys = sorted({k for row in by_step.values() for k, v in row.items() if k != "step" and _number(v)})
     series = {key: [_finite(by_step[s].get(key)) if _number(by_step[s].get(key)) else None for s in steps]
               for key in keys}
-    if STEP_TIME in series:
+    if rest_of_step and STEP_TIME in series:
         series[REST_OF_STEP] = _rest_of_step(series, len(steps))
     return steps, series
 
@@ -107,15 +136,41 @@ def _rest_of_step(series: dict[str, list], count: int) -> list[float | None]:
     return rest
 
 
-def chart_sections(keys: list[str]) -> list[dict]:
-    """The page's sections, each a list of charts: a chart draws one metric family (a name and its
-    _mean/_max/_min or /mean/max/min variants share a scale); timing phases are one stacked chart."""
-    sections: dict[str, list[str]] = {title: [] for title, _ in SECTIONS}
+def chart_sections(series: dict[str, list], layout: list[tuple[str, tuple[str, ...]]] = SECTIONS,
+                   ) -> tuple[list[dict], list[list]]:
+    """The page's sections, each a list of charts, and the [name, value] of each metric constant over
+    the run. A chart draws one metric family (a name and its _mean/_max/_min or /mean/max/min
+    variants share a scale); timing phases are one stacked chart. A chart none of whose curves varies
+    is not drawn: its metrics join the constants (an all-zero async metric of a sync run)."""
+    sections: dict[str, list[str]] = {title: [] for title, _ in layout}
     sections[OTHER] = []
-    for key in keys:
-        title = next((t for t, prefixes in SECTIONS if key.startswith(prefixes)), OTHER)
+    for key in series:
+        title = next((t for t, prefixes in layout if key.startswith(prefixes)), OTHER)
         sections[title].append(key)
-    return [{"title": title, "charts": _charts(members)} for title, members in sections.items() if members]
+    out, constant = [], {}
+    for title, members in sections.items():
+        charts = []
+        for chart in _charts(members):
+            keys = chart["keys"] + ([chart["total"]] if chart["total"] else [])
+            if not any(_varies(series[k]) for k in keys):
+                constant.update((k, _constant_value(series[k])) for k in keys)
+                continue
+            if chart["kind"] == "stack":  # a phase that never took time adds nothing to the stack
+                idle = [k for k in chart["keys"] if not any(series[k])]
+                constant.update((k, _constant_value(series[k])) for k in idle)
+                chart["keys"] = [k for k in chart["keys"] if k not in idle]
+            charts.append(chart)
+        if charts:
+            out.append({"title": title, "charts": charts})
+    return out, [[k, constant[k]] for k in sorted(constant)]
+
+
+def _varies(values: list) -> bool:
+    return len({v for v in values if v is not None}) > 1
+
+
+def _constant_value(values: list) -> float | None:
+    return next((v for v in values if v is not None), None)
 
 
 def _charts(keys: list[str]) -> list[dict]:
@@ -126,7 +181,7 @@ def _charts(keys: list[str]) -> list[dict]:
                        "keys": timing, "total": STEP_TIME if STEP_TIME in keys else None})
     families: dict[str, list[str]] = {}
     for key in keys:
-        if key not in timing and key != STEP_TIME:
+        if key not in timing and (key != STEP_TIME or not timing):  # no phases (SFT): the step is a curve
             families.setdefault(_STAT.sub("", key), []).append(key)
     for family in sorted(families, key=lambda f: (FIRST.index(f) if f in FIRST else len(FIRST), f)):
         members = sorted(families[family], key=_stat_order)
