@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "merge": ("mrl.cli.merge:subcommand", "an mrl or Megatron-LM checkpoint → a HuggingFace directory (= mrl-merge)"),
     "train": ("mrl.cli.train:train", "RL training (SFT warm start when trainer.sft_steps > 0) from a recipe"),
     "sft": ("mrl.cli.train:sft", "supervised fine-tuning only, ending in a checkpoint"),
+    "eval": ("mrl.cli.eval", "score a model or checkpoint on prompts with vLLM: accuracy, pass@k, maj@k"),
     "report": ("mrl.cli.report", "write a run's report: curves, config and traced samples in one HTML page"),
 }
 
