@@ -1,4 +1,2 @@
-"""Checkpoint tools: merge distributed checkpoints into HuggingFace models, convert HF → checkpoint.
-
-Not built yet (see README, "Status"); the package exists so the layout and imports are stable.
-"""
+"""Checkpoint tools: merge distributed checkpoints (mrl's and Megatron-LM's) into HuggingFace
+models, convert HF → checkpoint, FP8 ⇄ plain HF (docs/checkpoints.md)."""

