@@ -77,31 +77,46 @@ def _free_port() -> int:
 
 
 @contextmanager
+def _polling(poll, every_s: float):
+    """While the block runs, call poll() every `every_s` seconds from a thread, until it returns True."""
+    done = threading.Event()
+
+    def loop():
+        while not done.wait(every_s):
+            if poll():
+                return
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+@contextmanager
 def _scraping(port: int, into: Path, every_s: float = 0.5):
     """While the block runs, scrape http://127.0.0.1:PORT/metrics from a thread; write the distinct
     scrapes ({metric: [value, labels]}) to `into` as JSON."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    scrapes, stop = [], threading.Event()
+    scrapes = []
 
-    def scrape_until_stopped():
-        while not stop.wait(every_s):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-                    text = response.read().decode()
-            except OSError:  # not serving yet (set-up) or any more (after the run)
-                continue
-            scrape = {s.name: [s.value, s.labels] for f in text_string_to_metric_families(text) for s in f.samples}
-            if scrape and (not scrapes or scrape != scrapes[-1]):
-                scrapes.append(scrape)
+    def scrape() -> None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                text = response.read().decode()
+        except OSError:  # not serving yet (set-up) or any more (after the run)
+            return
+        found = {s.name: [s.value, s.labels] for f in text_string_to_metric_families(text) for s in f.samples}
+        if found and (not scrapes or found != scrapes[-1]):
+            scrapes.append(found)
 
-    thread = threading.Thread(target=scrape_until_stopped, daemon=True)
-    thread.start()
     try:
-        yield
+        with _polling(scrape, every_s):
+            yield
     finally:
-        stop.set()
-        thread.join()
         into.write_text(json.dumps(scrapes))
 
 
@@ -463,25 +478,16 @@ def test_one_step_off_trains_each_batch_after_the_first_a_weight_version_behind(
     assert len(prompts) == len(set(prompts)) == 16  # 4 steps × 4 prompts, none trained twice
 
 
-@contextmanager
 def _sigterm_after_step(metrics: Path, step: int):
     """While the block runs, send this process SIGTERM once `metrics` logs `step` (as a scheduler would)."""
-    done = threading.Event()
+    def poll() -> bool:
+        rows = metrics.read_text().splitlines() if metrics.exists() else []
+        if any(json.loads(row)["step"] >= step for row in rows):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return True
+        return False
 
-    def watch():
-        while not done.wait(0.05):
-            rows = metrics.read_text().splitlines() if metrics.exists() else []
-            if any(json.loads(row)["step"] >= step for row in rows):
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
+    return _polling(poll, 0.05)
 
 
 def test_sigterm_saves_at_a_step_boundary_and_resume_auto_reproduces_the_run(one_step_off_run, tmp_path):
