@@ -45,7 +45,7 @@ def _check_records(cfg: RunConfig) -> list[str]:
         if answer_why and (key == "path" or cfg.reward.name in NEEDS_ANSWER):
             file_needs.setdefault(data.answer_key, Need(f"data.answer_key: {answer_why}", "add it to every record, or "
                                                         "set data.answer_key to the field that holds the answer"))
-        problem = records_problem(key, path, file_needs)
+        problem = records_problem(key, path, file_needs, PromptTemplate(data.template, data.chat_template))
         if problem:
             errors.append(problem)
     return errors

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
-from mrl.data.prompts import MISSING, field_value
+from mrl.data.prompts import MISSING, DataError, field_value
 
 
 class Need(NamedTuple):
@@ -26,15 +26,16 @@ class _Unreadable(Exception):
     """The file as a whole cannot be read: the message is the rest of the line."""
 
 
-def records_problem(key: str, path: str | Path, needs: dict[str, Need]) -> str | None:
-    """One line naming the first bad record of the prompt file at `path` (data.`key`), or None."""
+def records_problem(key: str, path: str | Path, needs: dict[str, Need], template: Any = None) -> str | None:
+    """One line naming the first bad record of the prompt file at `path` (data.`key`), or None.
+    `template` (a PromptTemplate): chat messages in a record it cannot render are a problem too."""
     path = Path(path)
     unit = "line" if path.suffix == ".jsonl" else "record"
     first, later, count = None, 0, 0
     try:
         for number, record, problem in _jsonl(path) if path.suffix == ".jsonl" else _parquet(path, needs):
             count += 1
-            problem = problem or _record_problem(record, needs)
+            problem = problem or _record_problem(record, needs) or _messages_problem(record, template)
             if problem and first is None:
                 first = f"data.{key} {path} {unit} {number} {problem}"
             elif problem:
@@ -60,6 +61,16 @@ def _record_problem(record: Any, needs: dict[str, Need]) -> str | None:
             return f"has no field {name!r} ({need.why}; its fields: {shown or 'none'}): {need.fix}"
         if value is None:
             return f"has {name!r}: null ({need.why}): {need.fix}"
+    return None
+
+
+def _messages_problem(record: dict, template: Any) -> str | None:
+    if template is None:
+        return None
+    try:
+        template.messages_of(record)
+    except DataError as exc:
+        return str(exc).rstrip(".")
     return None
 
 

@@ -2,7 +2,8 @@
 
 A record is a dict (one jsonl line or one parquet row). The template is a format string with
 {field} placeholders ("Q: {question}\nA:"); with chat=True the formatted text becomes the user turn
-of the tokenizer's chat template, with the assistant turn opened for generation.
+of the tokenizer's chat template, with the assistant turn opened for generation. A template of one
+field holding a list of chat messages (verl's `prompt` column) renders those messages as they are.
 """
 
 from __future__ import annotations
@@ -85,15 +86,32 @@ class PromptTemplate:
                 f"prompt template needs field(s) {missing} that the record lacks (it has {sorted(record)}): "
                 "fix data.template or the data."
             )
-        text = self.template.format(**record)
-        if not self.chat:
-            return text
+        conversation = self.messages_of(record)
+        if conversation is None:
+            text = self.template.format(**record)
+            if not self.chat:
+                return text
+            conversation = [{"role": "user", "content": text}]
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise DataError("data.chat_template=true needs a tokenizer with a chat template; the model's has none.")
-        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
-            {"role": "user", "content": text}
-        ]
+        has_system = any(m.get("role") == "system" for m in conversation)
+        messages = ([{"role": "system", "content": self.system}] if self.system and not has_system else []) + conversation
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def messages_of(self, record: dict[str, Any]) -> list[dict] | None:
+        """The record's chat messages when the template is one field holding them (verl's datasets:
+        "prompt": [{"role": "user", "content": ...}]), else None."""
+        fields = self.fields()
+        if len(fields) != 1 or self.template != "{" + fields[0] + "}":
+            return None
+        value = record[fields[0]]
+        if not (isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                           for m in value)):
+            return None
+        if not self.chat:
+            raise DataError(f"field {fields[0]!r} holds chat messages (verl's format): set data.chat_template: true "
+                            "to render them with the model's chat template.")
+        return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
 def prompt_samples(

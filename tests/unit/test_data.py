@@ -34,6 +34,17 @@ def test_chat_template(tmp_path):
     assert template.render({"question": "1+1"}, tokenizer) == "<system>be brief</system><user>1+1=</user><assistant>"
     with pytest.raises(DataError, match="needs a tokenizer with a chat template"):
         template.render({"question": "1+1"})
+    # verl's datasets: the prompt column holds the messages; its own system message wins
+    verl = {"prompt": [{"role": "system", "content": "think"}, {"role": "user", "content": "2+2="}],
+            "reward_model": {"ground_truth": "4"}}
+    rendered = prompt_samples([verl], PromptTemplate("{prompt}", chat=True, system="be brief"),
+                              "reward_model.ground_truth", tokenizer)
+    assert rendered[0]["prompt"] == "<system>think</system><user>2+2=</user><assistant>"
+    assert rendered[0]["ground_truth"] == "4"
+    assert PromptTemplate("{prompt}", chat=True, system="be brief").render(
+        {"prompt": [{"role": "user", "content": "3+3="}]}, tokenizer) == "<system>be brief</system><user>3+3=</user><assistant>"
+    with pytest.raises(DataError, match="holds chat messages \\(verl's format\\): set data.chat_template: true"):
+        PromptTemplate("{prompt}").render(verl)
 
 
 @pytest.mark.parametrize(

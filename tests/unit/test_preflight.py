@@ -64,6 +64,9 @@ CASES = {
         "data.path {t}/d.parquet record 1 has no field 'answer' (data.answer_key: reward exact_answer compares "
         "responses with it; its fields: prompt): add it to every record, or set data.answer_key to the field that "
         "holds the answer (2 later records have problems too)."),
+    "chat messages without a chat template": (
+        lambda t: data(jsonl(t / "d.jsonl", json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}))),
+        "data.path {t}/d.jsonl line 1 field 'prompt' holds chat messages (verl's format): set data.chat_template: true"),
     "reward syntax error": (rewarded("def score(prompt, response:\n    return 1.0\n"),
                              "reward.name: reward '{t}/r.py:score': {t}/r.py line 1 has a syntax error"),
     "reward import error": (rewarded("import mrl_no_such_pkg_zz\n"),
