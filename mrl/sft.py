@@ -15,6 +15,7 @@ from mrl.data import EpochSampler
 from mrl.experience import packed_sft_batch, sft_batch
 from mrl.metrics import MetricsLogger, timer
 from mrl.run import Run, open_run
+from mrl.stopping import StopRequest
 
 
 def run_sft(run: Run) -> dict:
@@ -56,12 +57,18 @@ def sft_rows(cfg: RunConfig, chosen: list[dict]) -> dict:
 def sft_only(cfg: RunConfig) -> dict:
     """`mrl sft`: SFT on the actor's workers (no rollout engine), then a checkpoint in
     CHECKPOINT_DIR/sft that `mrl train ... checkpoint.resume=CHECKPOINT_DIR/sft trainer.sft_steps=0`
-    starts RL from."""
-    run = open_run(cfg, sft_only=True)
+    starts RL from. SIGTERM or Ctrl-C stops it at once, every process closed (mrl/stopping.py)."""
+    stop = StopRequest()
+    stop.install()
     try:
-        summary = run_sft(run)
-        run.save_sft()
-        summary["checkpoint"] = run.rl_start
+        run = open_run(cfg, sft_only=True)
+        stop.install()  # ray.init put its own SIGTERM handler (sys.exit) in place of ours
+        try:
+            summary = run_sft(run)
+            run.save_sft()
+            summary["checkpoint"] = run.rl_start
+        finally:
+            run.close()
     finally:
-        run.close()
+        stop.restore()
     return summary

@@ -146,3 +146,16 @@ def test_the_resume_command_continues_this_runs_own_checkpoints():
     args = argparse.Namespace(config="r.yaml", overrides=["checkpoint.resume=/other", "algo.kl_coef=0.1"])
     cfg = load_config(DEMO, ["checkpoint.resume=never"], check_files=False)
     assert resume_args(args, cfg) == ["r.yaml", "algo.kl_coef=0.1", "checkpoint.resume=auto"]
+
+
+def test_mrl_sft_stops_at_once_on_sigterm_and_closes_its_workers(monkeypatch):
+    from types import SimpleNamespace
+
+    import mrl.sft as sft
+
+    closed, before = [], signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(sft, "open_run", lambda cfg, sft_only: SimpleNamespace(close=lambda: closed.append(True)))
+    monkeypatch.setattr(sft, "run_sft", lambda run: os.kill(os.getpid(), signal.SIGTERM))
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM: stopped at once"):
+        sft.sft_only(load_config(DEMO, check_files=False))
+    assert closed == [True] and signal.getsignal(signal.SIGTERM) is before
