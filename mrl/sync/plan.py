@@ -10,7 +10,6 @@ full coverage: every element of every loaded engine parameter is written exactly
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
