@@ -58,17 +58,12 @@ def sft_only(cfg: RunConfig) -> dict:
     """`mrl sft`: SFT on the actor's workers (no rollout engine), then a checkpoint in
     CHECKPOINT_DIR/sft that `mrl train ... checkpoint.resume=CHECKPOINT_DIR/sft trainer.sft_steps=0`
     starts RL from. SIGTERM or Ctrl-C stops it at once, every process closed (mrl/stopping.py)."""
-    stop = StopRequest()
-    stop.install()
-    try:
+    with StopRequest():
         run = open_run(cfg, sft_only=True)
-        stop.install()  # ray.init put its own SIGTERM handler (sys.exit) in place of ours
         try:
             summary = run_sft(run)
             run.save_sft()
             summary["checkpoint"] = run.rl_start
         finally:
             run.close()
-    finally:
-        stop.restore()
     return summary

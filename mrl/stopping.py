@@ -4,7 +4,7 @@ Schedulers end jobs with SIGTERM (Slurm, Kubernetes; then SIGKILL after a grace 
 Ctrl-C. While the RL loop runs (`boundary` set), the first signal is recorded and the loop saves
 after the step in progress and ends; a second one stops at once (KeyboardInterrupt: every process
 is stopped, nothing more is saved). Outside the loop (set-up, SFT) the first signal stops at once.
-Ray's driver installs a SIGTERM handler of its own (sys.exit) at ray.init: `install` again after.
+Ray's ray.init installs a SIGTERM handler of its own (sys.exit); mrl's init_ray puts this one back.
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ class StopRequest:
         for signum in SIGNALS:
             previous = signal.signal(signum, self._handle)
             self._previous.setdefault(signum, previous)
+
+    def __enter__(self) -> StopRequest:
+        self.install()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.restore()
 
     def restore(self) -> None:
         for signum, previous in self._previous.items():

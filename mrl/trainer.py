@@ -44,18 +44,13 @@ def train(cfg: RunConfig) -> dict:
     """Run SFT warm start (if asked), then RL; returns held-out accuracies and where things went
     (also saved as OUTPUT_DIR/summary.json). SIGTERM or Ctrl-C during RL ends the run after the step
     in progress, with a checkpoint (summary["stopped"]; mrl/stopping.py)."""
-    stop = StopRequest()
-    stop.install()
-    try:
+    with StopRequest() as stop:
         return _train(cfg, stop)
-    finally:
-        stop.restore()
 
 
 def _train(cfg: RunConfig, stop: StopRequest) -> dict:
     started = time.perf_counter()
     run = open_run(cfg)
-    stop.install()  # ray.init put its own SIGTERM handler in place of ours
     logger = source = None
     try:
         summary = {"resumed_from": run.start, "output_dir": str(run.out)}
@@ -354,12 +349,11 @@ def export_and_evaluate(run: Run, out: Path) -> dict:
     the model a user takes away must be the one that was trained. merged_hf_logprob_gap: the
     largest |log-prob| difference on the parity probe between that engine and the run's (which
     holds the last weights pushed); accuracy_merged_hf: its held-out accuracy."""
-    from checkpoints_tools.merge import merge
+    from checkpoints_tools.merge import DTYPE_NAMES, merge
     from mrl.sync.parity import logprob_gap
 
     cfg = run.cfg
-    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[cfg.model.dtype]
-    merge(cfg.checkpoint.dir, out, dtype=dtype, force=True, progress=False)
+    merge(cfg.checkpoint.dir, out, dtype=DTYPE_NAMES[getattr(torch, cfg.model.dtype)], force=True, progress=False)
     probe = run.cluster.sync.probe
     with one_off_engine(cfg, str(out)) as engine:
         gap = logprob_gap(engine.score(probe), run.cluster.engines.score(probe))["rollout/logprob_abs_diff_max"]

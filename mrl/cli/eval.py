@@ -62,14 +62,15 @@ def model_dir(cfg, model: str | None, stack: ExitStack) -> str:
         return prepare_model(cfg.model, cfg.trainer.seed)[0]
     if (Path(model) / "config.json").is_file():
         return model
+    import torch
+
     from checkpoints_tools.errors import CheckpointError
-    from checkpoints_tools.merge import merge
+    from checkpoints_tools.merge import DTYPE_NAMES, merge
 
     out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mrl-eval-"))) / "hf"
-    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[cfg.model.dtype]
     try:
         config = cfg.model.path if (Path(cfg.model.path) / "config.json").is_file() else None  # Megatron-LM's need one
-        merge(model, out, hf_config=config, dtype=dtype, progress=False)
+        merge(model, out, hf_config=config, dtype=DTYPE_NAMES[getattr(torch, cfg.model.dtype)], progress=False)
     except CheckpointError as err:
         raise ConfigError([f"--model {model} is neither an HF directory (config.json) nor a checkpoint to merge: "
                            f"{err}"]) from None

@@ -5,6 +5,8 @@ typed proxy (mrl.launch.proxies); and the one operation that joins them, the wei
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -205,6 +207,7 @@ def init_ray(address: str | None, num_cpus: int, num_gpus: int | None = None) ->
     done) when Ray is already running. True: the caller owns Ray and shuts it down."""
     if ray.is_initialized():
         return False
+    handler = signal.getsignal(signal.SIGTERM)
     with _without_default_auth_notice():
         if address:
             ray.init(address=address, log_to_driver=False)
@@ -213,6 +216,8 @@ def init_ray(address: str | None, num_cpus: int, num_gpus: int | None = None) ->
             # ray.init() would try to join (Ray's /tmp/ray/ray_current_cluster)
             ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                      log_to_driver=False)
+    if callable(handler) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)  # ray.init replaced the driver's own (mrl/stopping.py) with sys.exit
     return True
 
 
