@@ -2,8 +2,9 @@
 
 Prints, for every pipeline stage of the actor (and critic), the bytes of weights, gradient buffers,
 optimizer state and activations in the update, and beside them a colocated rollout engine's budget
-while it generates; the engine's own weights and KV cache; a verdict per GPU. --search plans every
-TP × PP × EP × ETP layout of the recipe on the GPUs (at its parallel.cp) and ranks those that fit. Only the model's
+while it generates; the engine's own weights and KV cache; a verdict per GPU; the step's estimated
+rollout and update time. --search plans every TP × PP × EP × ETP layout of the recipe on the GPUs
+(at its parallel.cp) and ranks those that fit by estimated step time. Only the model's
 config.json is read (model.path). Exit 0: fits (with --search: some layout fits) and the update
 accepts the recipe's batches; 1: it does not; 2: bad input.
 """
@@ -18,6 +19,7 @@ from mrl.config import ConfigError, load_config
 from mrl.config.loading import apply_overrides, read_recipe
 from mrl.plan import PlanError, Run, model_shape, plan
 from mrl.plan.report import GB, render, to_dict
+from mrl.plan.timing import FLOPS_EFFICIENCY, H100_BANDWIDTH_GBS, H100_BF16_TFLOPS, Gpu, lengths_of, step_time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +30,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPUs in the cluster (default: launch.num_nodes × launch.gpus_per_node)")
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0,
                         help="memory per GPU for tensors, in GB (10^9 bytes; default 80)")
+    parser.add_argument("--gpu-bandwidth-gbs", type=float, default=H100_BANDWIDTH_GBS,
+                        help="memory bandwidth per GPU in GB/s, for the rollout estimate (default: H100 SXM's 3350; "
+                             "H200: 4800)")
+    parser.add_argument("--gpu-tflops", type=float, default=H100_BF16_TFLOPS,
+                        help="peak dense BF16 TFLOPS per GPU (default: H100/H200 SXM's 989)")
+    parser.add_argument("--flops-efficiency", type=float, default=FLOPS_EFFICIENCY,
+                        help=f"fraction of peak FLOPs that prefill and the update reach (default {FLOPS_EFFICIENCY})")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="prompt length to estimate with (default: rollout.max_model_len - the response)")
+    parser.add_argument("--response-tokens", type=int, default=None,
+                        help="response length to estimate with (default: rollout.max_new_tokens)")
     parser.add_argument("--search", action="store_true", help="rank the layouts that fit these GPUs")
     parser.add_argument("--top", type=int, default=10, help="layouts shown by --search")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -35,21 +48,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.gpus is not None and args.gpus < 1:
             raise PlanError(f"--gpus must be >= 1, got {args.gpus}.")
-        if args.gpu_memory_gb <= 0:
-            raise PlanError(f"--gpu-memory-gb must be > 0, got {args.gpu_memory_gb}.")
+        for flag in ("gpu_memory_gb", "gpu_bandwidth_gbs", "gpu_tflops", "flops_efficiency"):
+            if getattr(args, flag) <= 0:
+                raise PlanError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}.")
+        if args.flops_efficiency > 1:
+            raise PlanError(f"--flops-efficiency is a fraction of peak: give at most 1, got {args.flops_efficiency}.")
+        gpu = Gpu(args.gpu_bandwidth_gbs * GB, args.gpu_tflops * 1e12, args.flops_efficiency)
         cfg = load_config(args.config, args.overrides + _cluster_overrides(args), check_files=False)
         shape = model_shape(cfg.model.path, cfg.model.tiny)
         gpu_bytes = int(args.gpu_memory_gb * GB)
         if args.search:
-            return _search(cfg, shape, args, gpu_bytes)
+            return _search(cfg, shape, args, gpu_bytes, gpu)
         result = plan(shape, Run.of(cfg, shape, args.gpus), gpu_bytes)
+        run = result.run
+        lengths = lengths_of(run.max_model_len, run.max_new_tokens, args.prompt_tokens, args.response_tokens)
+        step = step_time(result, lengths, gpu)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
     except PlanError as exc:
         print(f"mrl plan: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(to_dict(result), indent=2) if args.json else render(result))
+    print(json.dumps(to_dict(result, step), indent=2) if args.json else render(result, step, lengths, gpu))
     return 0 if result.fits and not result.run.problems else 1
 
 
@@ -72,17 +92,17 @@ def _cluster_overrides(args: argparse.Namespace) -> list[str]:
     return [f"launch.num_nodes={args.gpus // node}"]
 
 
-def _search(cfg, shape, args, gpu_bytes: int) -> int:
+def _search(cfg, shape, args, gpu_bytes: int, gpu: Gpu) -> int:
     from mrl.plan.search import render as render_search
     from mrl.plan.search import search
 
     gpus = args.gpus or cfg.launch.num_nodes * cfg.launch.gpus_per_node
     if gpus < 1:
         raise PlanError("the recipe is a CPU run (launch.gpus_per_node 0): give the cluster's size with --gpus N.")
-    result = search(cfg, shape, gpus, gpu_bytes)
+    result = search(cfg, shape, gpus, gpu_bytes, gpu, (args.prompt_tokens, args.response_tokens))
     if args.json:
         print(json.dumps({"engine_tp": result.engine_tp, "problems": list(result.problems),
-                          "fits": [to_dict(p) for p in result.fits[: args.top]],
+                          "fits": [to_dict(p, t) for p, t in zip(result.fits[: args.top], result.times)],
                           "rejected": [dict(layout=r.layout.describe(), reason=r.reason, shortfall=r.shortfall)
                                        for r in result.rejected]}, indent=2))
     else:

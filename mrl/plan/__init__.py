@@ -1,10 +1,10 @@
 """`mrl plan`: per-GPU memory of a recipe (actor and critic per pipeline stage, rollout engine),
 computed from Megatron's and vLLM's own rules and checked against meta-device builds and measured
-activations; and a search over layouts that fit.
+activations; an estimate of a step's time; and a search over layouts that fit, fastest first.
 
 shapes (model sizes, pipeline chunks) → params (each rank's tensors) → ddp (buffers, optimizer
 shards) and activations (saved tensors) and rollout (engine) → memory (phases, verdict) →
-search, report.
+timing (rollout roofline, update proxy) → search, report.
 """
 
 from mrl.plan.memory import Plan, Run, plan

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mrl.config.derived import layout_of, recompute_of
+from mrl.config.derived import epochs_of, layout_of, recompute_of
 from mrl.config.schema import Recompute, RunConfig
 from mrl.layout import LayoutError, ModelDims, ParallelLayout
 from mrl.plan.activations import F32, MicroBatch, stage_activations
@@ -56,6 +56,9 @@ class Run:
     recompute: Recompute = Recompute()
     offload_actor: bool = False  # trainer.offload_actor_during_rollout
     engines: int = 1  # rollout.num_engines, each engine_tp GPUs (a GPU is in one engine at most)
+    max_new_tokens: int = 1024  # rollout.max_new_tokens: the longest response (mrl.plan.timing)
+    ppo_epochs: int = 1  # the update's passes over the batch (trainer.ppo_epochs)
+    critic_epochs: int = 1
 
     @property
     def dp(self) -> int:
@@ -99,6 +102,7 @@ class Run:
             transformer_impl=cfg.model.transformer_impl, split_problems=split, budget_problems=tuple(budget),
             optimizer_on_gpu=1.0 - cfg.optim.offload_fraction, recompute=recompute_of(cfg),
             offload_actor=cfg.trainer.offload_actor_during_rollout and not separate, engines=r.num_engines,
+            max_new_tokens=r.max_new_tokens, ppo_epochs=epochs_of(cfg, "actor"), critic_epochs=epochs_of(cfg, "critic"),
         )
 
     @property
@@ -184,7 +188,11 @@ class EnginePlan:
     def concurrent_sequences(self) -> int:
         """Full-length sequences whose KV cache fits at once (an upper bound: vLLM's activations
         and CUDA graphs come out of the same budget)."""
-        return max(0, self.kv_space // (self.kv_per_token * self.max_model_len))
+        return self.concurrency(self.max_model_len)
+
+    def concurrency(self, tokens: int) -> int:
+        """Sequences of `tokens` tokens whose KV cache fits at once."""
+        return max(0, self.kv_space // (self.kv_per_token * tokens))
 
     @property
     def fits(self) -> bool:

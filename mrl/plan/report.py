@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from mrl.plan.memory import Plan, StagePlan
+from mrl.plan.rollout import kv_bytes_per_token
+from mrl.plan.timing import CROWDED, Gpu, Lengths, RolloutTime, StepTime, lengths_of, pipeline_bubble
 
 GB = 10**9
 
@@ -135,8 +137,50 @@ def notes(plan: Plan) -> list[str]:
     return lines
 
 
-def render(plan: Plan) -> str:
-    lines = header(plan) + ["", table(plan), ""] + engine_lines(plan) + notes(plan)
+def duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1000:.3g} ms"
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    return f"{seconds / 60:.3g} min" if seconds < 7200 else f"{seconds / 3600:.3g} h"
+
+
+def time_lines(plan: Plan, step: StepTime, lengths: Lengths, gpu: Gpu) -> list[str]:
+    """The step's estimated time (mrl.plan.timing) and, when an engine holds far fewer sequences
+    at once than the step asks of it, a warning naming the fixes."""
+    run, r = plan.run, step.rollout
+    longest = " (the longest the recipe allows)" if lengths == lengths_of(run.max_model_len, run.max_new_tokens) else ""
+    basis = (f"  (a lower bound: decode at {gpu.bandwidth / GB:g} GB/s per GPU, prefill and update at "
+             f"{gpu.efficiency:g} × {gpu.flops / 1e12:g} TFLOPS; no communication; docs/plan.md#rollout-time)")
+    if r is None:
+        return [f"rollout time: none (the engine holds no {lengths.total}-token sequence)", basis]
+    bubble = pipeline_bubble(run.layout.pp, run.micro_batches)
+    lines = [f"rollout time, estimated: {r.sequences} sequences per engine of {lengths.prompt} + {lengths.response} "
+             f"tokens{longest}, {r.concurrency} at once: {r.waves} wave{'s' if r.waves > 1 else ''}, prefill "
+             f"{duration(r.prefill_s)} + decode {duration(r.decode_s)} = {duration(r.seconds)} per step",
+             f"update time, a FLOPs proxy: {duration(step.update_s)} (pipeline bubble {bubble:.3f}); "
+             f"step ≈ {duration(step.seconds)} (rollout, then update)", basis]
+    return lines + ([crowding_warning(plan, r)] if r.crowded else [])
+
+
+def crowding_warning(plan: Plan, r: RolloutTime) -> str:
+    e, run = plan.engine, plan.run
+    replicated = e.tp > 1 and e.kv_per_token * e.tp > kv_bytes_per_token(plan.shape, 1, run.engine_dtype)
+    more = ("more, smaller engines (the KV cache is replicated on the engine's GPUs: MLA's latent, or fewer KV heads "
+            "than TP; a smaller rollout.tensor_parallel_size with more rollout.num_engines holds more sequences in all)"
+            if replicated else "more GPUs for the engines (rollout.num_engines; launch.rollout_gpus when placed apart)")
+    return (f"warning: each engine holds {r.concurrency} of the {r.sequences} sequences a step asks of it at once "
+            f"(under 1/{CROWDED}): {r.waves} waves, {duration(r.seconds)}. Fixes: {more}; more KV memory "
+            "(rollout.gpu_memory_utilization; rollout.quantization: fp8 halves the engine's weights); an FP8 KV cache "
+            "(vLLM's kv_cache_dtype fp8, no mrl setting yet); shorter sequences (rollout.max_model_len, "
+            "rollout.max_new_tokens).")
+
+
+def render(plan: Plan, step: StepTime | None = None, lengths: Lengths | None = None, gpu: Gpu | None = None) -> str:
+    lines = header(plan) + ["", table(plan), ""] + engine_lines(plan)
+    if step is not None:
+        lines += time_lines(plan, step, lengths, gpu)
+    lines += notes(plan)
     lines += [f"problem: {p}" for p in plan.run.problems]
     if not plan.fits:
         lines.append("verdict: does not fit")
@@ -145,8 +189,13 @@ def render(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def to_dict(plan: Plan) -> dict[str, Any]:
+def to_dict(plan: Plan, step: StepTime | None = None) -> dict[str, Any]:
     run, layout, e = plan.run, plan.run.layout, plan.engine
+    r = step.rollout if step else None
+    time = None if step is None else dict(
+        update_s=step.update_s, step_s=step.seconds if r else None,
+        rollout=r and dict(sequences_per_engine=r.sequences, concurrency=r.concurrency, waves=r.waves,
+                           prefill_s=r.prefill_s, decode_s=r.decode_s, seconds=r.seconds, crowded=r.crowded))
     return {
         "fits": plan.fits,
         "gpu_bytes": plan.gpu_bytes,
@@ -164,4 +213,5 @@ def to_dict(plan: Plan) -> dict[str, Any]:
                        kv_space=e.kv_space, concurrent_sequences=e.concurrent_sequences, sequences=e.sequences,
                        fits=e.fits, dtype=run.engine_dtype, quantization=run.quantization),
         "problems": list(run.problems),
+        "time": time,
     }

@@ -30,16 +30,18 @@ QUANTIZATIONS = (None, "fp8")
 @dataclass(frozen=True)
 class EngineWeights:
     """Parameters per engine GPU: `linear` are quantizable (projections, MLPs, experts), `other`
-    stay in the model dtype (embedding, head, norms, router); `mla_copy` is MLA's bf16 copy."""
+    stay in the model dtype (embedding, head, norms, router); `mla_copy` is MLA's bf16 copy;
+    `routed` the routed experts' part of `linear` (a decode step reads only the experts it uses)."""
 
     linear: int
     other: int
     mla_copy: int
+    routed: int
 
 
 def engine_parameters(shape: ModelShape, tp: int) -> EngineWeights:
     h = shape.hidden
-    linear = other = mla_copy = 0
+    linear = other = mla_copy = routed = 0
     for layer in range(shape.layers):
         other += 2 * h  # input and post-attention norms
         attn_linear, attn_other, copy = _attention(shape, tp)
@@ -49,12 +51,14 @@ def engine_parameters(shape: ModelShape, tp: int) -> EngineWeights:
         if shape.is_moe_layer(layer):
             moe = shape.moe
             other += moe.experts * h + (moe.experts if moe.score == "sigmoid" else 0)  # router (+ its bias)
-            linear += moe.experts * 3 * h * moe.ffn // tp + 3 * h * moe.shared_ffn // tp
+            experts = moe.experts * 3 * h * moe.ffn // tp
+            linear += experts + 3 * h * moe.shared_ffn // tp
+            routed += experts
         else:
             linear += 3 * h * shape.ffn // tp
     vocab_rows = math.ceil(math.ceil(shape.vocab / VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING / tp)
     other += vocab_rows * h * (1 if shape.tied else 2) + h  # embedding, head, final norm
-    return EngineWeights(linear, other, mla_copy)
+    return EngineWeights(linear, other, mla_copy, routed)
 
 
 def _attention(shape: ModelShape, tp: int) -> tuple[int, int, int]:

@@ -1,15 +1,15 @@
 """Layouts of a recipe that fit a GPU count: every TP × PP × EP × ETP the model and world allow,
-planned, the fitting ones ranked, the others with the reason they do not fit.
+planned, the fitting ones ranked by estimated step time, the others with the reason they do not fit.
 
-Ranking, best first: the fewest pipeline bubbles ((PP-1)/(M+PP-1) of a 1F1B step with M
-micro-batches per DP rank, Narayanan et al. 2021), then the most data parallelism, then the most
-free memory on the tightest GPU. TP stays within a node (NVLink); a pipeline that does not divide
-the layers evenly gives its last stage the remainder, as the DeepSeek-V3 recipe does (16+16+16+13).
-The rollout engine's TP is chosen first (it does not depend on the actor's layout): the smallest
-power of two whose engine fits, preferring one node. Not searched: VPP (the recipe's own is
-dropped), uneven first stages, micro-batch sizes, the rollout settings, and context parallelism:
-the recipe's parallel.cp is kept in every layout (CP trades data parallelism for activation memory
-and adds an all-gather of K and V per layer, which this ranking does not weigh).
+The rollout engines are chosen first (they do not depend on the actor's layout): at each TP, as
+many engines as fill the rollout GPUs; the one with the shortest estimated rollout (mrl.plan.timing)
+wins, within one node if any fits there (the estimate has no term for all-reduces between nodes).
+Layouts rank by that rollout plus the update's FLOPs proxy, which among layouts differs only by
+the pipeline bubble; then the most data parallelism, then the most free memory on the tightest
+GPU. TP stays within a node; a pipeline that does not divide the layers evenly gives its last stage
+the remainder (16+16+16+13). Not searched: VPP, uneven first stages, micro-batch sizes, the
+rollout's lengths, dtype and memory share, and context parallelism (the recipe's parallel.cp is
+kept: it trades data parallelism for activation memory, which this ranking does not weigh).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 from mrl.config.schema import RunConfig
 from mrl.layout import ParallelLayout
 from mrl.plan.memory import EnginePlan, Plan, Run, engine_plan, plan
-from mrl.plan.report import gb
+from mrl.plan.report import duration, gb
 from mrl.plan.shapes import ModelShape, PlanError
+from mrl.plan.timing import Gpu, Lengths, RolloutTime, StepTime, engine_rollout, lengths_of, pipeline_bubble, step_time
 
 
 @dataclass
@@ -32,17 +33,28 @@ class Rejected:
 
 
 @dataclass
+class EngineOption:
+    engine: EnginePlan
+    count: int  # engines of this TP that fill the rollout GPUs
+    rollout: RolloutTime | None  # None: not one sequence fits
+
+
+@dataclass
 class SearchResult:
-    engine_tp: int
-    engines: list[EnginePlan]  # one per engine TP tried
+    engine: EngineOption  # the chosen engines
+    engines: list[EngineOption]  # one per engine TP tried
     fits: list[Plan]
+    times: list[StepTime]  # times[i]: fits[i]'s estimate
     rejected: list[Rejected]
     problems: tuple[str, ...]  # the recipe's own, whatever the layout (a token budget too small)
 
+    @property
+    def engine_tp(self) -> int:
+        return self.engine.engine.tp
+
 
 def bubble(p: Plan) -> float:
-    pp, m = p.run.layout.pp, p.run.micro_batches
-    return (pp - 1) / (m + pp - 1)
+    return pipeline_bubble(p.run.layout.pp, p.run.micro_batches)
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -75,30 +87,45 @@ def _split(layers: int, pp: int) -> tuple[bool, int | None]:
     return last >= 1, last
 
 
-def _with_layout(cfg: RunConfig, layout: ParallelLayout, engine_tp: int) -> RunConfig:
+def _with_layout(cfg: RunConfig, layout: ParallelLayout, engine: EngineOption) -> RunConfig:
     parallel = replace(cfg.parallel, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp, vpp=None,
                        first_stage_layers=None, last_stage_layers=layout.last_stage_layers)
-    return replace(cfg, parallel=parallel, rollout=replace(cfg.rollout, tensor_parallel_size=engine_tp))
+    rollout = replace(cfg.rollout, tensor_parallel_size=engine.engine.tp, num_engines=engine.count)
+    return replace(cfg, parallel=parallel, rollout=rollout)
 
 
-def _engine_choice(cfg: RunConfig, shape: ModelShape, gpus: int, gpu_bytes: int, node: int) -> tuple[int, list[EnginePlan]]:
-    """The engine at every TP that divides the heads and the rollout GPUs; the chosen TP: the
-    smallest that fits within a node, else the smallest that fits, else the configured one."""
+def _engine_choice(cfg: RunConfig, shape: ModelShape, gpus: int, gpu_bytes: int, node: int, lengths: Lengths,
+                   gpu: Gpu) -> tuple[EngineOption, list[EngineOption]]:
+    """The engines at every TP that divides the heads and the rollout GPUs, as many as fill them;
+    the chosen: the shortest estimated rollout within a node, else overall (then the smaller TP);
+    when none holds a sequence, the recipe's own."""
+    r = cfg.rollout
     rollout_gpus = cfg.launch.rollout_gpus if cfg.launch.placement == "separate" else gpus
-    tried = [engine_plan(shape, cfg, tp, gpu_bytes) for tp in _powers_of_two(rollout_gpus) if shape.heads % tp == 0]
-    fitting = [e.tp for e in tried if e.fits]
-    chosen = min((t for t in fitting if t <= node), default=min(fitting, default=cfg.rollout.tensor_parallel_size))
-    return chosen, tried
+    tried = []
+    for tp in _powers_of_two(rollout_gpus):
+        if shape.heads % tp == 0:
+            engine, count = engine_plan(shape, cfg, tp, gpu_bytes), rollout_gpus // tp
+            tried.append(EngineOption(engine, count, engine_rollout(shape, engine, r.dtype, r.quantization, count,
+                                                                    lengths, gpu, gpu_bytes)))
+    fitting = sorted((o for o in tried if o.engine.fits and o.rollout),
+                     key=lambda o: (o.engine.tp > node, o.rollout.seconds, o.engine.tp))
+    if fitting:
+        return fitting[0], tried
+    own = engine_plan(shape, cfg, r.tensor_parallel_size, gpu_bytes)
+    return EngineOption(own, r.num_engines, None), tried
 
 
-def search(cfg: RunConfig, shape: ModelShape, gpus: int, gpu_bytes: int) -> SearchResult:
+def search(cfg: RunConfig, shape: ModelShape, gpus: int, gpu_bytes: int, gpu: Gpu,
+           lengths: tuple[int | None, int | None] = (None, None)) -> SearchResult:
+    """`lengths`: the prompt and response tokens to estimate with (None: the longest the recipe allows)."""
     node = cfg.launch.gpus_per_node or 8
-    engine_tp, engines = _engine_choice(cfg, shape, gpus, gpu_bytes, node)
+    planned = lengths_of(cfg.rollout.max_model_len, cfg.rollout.max_new_tokens, *lengths)
+    engine, engines = _engine_choice(cfg, shape, gpus, gpu_bytes, node, planned, gpu)
     world = cfg.parallel.world_size or gpus - (cfg.launch.rollout_gpus if cfg.launch.placement == "separate" else 0)
     fits, rejected = [], []
     for layout in layouts(shape, world, node, cfg.parallel.cp):
         try:
-            p = plan(shape, Run.of(_with_layout(cfg, layout, engine_tp), shape, gpus), gpu_bytes)
+            p = plan(shape, Run.of(_with_layout(cfg, layout, engine), shape, gpus), gpu_bytes)
         except PlanError as exc:
             rejected.append(Rejected(layout, str(exc)))
             continue
@@ -108,10 +135,11 @@ def search(cfg: RunConfig, shape: ModelShape, gpus: int, gpu_bytes: int) -> Sear
             fits.append(p)
         else:
             rejected.append(Rejected(layout, _why(p), -p.margin if p.margin < 0 else None, p))
-    fits.sort(key=lambda p: (bubble(p), -p.run.dp, -p.margin))
+    ranked = sorted(((p, step_time(p, planned, gpu)) for p in fits), key=lambda pt: (pt[1].seconds, -pt[0].run.dp,
+                                                                                       -pt[0].margin))
     rejected.sort(key=lambda r: (r.shortfall is None, r.shortfall or 0))
     problems = next((p.run.budget_problems for p in fits + [r.plan for r in rejected if r.plan]), ())
-    return SearchResult(engine_tp, engines, fits, rejected, problems)
+    return SearchResult(engine, engines, [p for p, _ in ranked], [t for _, t in ranked], rejected, problems)
 
 
 def _why(p: Plan) -> str:
@@ -126,18 +154,24 @@ def _why(p: Plan) -> str:
 
 
 def render(result: SearchResult, top: int = 10) -> str:
-    lines = ["rollout engine options:", "| engine TP | weights GB/GPU | KV space GB/GPU | full-length sequences at once | fits |",
-             "|---|---|---|---|---|"]
-    for e in result.engines:
-        lines.append(f"| {e.tp} | {gb(e.weights)} | {gb(max(e.kv_space, 0))} | {e.concurrent_sequences} | "
+    lines = ["rollout engine options (as many engines as fill the rollout GPUs):",
+             "| engine TP | engines | weights GB/GPU | KV space GB/GPU | sequences at once per engine | waves | "
+             "rollout (estimate) | fits |", "|---|---|---|---|---|---|---|---|"]
+    for o in result.engines:
+        e, r = o.engine, o.rollout
+        lines.append(f"| {e.tp} | {o.count} | {gb(e.weights)} | {gb(max(e.kv_space, 0))} | "
+                     f"{r.concurrency if r else 0} | {r.waves if r else '-'} | {duration(r.seconds) if r else '-'} | "
                      f"{'yes' if e.fits else 'no'} |")
-    lines.append(f"chosen: TP{result.engine_tp}\n")
+    lines.append(f"chosen: {result.engine.count} TP{result.engine_tp} engine{'s' if result.engine.count > 1 else ''}\n")
     lines += [f"problem (every layout): {p}" for p in result.problems] + ([""] if result.problems else [])
     if result.fits:
-        lines += [f"{len(result.fits)} layouts fit; the best {min(top, len(result.fits))}:",
-                  "| layout | DP | micro-batches | bubble | tightest GPU free GB |", "|---|---|---|---|---|"]
-        lines += [f"| {p.run.layout.describe()} | {p.run.dp} | {p.run.micro_batches} | {bubble(p):.3f} | {gb(p.margin)} |"
-                  for p in result.fits[:top]]
+        lines += [f"{len(result.fits)} layouts fit; the fastest {min(top, len(result.fits))} (estimated step: "
+                  "rollout, then the update's FLOPs proxy):",
+                  "| layout | DP | micro-batches | bubble | update (proxy) | step (estimate) | tightest GPU free GB |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {p.run.layout.describe()} | {p.run.dp} | {p.run.micro_batches} | {bubble(p):.3f} | "
+                  f"{duration(t.update_s)} | {duration(t.seconds)} | {gb(p.margin)} |"
+                  for p, t in zip(result.fits[:top], result.times)]
     else:
         lines.append("no layout fits.")
     lines += ["", f"{len(result.rejected)} layouts do not fit; the nearest {min(top, len(result.rejected))}:",
