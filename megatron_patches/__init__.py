@@ -33,6 +33,7 @@ PATCH_MODULES = (
     "cpu_hybrid_optimizer",
     "checkpoint_without_te",
     "mla_rope_key_gradient",
+    "router_replay_fallback",
 )
 
 _applied: set[str] = set()

@@ -8,16 +8,20 @@ Layout (B sequences, every row right-padded with PAD_ID to the longest one, L + 
   group_ids           long  [B]       index of the prompt a sample answers (GRPO, RLOO groups)
   sample_ids          long  [B]       the row's place in the step's sample order (kept through select_rows,
                                       so the rollout trace finds each row's generation after dynamic sampling)
+  routes    uint8|int16 [B, L, M, K]  (MoE, when the samples carry routes: mrl.routes) expert ids per input
+                                      position tokens[:, t] and MoE layer, 0 past a row's routes
+  routes_len          long  [B]       positions with a route: len(prompt) + len(response) - 1
 Per-token tensors are aligned to the labels, so position t scores tokens[:, t+1] given tokens[:, :t+1].
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from mrl.rollout.engine import Generation
+from mrl.routes import ROUTES_KEY, RouteShape
 
 PAD_ID = 0  # causal attention: trailing padding never influences the real tokens before it
 
@@ -39,8 +43,10 @@ def _rows(prompts: Sequence[list[int]], responses: Sequence[list[int]]) -> tuple
     return tokens, mask
 
 
-def rollout_batch(groups: Sequence[Sequence[Generation]], scores: Sequence[float]) -> dict[str, torch.Tensor]:
-    """The batch of `groups` (one list of samples per prompt) with `scores` in sample order."""
+def rollout_batch(groups: Sequence[Sequence[Generation]], scores: Sequence[float],
+                  route_shape: RouteShape | None = None) -> dict[str, torch.Tensor]:
+    """The batch of `groups` (one list of samples per prompt) with `scores` in sample order; with
+    `route_shape` (the model's: MoE routes captured by the engine) every sample's routes, checked."""
     samples = [g for group in groups for g in group]
     if len(samples) != len(scores):
         raise ValueError(f"{len(scores)} scores for {len(samples)} samples")
@@ -53,8 +59,29 @@ def rollout_batch(groups: Sequence[Sequence[Generation]], scores: Sequence[float
             rewards[index, start + len(sample.token_ids) - 1] = scores[index]
             logprobs[index, start : start + len(sample.logprobs)] = torch.tensor(sample.logprobs)
     group_ids = torch.tensor([g for g, group in enumerate(groups) for _ in group])
-    return {"tokens": tokens, "response_mask": mask, "token_level_rewards": rewards,
-            "rollout_logprobs": logprobs, "group_ids": group_ids, "sample_ids": torch.arange(len(samples))}
+    batch = {"tokens": tokens, "response_mask": mask, "token_level_rewards": rewards,
+             "rollout_logprobs": logprobs, "group_ids": group_ids, "sample_ids": torch.arange(len(samples))}
+    if route_shape is not None:
+        batch.update(route_rows(samples, mask.shape[1], route_shape))
+    return batch
+
+
+def sample_routes(sample: Any) -> Any:
+    """A sample's routes (ROUTES_KEY, an attribute or a dict entry), or None."""
+    return sample.get(ROUTES_KEY) if isinstance(sample, dict) else getattr(sample, ROUTES_KEY, None)
+
+
+def route_rows(samples: Sequence[Generation], width: int, shape: RouteShape) -> dict[str, torch.Tensor]:
+    """"routes" [B, width, M, K] and "routes_len" [B] of the samples, each checked against the
+    contract first (mrl.routes.check_routes: the sample, MoE layer and token of a bad route named)."""
+    routes = torch.zeros(len(samples), width, shape.layers, shape.top_k, dtype=shape.torch_dtype)
+    lengths = torch.zeros(len(samples), dtype=torch.long)
+    for index, sample in enumerate(samples):
+        tokens = len(sample.prompt_ids) + len(sample.token_ids) - 1
+        checked = shape.check(sample_routes(sample), tokens=tokens, sample=index)
+        routes[index, :tokens] = torch.from_numpy(checked.astype(routes.numpy().dtype, copy=False))
+        lengths[index] = tokens
+    return {"routes": routes, "routes_len": lengths}
 
 
 def sft_batch(prompts: Sequence[list[int]], targets: Sequence[list[int]]) -> dict[str, torch.Tensor]:
@@ -122,9 +149,11 @@ def split_rows(batch: dict[str, torch.Tensor], parts: int, multiple: int) -> lis
 
 def actor_inputs(batch: dict[str, torch.Tensor], rollout_logprobs: bool = False) -> dict[str, torch.Tensor]:
     """What the actor workers need of a batch (nothing the driver alone uses crosses to them); the
-    engine's log-probs only with `rollout_logprobs` (an off-policy correction or decoupled PPO)."""
+    engine's log-probs only with `rollout_logprobs` (an off-policy correction or decoupled PPO); MoE
+    routes when the batch has them (mrl.megatron.router_replay)."""
     keys = ("tokens", "response_mask", "advantages", "old_logprobs", "ref_logprobs")
-    return _pick(batch, keys + (("rollout_logprobs",) if rollout_logprobs else ()))
+    routes = ("routes", "routes_len", "sample_ids") if "routes" in batch else ()  # sample_ids name a bad route
+    return _pick(batch, keys + routes + (("rollout_logprobs",) if rollout_logprobs else ()))
 
 
 def critic_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -11,7 +11,8 @@ trainer's own top-k equals them. Pure numpy and torch. Replay itself: docs/routi
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +30,25 @@ def route_dtype(n_experts: int) -> np.dtype:
     if n_experts <= np.iinfo(np.int16).max + 1:
         return np.dtype(np.int16)
     raise ValueError(f"{n_experts} experts do not fit the route contract's int16 ids (at most 32768)")
+
+
+@dataclass(frozen=True)
+class RouteShape:
+    """A model's routes per token: `layers` MoE layers × `top_k` ids in [0, n_experts)."""
+
+    layers: int
+    top_k: int
+    n_experts: int
+
+    def check(self, routes: Any, tokens: int, sample: Any) -> np.ndarray:
+        """check_routes against this shape."""
+        return check_routes(routes, tokens=tokens, layers=self.layers, top_k=self.top_k,
+                            n_experts=self.n_experts, sample=sample)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """route_dtype as a torch dtype (uint8 or int16)."""
+        return torch.from_numpy(np.zeros(0, route_dtype(self.n_experts))).dtype
 
 
 def _as_numpy(routes: Any) -> np.ndarray:

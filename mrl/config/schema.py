@@ -203,6 +203,10 @@ class AlgoConfig:
     rollout_icepop_high: float | None = None  # icepop: upper bound, >= 1 (None: 5.0)
     # policy_loss decoupled_ppo (AReaL): tokens whose weight π_old/μ exceeds this are dropped, > 1 (None: no cap)
     behav_imp_weight_cap: float | None = None
+    # MoE routing replay (mrl/megatron/router_replay.py): none; R2: the trainer's routes of the
+    # old-log-prob pass replayed in the updates; R3: the engine's routes replayed in the old-log-prob,
+    # reference and update passes. Routing-agreement metrics come whenever samples carry routes.
+    router_replay: Literal["none", "R2", "R3"] = "none"
 
     def __post_init__(self) -> None:
         if self.aggregation is None:  # GSPO must not silently train with another loss's aggregation

@@ -28,6 +28,7 @@ def validate(cfg: RunConfig, check_files: bool = True) -> list[str]:
     errors += model_errors
     errors += _check_layout(cfg, dims)
     errors += _check_recompute(cfg, dims)
+    errors += _check_router_replay(cfg, dims)
     errors += _check_fp8(cfg, check_files)
     errors += _check_sync_apply(cfg, check_files)
     errors += _check_rollout_quantization(cfg)
@@ -350,6 +351,15 @@ def _check_mini_batch(cfg: RunConfig, dp: int) -> list[str]:
         return [f"trainer.ppo_mini_batch_size {size} × rollout.n_samples_per_prompt {n} = {size * n} sequences do not "
                 f"split over {dp} data-parallel ranks: make the product a multiple of the data-parallel size."]
     return []
+
+
+def _check_router_replay(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
+    """Routing replay replays MoE routers' choices: a dense model has none."""
+    mode = cfg.algo.router_replay
+    if mode == "none" or dims is None or dims.num_experts:
+        return []
+    return [f"algo.router_replay {mode} replays MoE routing, but the model is dense (no experts): "
+            "set algo.router_replay: none."]
 
 
 def _check_recompute(cfg: RunConfig, dims: ModelDims | None) -> list[str]:

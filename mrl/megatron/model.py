@@ -149,6 +149,8 @@ def transformer_config(spec: ModelSpec, layout: ParallelLayout, params_dtype: to
         **recompute_options(recompute),
         **fp8_options(fp8),
     )
+    if spec.num_experts:  # every router gets a RouterReplay; idle (upstream routing) until a pass sets it
+        kwargs["moe_enable_routing_replay"] = True  # mrl.megatron.router_replay
     return (MLATransformerConfig if spec.mla else TransformerConfig)(**kwargs)
 
 

@@ -17,6 +17,7 @@ import torch
 from mrl.megatron.context_parallel import gather_outputs, local_positions, release_mask, split_micro_batch
 from mrl.megatron.model import BuiltModel
 from mrl.megatron.parallel import from_last_stage
+from mrl.megatron.router_replay import RoutePass, RoutePlan, fit_routes, route_pass
 from mrl.megatron.training import LossFn, Trainable, attention_mask, lm_loss, train_step
 from mrl.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 
@@ -38,6 +39,8 @@ from mrl.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_l
 #   values        float [B, L]    (critic update; from compute_values)
 #   returns       float [B, L]    (critic update; the GAE targets)
 #   segments      float [B, L]    (packed SFT rows; the sequence of each input position, 0: padding)
+#   routes        [B, L, M, K]    (MoE routing replay: ids per input position and MoE layer; routes_len [B]
+#                                 positions with a route; micro-batches get long [b, s, M, K], -1: none)
 #   loss_totals   dict            (optional; from data_parallel_rows) the whole batch's response tokens
 #                                 and sequences over the DP size: what the loss means divide by
 # A micro-batch (see micro_batches) holds the same per-token keys at [b, s], plus "tokens" (the model
@@ -88,6 +91,8 @@ def micro_batches(
         if key in batch:
             full[key] = fit(batch[key].float(), kept)
     full["loss_mask"] = full["response_mask"]
+    if "routes" in batch:  # mrl.megatron.router_replay
+        full["routes"] = fit_routes(batch["routes"], batch["routes_len"], rows, seq)
     totals = batch.get("loss_totals") or _loss_totals(full["response_mask"])
     result = []
     for start in range(0, rows, size):
@@ -213,8 +218,11 @@ def compute_logprobs(
     micro_batch_size: int,
     with_entropy: bool = False,
     max_tokens: int | None = None,
+    routes: RoutePlan | None = None,
 ) -> dict | None:
     """{"logprobs": [B, L], "entropy": [B, L] if with_entropy} on the last pipeline stage, else None.
+    `routes` (MoE): replay the batch's routes and/or record the router's own, returned as
+    "own_routes" [B, L, M, K] (mrl.megatron.router_replay).
 
     Forward only, through Megatron's pipeline schedule. Call it with the batch and micro-batching
     (micro_batch_size, max_tokens: the token budget) the update will use: the log-probs are then
@@ -230,11 +238,15 @@ def compute_logprobs(
         logprobs = vocab_parallel_logprobs(logits, mb["labels"], built.spec.vocab_size)
         return logprobs, vocab_parallel_entropy(logits, built.spec.vocab_size) if with_entropy else None
 
-    outputs = _forward_only(built, micro, score)
+    count, length = batch["tokens"].shape[0], batch["tokens"].shape[1] - 1
+    with route_pass(built, routes) as replay:
+        outputs = _forward_only(built, micro, score, replay)
+        own = replay.own_routes(micro, count, length) if replay and replay.plan.record else None  # collective
     if outputs is None:
         return None
-    count, length = batch["tokens"].shape[0], batch["tokens"].shape[1] - 1
     result = {"logprobs": restore_order([o[0] for o in outputs], micro, count, length)}
+    if own is not None:
+        result["own_routes"] = own
     if with_entropy:
         result["entropy"] = restore_order([o[1] for o in outputs], micro, count, length)
     return result
@@ -263,7 +275,8 @@ def _built(built_or_trainable: BuiltModel | Trainable) -> BuiltModel:
     return built_or_trainable.built if isinstance(built_or_trainable, Trainable) else built_or_trainable
 
 
-def _forward_only(built: BuiltModel, micro: list[dict], score: Callable[[torch.Tensor, dict], Any]) -> list | None:
+def _forward_only(built: BuiltModel, micro: list[dict], score: Callable[[torch.Tensor, dict], Any],
+                  replay: RoutePass | None = None) -> list | None:
     """score(model output, micro-batch) of every micro-batch through Megatron's pipeline schedule,
     without gradients: the list on the last pipeline stage, None on the others."""
     from megatron.core import parallel_state as ps
@@ -275,7 +288,11 @@ def _forward_only(built: BuiltModel, micro: list[dict], score: Callable[[torch.T
     def forward_step(data_iterator, model):
         whole = next(data_iterator)
         mb = split_micro_batch(whole, built.device)  # CP: this rank's part of each sequence
+        if replay:
+            replay.before(model, mb)
         output = model(mb["tokens"], positions, attention_mask(whole, built.use_te, built.device))
+        if replay:
+            replay.after(model)
         return output, lambda out, non_loss_data=True: gather_outputs(score(out, mb))
 
     chunks = built.chunks
@@ -451,12 +468,14 @@ def sft_loss_fn() -> LossFn:
 
 
 def update_actor(
-    trainable: Trainable, batch: dict, algo: Any, micro_batch_size: int, max_tokens: int | None = None
+    trainable: Trainable, batch: dict, algo: Any, micro_batch_size: int, max_tokens: int | None = None,
+    routes: RoutePlan | None = None,
 ) -> dict:
     """One optimizer step of the policy loss over a rollout batch; metrics on every rank.
 
     Returns the loss metrics (means over micro-batches) plus actor/grad_norm, actor/lr and
-    actor/skipped. Use the same micro_batch_size / max_tokens as compute_logprobs did.
+    actor/skipped. Use the same micro_batch_size / max_tokens as compute_logprobs did. `routes`:
+    replay the batch's MoE routes in every micro-batch (mrl.megatron.router_replay).
     """
     config = ActorLoss.of(algo)
     needed = (["advantages", "old_logprobs"] + (["ref_logprobs"] if config.kl_in_loss else [])
@@ -468,7 +487,7 @@ def update_actor(
                          + (" (the engine's log-probs: algo.rollout_correction or decoupled_ppo)"
                             if "rollout_logprobs" in missing else ""))
     loss_fn = policy_loss_fn(config, trainable.built.spec.vocab_size)
-    return _update(trainable, batch, loss_fn, micro_batch_size, max_tokens, prefix="actor")
+    return _update(trainable, batch, loss_fn, micro_batch_size, max_tokens, prefix="actor", routes=routes)
 
 
 def update_critic(trainable: Trainable, batch: dict, cliprange: float, aggregation: str, micro_batch_size: int,
@@ -488,9 +507,10 @@ def update_sft(trainable: Trainable, batch: dict, micro_batch_size: int, max_tok
 
 
 def _update(trainable: Trainable, batch: dict, loss_fn: LossFn, micro_batch_size: int,
-            max_tokens: int | None, prefix: str) -> dict:
+            max_tokens: int | None, prefix: str, routes: RoutePlan | None = None) -> dict:
     micro = micro_batches(batch, trainable.built.sequence_multiple, micro_batch_size, max_tokens)
-    result = train_step(trainable, micro, loss_fn)
+    with route_pass(trainable.built, routes) as replay:
+        result = train_step(trainable, micro, loss_fn, replay)
     metrics = dict(result.metrics)
     metrics[f"{prefix}/grad_norm"] = result.grad_norm
     metrics[f"{prefix}/lr"] = result.lr

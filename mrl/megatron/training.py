@@ -208,8 +208,9 @@ def attention_mask(micro_batch: dict, use_te: bool, device: torch.device | None 
     return ~(same & causal).unsqueeze(1)
 
 
-def train_step(trainable: Trainable, micro_batches: list[dict], loss_fn: LossFn = lm_loss) -> StepResult:
+def train_step(trainable: Trainable, micro_batches: list[dict], loss_fn: LossFn = lm_loss, replay: Any = None) -> StepResult:
     """Forward/backward over `micro_batches` (dicts with "tokens" [mb, s]) and one optimizer step.
+    `replay`: a mrl.megatron.router_replay.RoutePass whose hooks run around each chunk's forward.
 
     Every micro-batch must have the same shape (Megatron's pipeline schedules communicate fixed
     shapes). The reported loss is the mean of the micro-batch losses on the last pipeline stage
@@ -231,7 +232,11 @@ def train_step(trainable: Trainable, micro_batches: list[dict], loss_fn: LossFn 
     def forward_step(data_iterator, model):
         whole = next(data_iterator)
         micro_batch = split_micro_batch(whole, device)  # CP: this rank's part of each sequence
+        if replay is not None:
+            replay.before(model, micro_batch)
         output = model(micro_batch["tokens"], positions, attention_mask(whole, trainable.built.use_te, device))
+        if replay is not None:
+            replay.after(model)
 
         def loss_func(out):
             loss, metrics = loss_fn(out, micro_batch)

@@ -44,6 +44,7 @@ class ActorSetup:
     optim: OptimConfig = field(default_factory=OptimConfig)  # also the update's micro-batching
     reference: bool = False  # keep a frozen copy of the initial weights for the KL term
     value_head: bool = False  # a PPO critic: the same transformer with a scalar value head
+    router_replay: str = "none"  # algo.router_replay (MoE): none | R2 | R3 (mrl.megatron.router_replay)
 
 
 class MegatronActor:
@@ -138,15 +139,27 @@ class MegatronActor:
 
     @stage("logprobs")
     def logprobs(self, batch: dict, reference: bool = False, with_entropy: bool = False) -> dict | None:
-        """Per-token log-probs [B/DP, L] of this rank's slice under the actor (or the reference)."""
+        """Per-token log-probs [B/DP, L] of this rank's slice under the actor (or the reference).
+
+        MoE (mrl.megatron.router_replay): R3 replays the batch's routes; the actor's pass reports
+        "routing_counts" (mrl.routes.agreement_counts, sum them over DP) when the batch has routes,
+        and with R2 its own "routes" and "routes_len" for the updates to replay."""
         self._on_device("logprobs")
         from mrl.megatron.policy import compute_logprobs
+        from mrl.megatron.router_replay import prepare, route_shape_of, routing_results
 
         model = self.reference if reference else self.trainable
+        mine = self._mine(batch)
+        built = model if reference else model.built
+        inputs, routes = prepare(mine, built, self.setup_args.router_replay, "ref" if reference else "old")
         optim = self.setup_args.optim  # the update's micro-batching: the first step's ratio is then exactly 1
-        return self._report(compute_logprobs(model, self._mine(batch), self.setup_args.layout.tp,
-                                             optim.micro_batch_size, with_entropy=with_entropy,
-                                             max_tokens=optim.max_tokens_per_micro_batch))
+        result = compute_logprobs(model, inputs, self.setup_args.layout.tp, optim.micro_batch_size,
+                                  with_entropy=with_entropy, max_tokens=optim.max_tokens_per_micro_batch,
+                                  routes=routes)
+        if result is not None and "own_routes" in result:
+            own = result.pop("own_routes")
+            result.update(routing_results(own, mine, self.setup_args.router_replay, route_shape_of(built)))
+        return self._report(result)
 
     @stage("update")
     def update(self, batch: dict, algo: Any) -> dict | None:
@@ -154,9 +167,12 @@ class MegatronActor:
         self._on_device("update")
         from mrl.megatron.policy import update_actor
 
+        from mrl.megatron.router_replay import prepare
+
         optim = self.setup_args.optim
-        return self._report(update_actor(self.trainable, self._mine(batch), algo, optim.micro_batch_size,
-                                         optim.max_tokens_per_micro_batch))
+        inputs, routes = prepare(self._mine(batch), self.trainable.built, self.setup_args.router_replay, "update")
+        return self._report(update_actor(self.trainable, inputs, algo, optim.micro_batch_size,
+                                         optim.max_tokens_per_micro_batch, routes=routes))
 
     @stage("values")
     def values(self, batch: dict) -> dict | None:

@@ -301,3 +301,45 @@ def test_mla_rope_key_gradient_is_necessary_and_sufficient(tiny_model_dir):
     assert abs(without - reference) > 1e-5 * reference, (
         f"TP2 grad norm {without} equals TP1's {reference} without mla_rope_key_gradient: is the patch still needed?")
     assert abs(with_fix - reference) <= 1e-5 * reference, f"TP2 grad norm {with_fix} with the patch, TP1 {reference}"
+
+
+def _replay_fallback_without_then_with(rank: int, world_size: int) -> dict:
+    """A replayed target with a row of -1 (a token without a route): upstream gathers at id -1,
+    the patch routes that token by the router's own top-k and records it."""
+    import os
+
+    import megatron_patches
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    def replay_one_row_missing():
+        replay = RouterReplay()
+        scores = torch.tensor([[0.1, 0.9, 0.5, 0.3], [0.8, 0.2, 0.7, 0.4]])
+        replay.set_target_indices(torch.tensor([[3, 2], [-1, -1]]))
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        if "router_replay_fallback" in megatron_patches.applied():
+            from megatron_patches.router_replay_fallback import record_own
+
+            record_own(replay, True)
+        try:
+            probs, ids = replay.get_replay_topk(scores, 2, default_compute_topk=lambda s, k, **_: torch.topk(s, k, dim=1))
+            return {"ids": ids, "probs": probs, "recorded": replay.get_recorded_indices()}
+        except RuntimeError as exc:
+            return {"error": str(exc)}
+        finally:
+            RouterReplay.global_router_replay_instances.remove(replay)
+
+    os.environ["MRL_SKIP_PATCHES"] = "router_replay_fallback"
+    megatron_patches.apply()
+    without = replay_one_row_missing()
+    os.environ.pop("MRL_SKIP_PATCHES")
+    megatron_patches.apply()
+    return {"without": without, "with": replay_one_row_missing()}
+
+
+def test_router_replay_fallback_is_necessary_and_sufficient():
+    (result,) = run_local(_replay_fallback_without_then_with, 1, timeout_s=120)
+    assert "index -1 is out of bounds" in result["without"].get("error", ""), result["without"]
+    fixed = result["with"]
+    assert fixed["ids"].tolist() == [[3, 2], [0, 2]]  # the replayed row, then the router's own top-2
+    assert torch.allclose(fixed["probs"], torch.tensor([[0.3, 0.5], [0.8, 0.7]]))
+    assert fixed["recorded"].tolist() == [[1, 2], [0, 2]]  # the router's own choice of every token

@@ -512,3 +512,13 @@ def test_the_rl_schedule_counts_every_optimizer_step_of_a_run():
     assert sft.total_steps == cfg.trainer.sft_steps  # SFT's steps are optimizer steps already
     plain = optim_for(load_config(TINY, ["trainer.total_steps=10", "optim.warmup_steps=2"]))
     assert (plain.total_steps, plain.warmup_steps) == (10, 2)
+
+
+def test_router_replay_needs_a_moe_model():
+    for mode in ("R2", "R3"):  # the demo's tiny DeepSeek-V3 has experts
+        assert load_config(TINY, [f"algo.router_replay={mode}"]).algo.router_replay == mode
+    (error,) = errors_of(TINY, "algo.router_replay=R3", "model.tiny=qwen3", "parallel.ep=1")
+    assert error == ("algo.router_replay R3 replays MoE routing, but the model is dense (no experts): "
+                     "set algo.router_replay: none.")
+    (error,) = errors_of(TINY, "algo.router_replay=R4")
+    assert error.startswith("algo.router_replay: must be one of 'none', 'R2', 'R3', got 'R4'"), error

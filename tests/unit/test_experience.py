@@ -79,3 +79,25 @@ def test_train_epochs_steps_once_per_mini_batch_and_pass():
     seen.clear()
     train_epochs(load_config(recipe, [], check_files=False), 1, batch, update)
     assert seen == [list(range(64))]
+
+
+def test_rollout_batch_carries_each_samples_checked_routes():
+    import numpy as np
+
+    from mrl.routes import RouteShape
+
+    shape = RouteShape(layers=2, top_k=2, n_experts=8)
+    first, second = _gen([5, 6, 7], [8, 9], [-0.1, -0.2]), _gen([11], [12, 13], [-0.4, -0.5])
+    first.routed_experts = np.array([[[0, 1], [2, 3]]] * 4, dtype=np.uint8)  # 3 + 2 - 1 = 4 positions
+    second.routed_experts = np.array([[[4, 5], [6, 7]]] * 2, dtype=np.uint8)  # 1 + 2 - 1 = 2
+    batch = rollout_batch([[first, second]], [1.0, 0.0], route_shape=shape)
+    assert batch["routes"].dtype == torch.uint8 and batch["routes"].shape == (2, 4, 2, 2)
+    assert batch["routes_len"].tolist() == [4, 2]
+    assert batch["routes"][1, :2].tolist() == [[[4, 5], [6, 7]]] * 2 and batch["routes"][1, 2:].sum() == 0
+    assert "routes" not in rollout_batch([[first, second]], [1.0, 0.0])  # no shape: no routes
+    second.routed_experts = second.routed_experts[:1]  # the engine forwarded 2 positions
+    with pytest.raises(ValueError, match=r"sample 1: routes have shape \(1, 2, 2\), expected \(2, 2, 2\)"):
+        rollout_batch([[first, second]], [1.0, 0.0], route_shape=shape)
+    del second.routed_experts
+    with pytest.raises(ValueError, match="sample 1: no routes"):
+        rollout_batch([[first, second]], [1.0, 0.0], route_shape=shape)

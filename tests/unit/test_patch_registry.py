@@ -110,6 +110,7 @@ def test_real_patches_are_idempotent():
         from megatron.core.tensor_parallel import mappings, random
         from megatron.core.transformer import torch_norm
         from megatron.core.transformer.moe import moe_utils
+        from megatron.core.transformer.moe.router_replay import RouterReplay
 
         def patched():
             return {
@@ -123,6 +124,7 @@ def test_real_patches_are_idempotent():
                 "_gather_along_first_dim": mappings._gather_along_first_dim,
                 "_reduce_scatter_along_first_dim": mappings._reduce_scatter_along_first_dim,
                 "group_limited_topk": moe_utils.group_limited_topk,
+                "RouterReplay.get_replay_topk": RouterReplay.get_replay_topk,
             }
 
         upstream = patched()
