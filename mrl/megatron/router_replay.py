@@ -48,10 +48,7 @@ def chunk_routers(chunk: torch.nn.Module) -> list[tuple[int, object]]:
 
 def route_shape_of(built) -> RouteShape | None:
     """The routes a sample of this model carries (None: a dense model)."""
-    config = built.chunks[0].config
-    if not config.num_moe_experts:
-        return None
-    return RouteShape(sum(moe_layer_pattern(config)), config.moe_router_topk, config.num_moe_experts)
+    return built.spec.route_shape
 
 
 @dataclass

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mrl.layout import ModelDims
+from mrl.routes import RouteShape
 
 
 class UnsupportedModelError(ValueError):
@@ -40,6 +41,16 @@ class ModelSpec:
     @property
     def num_experts(self) -> int | None:
         return self.config.get("num_moe_experts")
+
+    @property
+    def route_shape(self) -> RouteShape | None:
+        """What a sample's MoE routes hold per token (mrl.routes): MoE layers (moe_layer_freq, as
+        Megatron's block spec reads it), top-k, experts; None for a dense model."""
+        if not self.num_experts:
+            return None
+        freq, layers = self.config.get("moe_layer_freq", 1), self.config["num_layers"]
+        pattern = [1 if i % freq == 0 else 0 for i in range(layers)] if isinstance(freq, int) else freq
+        return RouteShape(sum(pattern), self.config["moe_router_topk"], self.num_experts)
 
     @property
     def dims(self) -> ModelDims:

@@ -134,3 +134,13 @@ def test_settings_megatron_would_ignore_are_refused_in_one_line(case):
     with pytest.raises(UnsupportedModelError) as refused:
         model_spec_from_hf(hf)
     assert message in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+
+
+def test_route_shape_counts_moe_layers_only():
+    from mrl.routes import RouteShape
+
+    shapes = {arch: model_spec_from_hf(tiny_hf_config(arch)).route_shape
+              for arch in ("qwen3", "qwen3_moe", "qwen3_moe_dense", "deepseek_v3", "deepseek_v3_groups")}
+    assert shapes == {"qwen3": None, "qwen3_moe": RouteShape(4, 2, 8), "qwen3_moe_dense": RouteShape(3, 2, 8),
+                      "deepseek_v3": RouteShape(3, 2, 8),  # first_k_dense_replace 1
+                      "deepseek_v3_groups": RouteShape(3, 3, 12)}
