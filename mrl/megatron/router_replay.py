@@ -211,10 +211,11 @@ def _all_layers(mine: torch.Tensor, layers: list[int], moe_layers: int) -> torch
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return mine
-    full = torch.zeros(*mine.shape[:2], moe_layers, mine.shape[-1], dtype=torch.long)
-    full[:, :, layers] = mine - NO_ROUTE  # 0 where nothing was recorded
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the pipeline group is NCCL's on GPUs
+    full = torch.zeros(*mine.shape[:2], moe_layers, mine.shape[-1], dtype=torch.long, device=device)
+    full[:, :, layers] = (mine - NO_ROUTE).to(device)  # 0 where nothing was recorded
     dist.all_reduce(full, group=ps.get_pipeline_model_parallel_group())
-    return full + NO_ROUTE
+    return full.cpu() + NO_ROUTE
 
 
 @contextmanager
