@@ -70,7 +70,7 @@ def plan_for(mode: str, stage: str, has_routes: bool) -> RoutePlan:
     replay = (mode == "R3" and stage in ("old", "ref")) or (mode != "none" and stage == "update")
     record = stage == "old" and (mode == "R2" or has_routes)
     if replay and not has_routes:
-        source = "the engine's routes (rollout routes captured)" if mode == "R3" else \
+        source = "the engine's routes (rollout.return_routes: true)" if mode == "R3" else \
             "the routes the old-log-prob pass returned (batch['routes'])"
         raise ValueError(f"algo.router_replay {mode} replays routes in the {stage} pass but the batch has none: "
                          f"put {source} into the batch, or set algo.router_replay: none")
