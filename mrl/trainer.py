@@ -33,7 +33,7 @@ from mrl.modes import BatchSource, Engines, GeneratedBatch, Prompts, make_source
 from mrl.profiling import profiled_step
 from mrl.rewards import RewardInput, RewardResult
 from mrl.rewards.ahead import ScoresAhead
-from mrl.rollout.engine import SamplingSettings
+from mrl.rollout.engine import SamplingSettings, route_bytes_per_token
 from mrl.rollout_trace import trace_rollouts
 from mrl.run import Run, open_run
 from mrl.stopping import StopRequest
@@ -147,6 +147,9 @@ def collect(run: Run, generated: GeneratedBatch, metrics: dict) -> Rollout:
     metrics.update(generated.engine_metrics)  # rollout/engine{i}/...: each engine's throughput
     if generated.gen_seconds > 0:
         metrics["perf/gen_tokens_per_s"] = sum(len(g.token_ids) for gs in groups for g in gs) / generated.gen_seconds
+    route_bytes = route_bytes_per_token([g for gs in groups for g in gs])  # None: samples carry no routes
+    if route_bytes is not None:
+        metrics["rollout/route_bytes_per_token"] = route_bytes
     with timer("reward", metrics):  # the wait: nothing when the batch was scored ahead
         rewards, ahead = reward_results(run.reward, prompts, groups, run.out / "reward_errors.jsonl",
                                         ahead_key=generated.step)

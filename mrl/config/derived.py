@@ -93,7 +93,7 @@ def engine_options(cfg: RunConfig) -> dict[str, Any]:
     options = dict(tensor_parallel_size=r.tensor_parallel_size, dtype=r.dtype, max_model_len=r.max_model_len,
                    enforce_eager=r.enforce_eager, seed=r.seed, gpu_memory_utilization=r.gpu_memory_utilization,
                    weight_apply=cfg.sync.apply, interruptible=cfg.async_.partial_rollout,
-                   streaming=cfg.async_.streaming)
+                   streaming=cfg.async_.streaming, return_routes=r.return_routes)
     if r.kv_cache_memory_mb is not None:
         options["kv_cache_memory_bytes"] = r.kv_cache_memory_mb << 20
     return options

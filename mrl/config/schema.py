@@ -143,6 +143,9 @@ class RolloutConfig:
     n_samples_per_prompt: int = 8
     stop: list[str] = field(default_factory=list)
     seed: int = 0
+    # MoE models: each sample carries the experts the engine routed each token to ("routed_experts",
+    # mrl/routes.py; on CPU mrl's capture, on GPUs vLLM's own: docs/rollout.md#moe-routes)
+    return_routes: bool = False
 
 
 @dataclass

@@ -32,6 +32,7 @@ def validate(cfg: RunConfig, check_files: bool = True) -> list[str]:
     errors += _check_fp8(cfg, check_files)
     errors += _check_sync_apply(cfg, check_files)
     errors += _check_rollout_quantization(cfg)
+    errors += _check_return_routes(cfg, dims)
     if check_files:  # preflight reads every data record, imports a custom reward, probes the output dirs
         errors += _check_files(cfg) + _check_port(cfg) + preflight(cfg)
     return errors
@@ -293,6 +294,20 @@ def _refuse_quantized(path: str, hf_config: dict, rollout_quantization: str | No
             f"{rollout_quantization!r}, so the weight sync would send unquantised weights. For DeepSeek-style FP8 on "
             f"GPUs set rollout.quantization: fp8; otherwise write its dequantised twin with `mrl convert fp8-to-hf "
             f"--hf {path} --out DIR` and set model.path to DIR."]
+
+
+def _check_return_routes(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
+    """rollout.return_routes: MoE models only; on GPUs not with partial rollout (vLLM's own capture
+    returns the routes of finished requests only, and an interrupted sample needs its prefix's)."""
+    if not cfg.rollout.return_routes:
+        return []
+    errors = []
+    if dims is not None and not dims.num_experts:
+        errors.append("rollout.return_routes records MoE routes, but the model has no experts: set it to false.")
+    if cfg.async_.partial_rollout and cfg.launch.gpus_per_node:
+        errors.append("rollout.return_routes on GPUs takes vLLM's own routes, which it returns for finished requests "
+                      "only, and async.partial_rollout needs an interrupted sample's too: turn one of them off.")
+    return errors
 
 
 def _check_rollout_quantization(cfg: RunConfig) -> list[str]:

@@ -8,7 +8,7 @@ The modes that produce batches: docs/training-modes.md.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from mrl.rollout.engine import Generation
@@ -50,13 +50,13 @@ class GeneratedBatch:
         """Plain data (lists, numbers, strings): a checkpoint's common state loads it with weights_only."""
         return {"step": self.step, "prompt_indices": list(self.prompt_indices), "start_step": self.start_step,
                 "gen_seconds": self.gen_seconds, "sync_every": self.sync_every,
-                "groups": [[asdict(g) for g in group] for group in self.groups],
+                "groups": [[g.to_state() for g in group] for group in self.groups],
                 **({"start_steps": list(self.start_steps)} if self.start_steps else {})}
 
     @classmethod
     def from_state(cls, state: dict) -> GeneratedBatch:
         # a checkpoint from before token_versions: Generation.versions() derives them from weight_version
-        groups = [[Generation(**g) for g in group] for group in state["groups"]]
+        groups = [[Generation.from_state(g) for g in group] for group in state["groups"]]
         starts = state.get("start_steps")
         return cls(int(state["step"]), [int(i) for i in state["prompt_indices"]], groups, int(state["start_step"]),
                    float(state["gen_seconds"]), sync_every=int(state.get("sync_every", 1)),

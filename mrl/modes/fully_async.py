@@ -17,7 +17,7 @@ from mrl.metrics import timer
 from mrl.modes.base import BatchSource, Engines, Prompts
 from mrl.modes.batch import Generate, GeneratedBatch, PendingBatch, Push, Restored, partial_ratio
 from mrl.rollout.detokenize import Detokenizer
-from mrl.rollout.engine import Generation
+from mrl.rollout.engine import Generation, join_routes
 
 # async.partial_rollout: continue these unfinished samples of step `step` (one prompt each:
 # prompt + tokens so far), each with its (sample key, continuation count) for its seed
@@ -43,7 +43,7 @@ def continue_generation(prefix: Generation, rest: Generation, detokenize: Detoke
     versions = (prefix.versions() + rest.versions())[:kept]
     return Generation(prefix.prompt_ids, tokens[:kept], sample.text, (prefix.logprobs + rest.logprobs)[:kept],
                       "stop" if sample.stop is not None else rest.finish_reason,
-                      min(versions) if versions else rest.weight_version, versions)
+                      min(versions) if versions else rest.weight_version, versions, join_routes(prefix, rest, kept))
 
 
 def continuation_seed(seed: int | None, sample: int, count: int) -> int | None:

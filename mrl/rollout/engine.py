@@ -8,8 +8,11 @@ view of the engine: the log-probability the engine assigns to each given token.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
-from typing import Protocol, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+import torch
 
 from mrl.sync.wire import Bucket, WeightUpdateReport
 
@@ -67,7 +70,10 @@ class Generation:
     `token_versions` is that number per token: a sample continued across a weight update
     (async.partial_rollout) has tokens of two or more versions, and `weight_version` is then its
     oldest token's. `logprobs` are always the engine's, each under the weights that sampled it.
-    finish_reason None: not finished (interrupted by a weight update, to be continued)."""
+    finish_reason None: not finished (interrupted by a weight update, to be continued).
+    `routed_experts` (rollout.return_routes, MoE models): the expert ids the engine routed each
+    forwarded token to, [len(prompt_ids) + len(token_ids) - 1, MoE layers, top-k] (mrl/routes.py),
+    each token's under the weights that forwarded it; None when not recorded (or no token yet)."""
 
     prompt_ids: list[int]
     token_ids: list[int]
@@ -76,12 +82,51 @@ class Generation:
     finish_reason: str | None = None
     weight_version: int | None = None
     token_versions: list[int] | None = None  # None: data from before this field (one version: weight_version)
+    routed_experts: np.ndarray | None = field(default=None, compare=False)
+
+    def to_state(self) -> dict:
+        """Plain data a checkpoint loads with weights_only: the routes as a tensor, not a numpy array."""
+        state = asdict(self)
+        if self.routed_experts is not None:
+            state["routed_experts"] = torch.from_numpy(np.ascontiguousarray(self.routed_experts))
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Generation:
+        routes = state.get("routed_experts")
+        return cls(**{**state, "routed_experts": routes.numpy() if isinstance(routes, torch.Tensor) else routes})
 
     def versions(self) -> list[int]:
         """Per token, the weight version that generated it."""
         if self.token_versions is not None:
             return list(self.token_versions)
         return [] if self.weight_version is None else [self.weight_version] * len(self.token_ids)
+
+
+def join_routes(prefix: Generation, rest: Generation, tokens: int) -> np.ndarray | None:
+    """The routes of an interrupted sample (`prefix`) continued by `rest` (whose prompt is prefix's
+    prompt and tokens), cut to the merged sample's first `tokens` tokens: each segment's rows from the
+    weights that produced its tokens. The prefix's rows cover the positions that sampled its tokens;
+    from its last token on (forwarded first by the continuation), the rows are the continuation's."""
+    if prefix.routed_experts is None and rest.routed_experts is None:
+        return None
+    cut = len(prefix.prompt_ids) + len(prefix.token_ids) - 1  # positions the prefix's weights forwarded
+    if rest.routed_experts is None or (prefix.token_ids and prefix.routed_experts is None):
+        raise ValueError(f"a continued sample has routes for one segment only (prefix: "
+                         f"{prefix.routed_experts is not None}, continuation: {rest.routed_experts is not None}): "
+                         "every engine must run with rollout.return_routes")
+    if prefix.token_ids and len(prefix.routed_experts) != cut:
+        raise ValueError(f"an interrupted sample of {len(prefix.prompt_ids)} + {len(prefix.token_ids)} tokens has "
+                         f"{len(prefix.routed_experts)} rows of routes, not {cut}")
+    head = prefix.routed_experts if prefix.token_ids else rest.routed_experts[:0]  # no token: nothing it produced
+    return np.concatenate([head, rest.routed_experts[len(head):]])[: len(prefix.prompt_ids) + tokens - 1]
+
+
+def route_bytes_per_token(samples: Sequence[Generation]) -> float | None:
+    """rollout/route_bytes_per_token: the routes' bytes over the tokens they cover (None: no routes)."""
+    routes = [g.routed_experts for g in samples if g.routed_experts is not None]
+    rows = sum(len(r) for r in routes)
+    return sum(r.nbytes for r in routes) / rows if rows else None
 
 
 class RolloutEngine(Protocol):

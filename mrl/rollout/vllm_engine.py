@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
+from mrl.rollout.route_capture import EngineRoutes, capture_state
 from mrl.rollout.vllm_cpu import _bind_cpu_workers, _unpack_small_cpu_gemms, cpu_attention
 from mrl.rollout.vllm_weights import (_begin_in_place, _begin_reload, _copy_in_place, _finish_in_place, _finish_reload,
                                       _install_plan, _load, _load_shared, _not_planned, _parameter_metadata,
@@ -126,6 +127,7 @@ class VLLMEngine:
         weight_apply: str = "in_place",
         interruptible: bool = False,
         streaming: bool = False,
+        return_routes: bool = False,
     ):
         from vllm import LLM
 
@@ -159,12 +161,15 @@ class VLLMEngine:
             raise ValueError(f"{model} holds FP8 weights, which sync.apply in_place cannot plan (weights and block "
                              "scales); use sync.apply: load_weights")
         self._param_sources: dict[str, set[str]] | None = None  # in_place: engine param → its HF tensors
+        if return_routes and torch.cuda.is_available():
+            kwargs["enable_return_routed_experts"] = True  # vLLM's own capture: chosen at start, on GPUs only
         _unpack_small_cpu_gemms()
         self.llm = LLM(**kwargs)
         self.dtype = self.llm.llm_engine.model_config.dtype
         self.device = _weights_device()
         self.ipc_opens = 1 + tensor_parallel_size  # load_shared's receipt here, then every worker maps it
         self._start_bookkeeping(interruptible, streaming)
+        self.set_return_routes(return_routes)
 
     def _start_bookkeeping(self, interruptible: bool = False, streaming: bool = False) -> None:
         """The engine's own state around vLLM's (tests build an engine on a fake LLM with it)."""
@@ -181,8 +186,40 @@ class VLLMEngine:
         self._turns = _Turns()
         self._latest: dict[str, Any] = {}
         self._to_add: collections.deque = collections.deque()  # requests the next turn adds before it steps
+        self._moe_routes: EngineRoutes | None = None  # return_routes: each sample's MoE routes (set_return_routes)
 
     # --- generation -------------------------------------------------------------------------
+
+    @property
+    def return_routes(self) -> bool:
+        return self._moe_routes is not None
+
+    def set_return_routes(self, on: bool) -> None:
+        """Record each sample's MoE routes (Generation.routed_experts) from now on, or stop. On CPU
+        mrl's capture (mrl/rollout/route_capture.py), switched on and off at any time between calls;
+        on GPUs vLLM's own, chosen when the engine starts (the return_routes option)."""
+        if on == self.return_routes:
+            return
+        vllm_own = torch.cuda.is_available()
+        if vllm_own and not self.llm.llm_engine.vllm_config.aux_output_config.enable_return_routed_experts:
+            raise ValueError("on GPUs the routes come from vLLM's own capture, chosen at start: start the engine "
+                             "with return_routes=True (rollout.return_routes)")
+        if on and vllm_own and self.interruptible:
+            raise ValueError("rollout.return_routes on GPUs takes vLLM's routes, which it returns for finished "
+                             "requests only; async.partial_rollout needs them for interrupted ones too: turn one off")
+        if on:
+            self.llm.reset_prefix_cache()  # a block cached before the capture would be a hit without routes
+            self._moe_routes = EngineRoutes(self.llm, vllm_own)
+        else:
+            self._moe_routes.close()
+            self._moe_routes = None
+
+    def route_capture_state(self) -> dict:
+        """mrl's capture in the first worker: on, its hooks, requests held, rows copied from the
+        prefix cache (off: no hook at all); {"vllm_own": True} on GPUs."""
+        if torch.cuda.is_available():
+            return {"vllm_own": True, "on": self.return_routes}
+        return self.llm.collective_rpc(capture_state)[0]
 
     def _params(self, sampling: SamplingSettings, **extra: Any):
         from vllm import SamplingParams
@@ -218,7 +255,7 @@ class VLLMEngine:
             with self._turns.turn():
                 self.wake_up()
         settings = per_prompt(sampling, len(prompts))
-        if not (self.interruptible or self.streaming):
+        if not (self.interruptible or self.streaming or self.return_routes):  # routes: each request's id is needed
             return self._generate_to_end(prompts, settings)
         requests = {}  # request id → (prompt index, sample index)
         for p, (prompt, s) in enumerate(zip(prompts, settings)):
@@ -274,19 +311,28 @@ class VLLMEngine:
             with self._turns.turn(done) as mine:
                 while mine and not done():
                     self._add_waiting(engine)
-                    self._turns.record(engine.step(), self._latest)
+                    step = engine.step()
+                    if self._moe_routes is not None:  # before record wakes the calls that build their samples
+                        self._moe_routes.ended({out.request_id: out for out in step if out.finished})
+                    self._turns.record(step, self._latest)
         finally:  # interrupted (or failed): nothing of this call stays in the engine
             if unfinished():
                 with self._turns.turn():
                     self._add_waiting(engine)  # (not to leave them behind, never picked up)
-                    if unfinished():
-                        engine.abort_request(unfinished())
+                    aborted = unfinished()
+                    if aborted:
+                        engine.abort_request(aborted)
+                        if self._moe_routes is not None:  # the routes of the tokens they have
+                            self._moe_routes.ended({r: self._latest.get(r) for r in aborted})
             outputs.update((r, self._latest.pop(r)) for r in added if r in self._latest)
 
     def _add_waiting(self, engine: Any) -> None:
         """Add every call's requests that wait to join the batch (by the engine's driver)."""
         while self._to_add:
-            engine.add_request(*self._to_add.popleft())
+            request = self._to_add.popleft()
+            internal_id = engine.add_request(*request)
+            if self._moe_routes is not None:
+                self._moe_routes.added(request[0], internal_id)
 
     def _generation(self, prompt: str | list[int], out: Any, completion: Any = None) -> Generation:
         """One sample from its request's latest output (None: interrupted before its first token);
@@ -308,6 +354,7 @@ class VLLMEngine:
             finish_reason=c.finish_reason if out.finished else None,
             weight_version=self.weight_version,
             token_versions=[self.weight_version] * len(tokens),
+            routed_experts=None if self._moe_routes is None else self._moe_routes.pop(out.request_id),
         )
 
     def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
@@ -427,6 +474,8 @@ class VLLMEngine:
             params = self.llm.collective_rpc(_finish_reload)[0]
             not_updated = [p for p in params if p not in self._loaded]
         self.llm.reset_prefix_cache()
+        if self._moe_routes is not None:
+            self._moe_routes.reset()
         self._report.finish_seconds = time.perf_counter() - start
         self._report.not_updated = not_updated
         self.weight_version += 1
