@@ -21,10 +21,11 @@ def prepare_model(model: Any, seed: int) -> tuple[str, Any]:
 
 def tokenize_samples(samples: list[dict], tokenizer: Any) -> list[dict]:
     """Each sample with "prompt_ids" (the tokenizer's own special-token convention, as vLLM applies it
-    to text prompts) and, when it has a ground truth, "target_ids": the answer then end-of-sequence."""
+    to text prompts) and "sft_targets", what SFT trains on: each demonstration (else the ground truth,
+    if any) then end-of-sequence."""
     for sample in samples:
         sample["prompt_ids"] = tokenizer(sample["prompt"])["input_ids"]
-        if sample["ground_truth"] is not None:
-            answer = tokenizer(sample["ground_truth"], add_special_tokens=False)["input_ids"]
-            sample["target_ids"] = answer + [tokenizer.eos_token_id]
+        truth = [] if sample["ground_truth"] is None else [sample["ground_truth"]]
+        sample["sft_targets"] = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                                 for text in sample.get("demonstrations", truth)]
     return samples

@@ -21,9 +21,11 @@ from mrl.stopping import StopRequest
 def run_sft(run: Run) -> dict:
     """trainer.sft_steps optimizer steps; returns the first and last loss and the time taken."""
     cfg, actor = run.cfg, run.cluster.actor
-    samples = [s for s in run.train_set if "target_ids" in s]
+    # one example a demonstration: a prompt with several (data.sft_key naming a list) is shown each in turn
+    samples = [{"prompt_ids": s["prompt_ids"], "target_ids": t} for s in run.train_set for t in s["sft_targets"]]
     if not samples:
-        raise ValueError("SFT needs answers: the train split has no ground truth (data.answer_key).")
+        raise ValueError("SFT needs answers: the train split has no ground truth (data.answer_key) or demonstration "
+                         "(data.sft_key).")
     batch_size = min(len(samples), cfg.data.batch_size * cfg.rollout.n_samples_per_prompt)
     sampler = EpochSampler(len(samples), batch_size, seed=cfg.trainer.seed + 1)
     losses, start = [], time.perf_counter()

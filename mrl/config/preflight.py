@@ -45,6 +45,9 @@ def _check_records(cfg: RunConfig) -> list[str]:
         if answer_why and (key == "path" or cfg.reward.name in NEEDS_ANSWER):
             file_needs.setdefault(data.answer_key, Need(f"data.answer_key: {answer_why}", "add it to every record, or "
                                                         "set data.answer_key to the field that holds the answer"))
+        if data.sft_key and key == "path" and cfg.trainer.sft_steps > 0:
+            file_needs.setdefault(data.sft_key, Need("data.sft_key: trainer.sft_steps trains on it", "add it to every "
+                                                     "record, or set data.sft_key to null to train on the answer"))
         problem = records_problem(key, path, file_needs, PromptTemplate(data.template, data.chat_template))
         if problem:
             errors.append(problem)

@@ -68,6 +68,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("data.arithmetic.heldout_fraction", lambda v: 0 < v < 1, "in (0, 1)"),
     ("data.arithmetic.train_size", lambda v: v >= 1, ">= 1"),
     ("data.arithmetic.heldout_size", lambda v: v >= 1, ">= 1"),
+    ("data.arithmetic.teacher_error", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("checkpoint.save_every", lambda v: v >= 0, ">= 0"),
     ("checkpoint.keep_last", lambda v: v >= 1, ">= 1"),
     ("launch.num_nodes", lambda v: v >= 1, ">= 1"),

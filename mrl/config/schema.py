@@ -274,6 +274,7 @@ class ArithmeticConfig:
     heldout_fraction: float = 0.1
     train_size: int = 2000
     heldout_size: int = 200
+    teacher_error: float = 0.0  # fraction of SFT demonstrations written ten too high (the reward checks the result)
 
 
 @dataclass
@@ -288,6 +289,7 @@ class DataConfig:
     chat_template: bool = False
     system_prompt: str | None = None
     answer_key: str = "answer"
+    sft_key: str | None = None  # the field SFT trains on (e.g. a worked solution) when not answer_key's
     batch_size: int = 8  # prompts per step (each sampled n_samples_per_prompt times)
 
 

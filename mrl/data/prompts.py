@@ -115,9 +115,11 @@ class PromptTemplate:
 
 
 def prompt_samples(
-    records: list[dict[str, Any]], template: PromptTemplate, answer_key: str = "answer", tokenizer: Any = None
+    records: list[dict[str, Any]], template: PromptTemplate, answer_key: str = "answer", tokenizer: Any = None,
+    sft_key: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Records → {"prompt", "ground_truth", "metadata"} samples (metadata: the whole record)."""
+    """Records → {"prompt", "ground_truth", "metadata"} samples (metadata: the whole record), with
+    "demonstrations" (what SFT trains on, when not the ground truth: `sft_key`'s text, or each of its list)."""
     samples = []
     for index, record in enumerate(records):
         try:
@@ -127,6 +129,9 @@ def prompt_samples(
         truth = field_value(record, answer_key)
         truth = None if truth is MISSING else truth
         samples.append({"prompt": prompt, "ground_truth": None if truth is None else str(truth), "metadata": record})
+        shown = MISSING if sft_key is None else field_value(record, sft_key)
+        if shown is not MISSING and shown is not None:
+            samples[-1]["demonstrations"] = [str(s) for s in shown] if isinstance(shown, list) else [str(shown)]
     return samples
 
 

@@ -147,3 +147,31 @@ def test_a_dotted_answer_key_reads_verl_nested_ground_truth():
     (sample,) = prompt_samples([record], PromptTemplate(), answer_key="reward_model.ground_truth")
     assert sample["ground_truth"] == "2"
     assert prompt_samples([record], PromptTemplate(), answer_key="reward_model.style")[0]["ground_truth"] is None
+
+
+def test_a_careless_teacher_changes_what_sft_sees_not_the_answer():
+    """teacher_error: each of a problem's demonstrations is result + 10 with that probability (seeded);
+    the ground truth the reward checks stays the result; SFT trains on every demonstration."""
+    from mrl.inputs import tokenize_samples
+
+    task = ArithmeticTask(ops=("+",), max_operand=20, heldout_fraction=0.2, seed=3, teacher_error=0.6)
+    train = task.sample(300, "train")
+    shown = [(int(d) - int(r["answer"])) for r in train for d in r["demonstrations"]]
+    assert set(shown) == {0, 10} and 0.55 < sum(shown) / 10 / len(shown) < 0.65
+    assert train == task.sample(300, "train"), "the same teacher every draw"
+    assert all(r["demonstrations"] == [r["answer"]] for r in ArithmeticTask(("+",), max_operand=20).sample(50, "train"))
+
+    class Chars:  # one id a character: enough to see which text became a target
+        eos_token_id = 0
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [ord(c) for c in text]}
+
+    samples = tokenize_samples(prompt_samples(train[:3], PromptTemplate(), sft_key="demonstrations"), Chars())
+    for sample, record in zip(samples, train):
+        assert sample["ground_truth"] == record["answer"]
+        assert sample["sft_targets"] == [[ord(c) for c in d] + [0] for d in record["demonstrations"]]
+    (plain,) = tokenize_samples(prompt_samples(train[:1], PromptTemplate()), Chars())
+    assert plain["sft_targets"] == [[ord(c) for c in train[0]["answer"]] + [0]], "no sft_key: the answer"
+    with pytest.raises(ValueError, match="teacher_error"):
+        ArithmeticTask(teacher_error=1.5)

@@ -55,6 +55,9 @@ CASES = {
     "missing answer": (lambda t: data(jsonl(t / "d.jsonl", json.dumps(GOOD[0]), '{"prompt": "3+3="}')),
                        "data.path {t}/d.jsonl line 2 has no field 'answer' (data.answer_key: reward exact_answer "
                        "compares responses with it; its fields: prompt)"),
+    "missing SFT demonstration": (lambda t: data(jsonl(t / "d.jsonl", *map(json.dumps, GOOD)), "data.sft_key=solution"),
+                                  "data.path {t}/d.jsonl line 1 has no field 'solution' (data.sft_key: trainer.sft_steps "
+                                  "trains on it; its fields: answer, prompt)"),
     "null field in held-out parquet": (
         lambda t: data(jsonl(t / "d.jsonl", json.dumps(GOOD[0])),
                        f"data.heldout_path={parquet(t / 'h.parquet', GOOD + [{'prompt': None, 'answer': '1'}])}"),
