@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from mrl.layout import ModelDims
-from mrl.routes import RouteShape
+
+if TYPE_CHECKING:
+    from mrl.routes import RouteShape
 
 
 class UnsupportedModelError(ValueError):
@@ -46,6 +48,8 @@ class ModelSpec:
     def route_shape(self) -> RouteShape | None:
         """What a sample's MoE routes hold per token (mrl.routes): MoE layers (moe_layer_freq, as
         Megatron's block spec reads it), top-k, experts; None for a dense model."""
+        from mrl.routes import RouteShape  # here: mrl.routes imports torch, which `mrl <command> --help` must not
+
         if not self.num_experts:
             return None
         freq, layers = self.config.get("moe_layer_freq", 1), self.config["num_layers"]
