@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 
 class LayoutError(ValueError):
@@ -78,6 +79,19 @@ class ParallelLayout:
         dense = self.tp * self.cp * self.pp
         expert = self.expert_tp * self.ep * self.pp
         return math.lcm(dense, expert)
+
+    def rank_groups(self, world_size: int, kind: Literal["tp", "etp", "ep"]) -> list[list[int]]:
+        """The global ranks of each group of `kind`, as Megatron forms them (initialize_model_parallel's
+        default order tp-cp-ep-dp-pp): dense layers count ranks TP fastest, then CP, DP, PP; expert
+        layers ETP fastest, then EP, expert DP, PP. So a TP group is tp consecutive ranks."""
+        if kind == "tp":
+            sizes = [self.tp, self.cp, world_size // (self.tp * self.cp * self.pp), self.pp]
+        else:
+            sizes = [self.expert_tp, self.ep, world_size // (self.expert_tp * self.ep * self.pp), self.pp]
+        axis = 1 if kind == "ep" else 0
+        stride, size = math.prod(sizes[:axis]), sizes[axis]
+        return [[first + k * stride for k in range(size)]
+                for first in range(world_size) if (first // stride) % size == 0]
 
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}"]

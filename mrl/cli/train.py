@@ -36,12 +36,13 @@ def _run(prog: str, argv: list[str] | None, job: Callable[[RunConfig], dict]) ->
         return 2
     from mrl.launch.fleet import EngineError
     from mrl.launch.worker_group import WorkerGroupError
+    from mrl.rank_map import PlacementError
     from mrl.rewards.watch import RewardFailedError
 
     start = time.perf_counter()
     try:
         summary = job(cfg)
-    except ConfigError as exc:  # found at start-up, before any work (e.g. a checkpoint that does not fit)
+    except (ConfigError, PlacementError) as exc:  # found at start-up: a checkpoint that does not fit, a split TP group
         print(exc, file=sys.stderr)
         return 2
     except (WorkerGroupError, EngineError, RewardFailedError) as exc:  # a rank, engine or reward failed: one line

@@ -313,6 +313,8 @@ class LaunchConfig:
     gpus_per_node: int = 0  # 0: a CPU run
     cpus_per_node: int = 2
     rollout_gpus: int = 0  # placement: separate — GPUs reserved for the rollout engines
+    # A TP group (or an EP group small enough for a node) split over nodes: refused (false), or run with a warning
+    allow_cross_node_tp: bool = False
 
 
 @dataclass

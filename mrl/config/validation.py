@@ -18,6 +18,7 @@ from mrl.config.preflight import preflight
 from mrl.config.ranges import out_of_range
 from mrl.config.schema import RunConfig
 from mrl.layout import LayoutError, ModelDims, ParallelLayout
+from mrl.rank_map import planned_split
 
 def validate(cfg: RunConfig, check_files: bool = True) -> list[str]:
     """Every problem in `cfg`; check_files=False skips what needs this machine (model, data, reward
@@ -341,6 +342,9 @@ def _check_layout(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
                           f"{cfg.rollout.n_samples_per_prompt} = {rows} sequences do not split over {dp} data-parallel "
                           "ranks: make the product a multiple of the data-parallel size.")
         errors += _check_mini_batch(cfg, dp)
+    if world is not None and world % layout.min_world_size() == 0 and cfg.launch.gpus_per_node \
+            and not cfg.launch.allow_cross_node_tp:  # the placement check's verdict on free nodes, before any start
+        errors += ["parallel: " + e for e in planned_split(layout, world, cfg.launch.gpus_per_node)]
     try:
         if dims is not None:
             dims, uneven_errors = _even_part(cfg, dims)

@@ -21,6 +21,7 @@ from mrl.launch.fleet import EngineFleet, FleetGeneration
 from mrl.launch.proxies import ActorGroup, EngineHandle
 from mrl.launch.rollout_actor import start_rollout_actor
 from mrl.launch.worker_group import WorkerGroup
+from mrl.rank_map import write_rank_map
 from mrl.rollout.engine import Generation, SamplingSettings
 from mrl.sync.channel import channel_count
 from mrl.sync.driver import WeightSync
@@ -186,8 +187,10 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
                                      reference=False, value_head=True)] if critic else [])
         for role_setup in setups:
             groups.append(ActorGroup(WorkerGroup(world, cpus_per_worker=1, gpus_per_worker=share,
-                                                 timeout_s=max(600.0, cfg.sync.timeout_s))))
+                                                 timeout_s=max(600.0, cfg.sync.timeout_s), layout=setup.layout,
+                                                 allow_split=launch.allow_cross_node_tp)))
             groups[-1].setup(role_setup)
+        write_rank_map(Path(cfg.trainer.output_dir), dict(zip(("actor", "critic"), (g.group.ranks for g in groups))))
         sync = None if fleet is None else WeightSync(groups[0], fleet.handles, cfg.sync,
                                                      channel_count(cfg.sync.transport, cfg.parallel.pp),
                                                      probe_sequences(vocab_size))

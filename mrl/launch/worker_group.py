@@ -7,27 +7,19 @@ timeout: a rank that raises or dies is reported by number, a stuck collective is
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from mrl.launch.placement import place_ranks
+from mrl.layout import ParallelLayout
+from mrl.rank_map import RankPlace
 from mrl.workers.actor import MegatronActor
 
 # Workers never print through the driver's console unless asked: their logs stay in Ray's files.
 _WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore::FutureWarning"}
-
-
-def local_ranks(hosts: list[str]) -> list[int]:
-    """LOCAL_RANK of each global rank: its index among the ranks on the same node."""
-    seen: dict[str, int] = {}
-    ranks = []
-    for host in hosts:
-        ranks.append(seen.get(host, 0))
-        seen[host] = ranks[-1] + 1
-    return ranks
 
 
 # After a rank raised: how long to wait for Ray to report a dead peer. A killed rank's peers fail
@@ -59,26 +51,20 @@ class WorkerGroupError(RuntimeError):
 
 
 class WorkerGroup:
-    """`world_size` MegatronActor processes, packed onto as few nodes as possible."""
+    """`world_size` MegatronActor processes, packed onto as few nodes as possible, numbered by node
+    (mrl.launch.placement); `ranks[rank]` says where each runs (node, local rank, devices)."""
 
     def __init__(self, world_size: int, *, cpus_per_worker: float = 1.0, gpus_per_worker: float = 0.0,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, layout: ParallelLayout | None = None, allow_split: bool = False):
         self.world_size, self.timeout_s = world_size, timeout_s
         bundle = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
-        self.placement = placement_group([bundle] * world_size, strategy="PACK")
-        try:
-            ray.get(self.placement.ready(), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.placement)
-            raise WorkerGroupError(
-                f"Ray could not place {world_size} workers of {bundle} within {timeout_s:.0f}s: the cluster has "
-                f"{ray.cluster_resources()}; lower the layout or add resources (launch.* settings)"
-            ) from None
+        # Before any rank starts: a layout whose TP group Ray's placement splits is refused here.
+        self.placement = place_ranks(world_size, bundle, timeout_s, layout, allow_split)
         remote = ray.remote(MegatronActor)
         self.workers = [
             remote.options(
                 num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, runtime_env={"env_vars": _WORKER_ENV},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
+                scheduling_strategy=self.placement.strategy(rank),
             ).remote(rank, world_size)
             for rank in range(world_size)
         ]
@@ -86,8 +72,10 @@ class WorkerGroup:
         master = self._get([self.workers[0].address.remote()], "address")[0]
         hosts = self.call("hostname")
         self.places = [f"pid {pid} on {host}" for pid, host in zip(self.call("pid"), hosts, strict=True)]
-        joins = [worker.init_process_group.remote(master, local_rank)
-                 for worker, local_rank in zip(self.workers, local_ranks(hosts), strict=True)]
+        self.ranks: list[RankPlace] = [dataclasses.replace(place, devices=devices) for place, devices
+                                       in zip(self.placement.places, self.call("visible_devices"), strict=True)]
+        joins = [worker.init_process_group.remote(master, place.local_rank)
+                 for worker, place in zip(self.workers, self.ranks, strict=True)]
         self._get(joins, "init_process_group")
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
@@ -174,6 +162,5 @@ class WorkerGroup:
         """Kill every rank and free the placement (again after a failure: a no-op)."""
         for worker in self.workers:
             ray.kill(worker)
-        if self.placement is not None:
-            remove_placement_group(self.placement)
-        self.workers, self.placement = [], None
+        self.placement.remove()
+        self.workers = []

@@ -66,6 +66,10 @@ class MegatronActor:
         """This rank's process id: a failure report names it (and tests kill it)."""
         return os.getpid()
 
+    def visible_devices(self) -> str | None:
+        """The accelerators Ray gave this rank (CUDA_VISIBLE_DEVICES; None: unset, a CPU run)."""
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
     def address(self) -> tuple[str, int]:
         """Host and port of the default group's rendezvous store (asked of rank 0, which hosts it).
 

@@ -1,4 +1,4 @@
-from mrl.launch.worker_group import local_ranks
+from mrl.rank_map import local_ranks
 
 
 def test_local_rank_counts_ranks_on_the_same_node():

@@ -1,0 +1,98 @@
+"""Rank placement on a simulated two-node Ray cluster (ray.cluster_utils.Cluster: 2 nodes × 2 CPUs ×
+2 logical GPUs on this machine): mrl.launch.placement numbers 4 lightweight actors' ranks node by
+node, each actor runs on the node and device the map says, and a TP4 layout (a group over both
+nodes) is refused before any actor starts, with its bundles freed.
+
+The cluster runs in a child process (this file run as a script) under a private RAY_TMPDIR: a test
+session's own Ray (tests/e2e/conftest.py) stays connected, and no other cluster's address file is
+touched. Ray starts once per run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.matrix  # 35-64 s on the shared 2-core machine, most of it starting the two Ray nodes
+def test_ranks_follow_nodes_and_a_split_tp_group_is_refused():
+    pytest.importorskip("ray")
+    with tempfile.TemporaryDirectory(prefix="mrl-ray-", dir="/tmp") as temp:  # short: Ray's socket paths
+        env = {**os.environ, "RAY_TMPDIR": temp, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+        done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    places, actors = seen["places"], seen["actors"]
+    nodes = [p["node_id"] for p in places]
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3], places  # consecutive ranks share a node
+    assert [p["node"] for p in places] == [0, 0, 1, 1] and [p["local_rank"] for p in places] == [0, 1, 0, 1]
+    assert [a["node_id"] for a in actors] == nodes  # each actor ran where the map put its rank
+    assert sorted(a["devices"] for a in actors[:2]) == sorted(a["devices"] for a in actors[2:]) == ["0", "1"]
+    assert seen["refused"].startswith("TP group of ranks 0-3 is split over nodes 0 (") and "\n" not in seen["refused"]
+    assert seen["free_after_refusal"] == {"CPU": 4.0, "GPU": 4.0}
+
+
+def _on_two_nodes() -> dict:
+    """Place 4 one-GPU ranks as TP2, start a probe actor per rank, then try TP4."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from mrl.launch.placement import place_ranks
+    from mrl.layout import ParallelLayout
+    from mrl.rank_map import PlacementError
+
+    @ray.remote
+    class Probe:
+        def where(self) -> dict:
+            return {"node_id": ray.get_runtime_context().get_node_id(),
+                    "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=2, num_gpus=2)
+        ray.init(address=cluster.address, log_to_driver=False)
+        bundle = {"CPU": 1, "GPU": 1}
+        placement = place_ranks(4, bundle, 60.0, ParallelLayout(tp=2))
+        probes = [Probe.options(num_cpus=1, num_gpus=1, scheduling_strategy=placement.strategy(rank)).remote()
+                  for rank in range(4)]
+        actors = ray.get([probe.where.remote() for probe in probes], timeout=60)
+        for probe in probes:
+            ray.kill(probe)
+        placement.remove()
+        try:
+            place_ranks(4, bundle, 60.0, ParallelLayout(tp=4))
+            refused = ""
+        except PlacementError as err:
+            refused = str(err)
+        return {"places": [asdict(p) for p in placement.places], "actors": actors, "refused": refused,
+                "free_after_refusal": _free_resources(expect={"CPU": 4.0, "GPU": 4.0})}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _free_resources(expect: dict, within_s: float = 10.0) -> dict:
+    """The cluster's free CPUs and GPUs once they equal `expect`, or as they are after `within_s`
+    (Ray frees a removed placement group's bundles asynchronously)."""
+    import ray
+
+    deadline = time.monotonic() + within_s
+    while True:
+        free = {k: ray.available_resources().get(k) for k in expect}
+        if free == expect or time.monotonic() > deadline:
+            return free
+        time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_on_two_nodes()))
