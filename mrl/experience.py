@@ -79,7 +79,7 @@ def route_rows(samples: Sequence[Generation], width: int, shape: RouteShape) -> 
     for index, sample in enumerate(samples):
         tokens = len(sample.prompt_ids) + len(sample.token_ids) - 1
         checked = shape.check(sample_routes(sample), tokens=tokens, sample=index)
-        routes[index, :tokens] = torch.from_numpy(checked.astype(routes.numpy().dtype, copy=False))
+        routes.numpy()[index, :tokens] = checked  # numpy's copy: Ray hands the arrays over read-only
         lengths[index] = tokens
     return {"routes": routes, "routes_len": lengths}
 

@@ -22,12 +22,14 @@ from mrl.config.derived import optim_for
 from mrl.data import EpochSampler, load_splits
 from mrl.inputs import prepare_model, tokenize_samples
 from mrl.launch.cluster import Cluster, start_cluster
+from mrl.models.registry import model_spec_from_hf
 from mrl.rewards import RewardErrorWatch, build_reward
 from mrl.rewards.ahead import ScoresAhead
 from mrl.run_owner import claim, identity, ownership_problem
 
 if TYPE_CHECKING:
     from mrl.modes import GeneratedBatch
+    from mrl.routes import RouteShape
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Run:
     rl_start: str | None = None  # the policy checkpoint RL starts from (None: the HF model)
     in_flight: dict | list | None = None  # a resumed checkpoint's generated, untrained batches (GeneratedBatch states)
     reward_watch: RewardErrorWatch | None = None  # RL: counts failed reward calls, stops a run whose every call fails
+    route_shape: RouteShape | None = None  # a MoE model's routes per token (mrl.routes); None: dense
 
     @property
     def out(self) -> Path:
@@ -121,7 +124,8 @@ def open_run(cfg: RunConfig, sft_only: bool = False) -> Run:
         if reward is not None:
             reward.close()
         raise
-    run = Run(cfg, tokenizer, train_set, heldout, sampler, reward, cluster)
+    run = Run(cfg, tokenizer, train_set, heldout, sampler, reward, cluster,
+              route_shape=model_spec_from_hf(hf_dir).route_shape)
     if not sft_only:
         run.reward_watch = RewardErrorWatch(cfg.reward.max_failing_steps, run.out / "reward_errors.jsonl")
         try:

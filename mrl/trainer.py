@@ -24,7 +24,7 @@ from mrl.atomic import atomic_write
 from mrl.checkpoint_dir import iter_name
 from mrl.config import RunConfig, config_to_dict
 from mrl.config.schema import AlgoConfig
-from mrl.config.derived import data_parallel_size, epochs_of, mini_batches
+from mrl.config.derived import data_parallel_size, epochs_of, mini_batches, returns_routes
 from mrl.experience import actor_inputs, critic_inputs, rollout_batch, select_rows, split_rows
 from mrl.launch.cluster import one_off_engine
 from mrl.launch.proxies import EngineHandle
@@ -156,7 +156,7 @@ def collect(run: Run, generated: GeneratedBatch, metrics: dict) -> Rollout:
     metrics["reward/scored_ahead"] = float(ahead)
     metrics.update(run.reward_watch.observe(rewards))  # reward/errors; N steps of nothing but failures stop the run
     scores = torch.tensor([r.score for r in rewards], dtype=torch.float32)
-    batch = rollout_batch(groups, scores.tolist())
+    batch = rollout_batch(groups, scores.tolist(), route_shape=run.route_shape if returns_routes(cfg) else None)
     metrics.update(rollout_metrics(batch, groups, scores))
     return Rollout(generated, prompts, rewards, shape_rewards(batch, scores, cfg, metrics))
 
@@ -165,10 +165,13 @@ def learn(step: int, run: Run, rollout: Rollout, metrics: dict) -> None:
     """Old/reference log-probs, values, advantages, then the critic's and the actor's updates."""
     cfg, cluster, batch = run.cfg, run.cluster, rollout.batch
     with timer("old_log_prob", metrics):
-        batch["old_logprobs"] = cluster.actor.logprobs(actor_inputs(batch))
+        old = cluster.actor.logprobs(actor_inputs(batch))
+        batch["old_logprobs"] = old.logprobs
+        batch.update(old.replay)  # algo.router_replay R2: the routes of this pass, replayed in the updates
         if cfg.algo.kl_coef > 0:
-            batch["ref_logprobs"] = cluster.actor.logprobs(actor_inputs(batch), reference=True)
+            batch["ref_logprobs"] = cluster.actor.logprobs(actor_inputs(batch), reference=True).logprobs
     metrics.update(drift_metrics(batch))
+    metrics.update(old.routing)  # MoE samples with the engine's routes: rollout/routing_agreement, …
     metrics.update(correction_metrics(batch, cfg.algo))
     if cluster.critic is not None:
         with timer("values", metrics):

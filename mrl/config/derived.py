@@ -87,13 +87,19 @@ def recompute_of(cfg: RunConfig) -> Recompute:
     return Recompute(m.recompute, modules, m.recompute_num_layers)
 
 
+def returns_routes(cfg: RunConfig) -> bool:
+    """Whether samples carry the engine's MoE routes: rollout.return_routes, or algo.router_replay R3,
+    which replays them and means nothing without them (so it turns the capture on, not refuses)."""
+    return cfg.rollout.return_routes or cfg.algo.router_replay == "R3"
+
+
 def engine_options(cfg: RunConfig) -> dict[str, Any]:
     """vllm.LLM keyword arguments of the rollout section."""
     r = cfg.rollout
     options = dict(tensor_parallel_size=r.tensor_parallel_size, dtype=r.dtype, max_model_len=r.max_model_len,
                    enforce_eager=r.enforce_eager, seed=r.seed, gpu_memory_utilization=r.gpu_memory_utilization,
                    weight_apply=cfg.sync.apply, interruptible=cfg.async_.partial_rollout,
-                   streaming=cfg.async_.streaming, return_routes=r.return_routes)
+                   streaming=cfg.async_.streaming, return_routes=returns_routes(cfg))
     if r.kv_cache_memory_mb is not None:
         options["kv_cache_memory_bytes"] = r.kv_cache_memory_mb << 20
     return options

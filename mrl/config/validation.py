@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mrl.checkpoint_dir import CheckpointDirError, locate
-from mrl.config.derived import actor_gpus, actor_world_size
+from mrl.config.derived import actor_gpus, actor_world_size, returns_routes
 from mrl.config.preflight import preflight
 from mrl.config.ranges import out_of_range
 from mrl.config.schema import RunConfig
@@ -298,15 +298,17 @@ def _refuse_quantized(path: str, hf_config: dict, rollout_quantization: str | No
 
 
 def _check_return_routes(cfg: RunConfig, dims: ModelDims | None) -> list[str]:
-    """rollout.return_routes: MoE models only; on GPUs not with partial rollout (vLLM's own capture
-    returns the routes of finished requests only, and an interrupted sample needs its prefix's)."""
-    if not cfg.rollout.return_routes:
+    """Engine routes (rollout.return_routes, or R3's): MoE models only (a dense one with R3 is
+    _check_router_replay's error); on GPUs not with partial rollout (vLLM's own capture returns the
+    routes of finished requests only, and an interrupted sample needs its prefix's)."""
+    if not returns_routes(cfg):
         return []
     errors = []
-    if dims is not None and not dims.num_experts:
+    if cfg.rollout.return_routes and dims is not None and not dims.num_experts:
         errors.append("rollout.return_routes records MoE routes, but the model has no experts: set it to false.")
     if cfg.async_.partial_rollout and cfg.launch.gpus_per_node:
-        errors.append("rollout.return_routes on GPUs takes vLLM's own routes, which it returns for finished requests "
+        setting = "rollout.return_routes" if cfg.rollout.return_routes else "algo.router_replay R3 (the engine's routes)"
+        errors.append(f"{setting} on GPUs takes vLLM's own routes, which it returns for finished requests "
                       "only, and async.partial_rollout needs an interrupted sample's too: turn one of them off.")
     return errors
 

@@ -182,9 +182,10 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
         setup = ActorSetup(hf_dir=hf_dir, layout=layout_of(cfg), params_dtype=cfg.model.dtype,
                            transformer_impl=cfg.model.transformer_impl, recompute=recompute_of(cfg), fp8=cfg.model.fp8,
                            seed=cfg.trainer.seed,
-                           optim=optim_for(cfg), reference=cfg.algo.kl_coef > 0)
+                           optim=optim_for(cfg), reference=cfg.algo.kl_coef > 0,
+                           router_replay=cfg.algo.router_replay)
         setups = [setup] + ([replace(setup, hf_dir=cfg.model.critic_path or hf_dir, optim=optim_for(cfg, "critic"),
-                                     reference=False, value_head=True)] if critic else [])
+                                     reference=False, value_head=True, router_replay="none")] if critic else [])
         for role_setup in setups:
             groups.append(ActorGroup(WorkerGroup(world, cpus_per_worker=1, gpus_per_worker=share,
                                                  timeout_s=max(600.0, cfg.sync.timeout_s), layout=setup.layout,
@@ -272,8 +273,10 @@ def engine_checkpoint(cfg: RunConfig, hf_dir: str) -> str:
 
 @contextmanager
 def one_off_engine(cfg: RunConfig, hf_dir: str) -> Iterator[EngineHandle]:
-    """A one-off engine on `hf_dir` in its own actor (vLLM runs one engine per process), stopped after the block."""
-    engine = EngineHandle(start_rollout_actor(engine_checkpoint(cfg, hf_dir), engine_options(cfg),
+    """A one-off engine on `hf_dir` in its own actor (vLLM runs one engine per process), stopped after the
+    block. It evaluates: no sample of it is trained, so it records no MoE routes."""
+    options = engine_options(cfg) | {"return_routes": False}
+    engine = EngineHandle(start_rollout_actor(engine_checkpoint(cfg, hf_dir), options,
                                               start_timeout_s=cfg.rollout.start_timeout_s), cfg.sync.timeout_s)
     try:
         yield engine

@@ -10,6 +10,7 @@ driver, at once, with Python's own message.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import ray
@@ -19,6 +20,7 @@ from mrl.config.schema import OptimConfig, SyncConfig
 from mrl.launch.rollout_actor import RolloutServer
 from mrl.launch.worker_group import WorkerGroup
 from mrl.rollout.engine import Generation, SamplingSettings
+from mrl.routes import agreement_from_counts
 from mrl.sync.channel import SyncEndpoint
 from mrl.sync.wire import WeightUpdateReport
 from mrl.workers.actor import ActorSetup, MegatronActor
@@ -30,6 +32,26 @@ def _checked(method: Callable, *args: Any, **kwargs: Any) -> str:
     """`method`'s name, once its signature accepts these arguments (self excluded)."""
     inspect.signature(method).bind(None, *args, **kwargs)
     return method.__name__
+
+
+@dataclass
+class Scored:
+    """A log-prob pass over the whole batch: `logprobs` [B, L]; for a batch with MoE routes the
+    routing metrics (rollout/routing_agreement, …: the DP ranks' agreement counts summed, then
+    mrl.routes.agreement_from_counts); with algo.router_replay R2 the routes the pass recorded,
+    `replay` {"routes" [B, L, M, K], "routes_len" [B]}, for the updates to replay. Both empty otherwise."""
+
+    logprobs: torch.Tensor
+    routing: dict[str, float] = field(default_factory=dict)
+    replay: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, results: list[dict]) -> Scored:
+        """From the DP slices' results, in DP order (their rows concatenate into the batch's)."""
+        counts = [r["routing_counts"] for r in results if "routing_counts" in r]
+        routing = agreement_from_counts(torch.stack(counts).sum(0)) if counts else {}
+        replay = {key: torch.cat([r[key] for r in results]) for key in ("routes", "routes_len") if key in results[0]}
+        return cls(torch.cat([r["logprobs"] for r in results]), routing, replay)
 
 
 class ActorGroup:
@@ -57,9 +79,10 @@ class ActorGroup:
 
     # --- per-step work --------------------------------------------------------------------------
 
-    def logprobs(self, batch: dict, reference: bool = False) -> torch.Tensor:
-        """[B, L] log-probs of the whole batch under the policy (or the frozen reference)."""
-        return torch.cat([r["logprobs"] for r in self._by_dp(MegatronActor.logprobs, batch, reference)])
+    def logprobs(self, batch: dict, reference: bool = False) -> Scored:
+        """The whole batch's log-probs under the policy (or the frozen reference), with what the
+        policy's pass says about MoE routes (Scored)."""
+        return Scored.of(self._by_dp(MegatronActor.logprobs, batch, reference))
 
     def values(self, batch: dict) -> torch.Tensor:
         """[B, L] values of the whole batch (a critic)."""

@@ -88,7 +88,7 @@ class Generation:
         """Plain data a checkpoint loads with weights_only: the routes as a tensor, not a numpy array."""
         state = asdict(self)
         if self.routed_experts is not None:
-            state["routed_experts"] = torch.from_numpy(np.ascontiguousarray(self.routed_experts))
+            state["routed_experts"] = torch.from_numpy(np.array(self.routed_experts))  # a copy: Ray's are read-only
         return state
 
     @classmethod

@@ -522,3 +522,14 @@ def test_router_replay_needs_a_moe_model():
                      "set algo.router_replay: none.")
     (error,) = errors_of(TINY, "algo.router_replay=R4")
     assert error.startswith("algo.router_replay: must be one of 'none', 'R2', 'R3', got 'R4'"), error
+
+
+def test_r3_turns_the_engines_routes_on():
+    """R3 replays the engine's routes: it switches rollout.return_routes' capture on (R2 and none leave it)."""
+    from mrl.config.derived import engine_options
+
+    for mode, routes in (("none", False), ("R2", False), ("R3", True)):
+        assert engine_options(load_config(TINY, [f"algo.router_replay={mode}"]))["return_routes"] is routes, mode
+    errors = errors_of(TINY, "algo.router_replay=R3", "trainer.mode=fully_async", "async.partial_rollout=true",
+                       "launch.gpus_per_node=4")
+    assert errors[-1].startswith("algo.router_replay R3 (the engine's routes) on GPUs takes vLLM's own routes"), errors

@@ -123,3 +123,22 @@ def test_a_fleet_generation_takes_each_engines_time_when_it_finishes():
     assert [len(g) for g in groups] == [1, 1, 1] and pending.seconds == seconds  # batch order; time taken at finish
     assert fleet.in_flight == [0.0, 0.0]  # counted off once, though result() and the callbacks both saw it
     assert set(pending.metrics) == {f"rollout/engine{i}/{k}" for i in (0, 1) for k in ("tokens_per_s", "gen_s")}
+
+
+def test_a_log_prob_pass_sums_routing_counts_over_dp_and_joins_r2_routes_in_dp_order():
+    from mrl.launch.proxies import Scored
+    from mrl.routes import agreement_counts
+
+    own = torch.tensor([[[[0, 1]], [[2, 3]]], [[[1, 0]], [[3, 4]]]])  # [B=2, T=2, M=1, K=2]
+    given = torch.tensor([[[[1, 0]], [[2, 5]]], [[[1, 0]], [[3, 4]]]])
+    ranks = [{"dp": dp, "logprobs": torch.full((1, 2), float(dp)), "routes_len": torch.tensor([2]),
+              "routes": own[dp : dp + 1].to(torch.uint8),
+              "routing_counts": agreement_counts(own[dp : dp + 1], given[dp : dp + 1], torch.ones(1, 2, dtype=bool))}
+             for dp in (0, 1)]
+    scored = Scored.of(ranks)
+    assert torch.equal(scored.logprobs, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+    assert scored.routing == {"rollout/routing_agreement": 0.75, "rollout/routing_agreement_min_layer": 0.75,
+                              "rollout/routing_tokens_any_diff": 0.25}
+    assert torch.equal(scored.replay["routes"], own.to(torch.uint8)) and scored.replay["routes_len"].tolist() == [2, 2]
+    plain = Scored.of([{"dp": 0, "logprobs": torch.zeros(1, 2)}])
+    assert plain.routing == {} and plain.replay == {}
