@@ -1,5 +1,5 @@
-"""MoE routing replay in the Megatron trainer (mrl.megatron.router_replay) on tiny qwen3_moe and
-DeepSeek-V3 (first layer dense, group-limited sigmoid routing, a shared expert).
+"""MoE routing replay in the Megatron trainer (mrl.megatron.router_replay) on tiny qwen3_moe and (the
+matrix) DeepSeek-V3 (first layer dense, group-limited sigmoid routing, a shared expert).
 
 One process per architecture: the routers' choices are read with forward hooks on the routers.
 (a) R3: replaying routes unlike the trainer's own (every expert id + 1) makes the routers choose
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from fixtures.rollout import ragged_rollout_batch
+from fixtures.routes import UsedRoutes
 from mrl.layout import ParallelLayout
 from mrl.megatron.local_launch import run_local
 
@@ -49,39 +50,6 @@ def _build(hf_dir: str, layout: ParallelLayout, recompute=None):
     # lr 0 and (DeepSeek-V3) no expert-bias update: every pass sees the same model and routing
     built.chunks[0].config.moe_router_bias_update_rate = 0.0
     return make_trainable(built, OptimConfig(lr=0.0, clip_grad=0.0))
-
-
-class UsedRoutes:
-    """The experts each router chose (its routing map), per call, by forward hooks; one process."""
-
-    def __init__(self, built):
-        from mrl.megatron.router_replay import chunk_routers
-
-        self.calls: dict[int, list[torch.Tensor]] = {}
-        self.handles = []
-        for chunk in built.chunks:
-            layers = dict((id(r), g) for g, r in chunk_routers(chunk))
-            for module in chunk.modules():
-                if getattr(module, "router_replay", None) is not None:
-                    layer = layers[id(module.router_replay)]
-                    self.handles.append(module.register_forward_hook(
-                        lambda _m, _i, out, layer=layer: self.calls.setdefault(layer, []).append(out[1].detach())))
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def ids(self, micro: list[dict], count: int, length: int, top_k: int) -> torch.Tensor:
-        """[count, length, layers, K] sorted ids in the batch's row order (-1: not forwarded)."""
-        out = torch.full((count, length, len(self.calls), top_k), -1, dtype=torch.long)
-        for layer, maps in sorted(self.calls.items()):
-            assert len(maps) == len(micro), f"layer {layer}: {len(maps)} calls for {len(micro)} micro-batches"
-            for mb, used in zip(micro, maps):
-                b, s = mb["tokens"].shape
-                ids = used.nonzero()[:, 1].view(s, b, top_k).transpose(0, 1)
-                real, kept = mb["index"] >= 0, mb["label_columns"]
-                out[mb["index"][real], :kept, layer - min(self.calls)] = ids[real, :kept]
-        return out
 
 
 def _router_grads(built) -> torch.Tensor:
@@ -154,7 +122,8 @@ def _one_process(rank: int, world_size: int, hf_dir: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+# DeepSeek-V3 in the matrix only (make test keeps one architecture of this per-process case)
+@pytest.fixture(scope="module", params=["qwen3_moe", pytest.param("deepseek_v3", marks=pytest.mark.matrix)])
 def one_process(request, tiny_model_dir):
     hf_dir = str(tiny_model_dir(request.param))
     return request.param, hf_dir, run_local(_one_process, 1, hf_dir, timeout_s=TIMEOUT_S)[0]

