@@ -105,13 +105,13 @@ def test_profile_steps_from_the_command_line():
 
 @pytest.mark.parametrize("steps, message", [
     ("[3,2]", "profile.steps [3, 2] starts after it ends: write [first, last] with first <= last."),
-    ("[0,2]", "profile.steps [0, 2] lies outside RL steps 1..60 (trainer.total_steps): choose steps in that range."),
-    ("[59,61]", "profile.steps [59, 61] lies outside RL steps 1..60 (trainer.total_steps): choose steps in that range."),
+    ("[0,2]", "profile.steps [0, 2] lies outside RL steps 1..100 (trainer.total_steps): choose steps in that range."),
+    ("[99,101]", "profile.steps [99, 101] lies outside RL steps 1..100 (trainer.total_steps): choose steps in that range."),
     ("[2]", "profile.steps must be [first, last], two RL steps, got [2]: e.g. profile.steps=[2,3]."),
     ("[1,2,3]", "profile.steps must be [first, last], two RL steps, got [1, 2, 3]: e.g. profile.steps=[2,3]."),
 ])
 def test_bad_profile_steps(steps, message):
-    assert load_config(TINY).trainer.total_steps == 60
+    assert load_config(TINY).trainer.total_steps == 100
     with pytest.raises(ConfigError) as info:
         load_config(TINY, [f"profile.steps={steps}"])
     assert info.value.errors == [message]
