@@ -21,16 +21,16 @@ from typing import Iterator
 import torch
 
 from mrl.megatron.context_parallel import gather_sequence
+from mrl.models.registry import moe_layer_pattern
 from mrl.routes import RouteShape, agreement_counts, check_routes
 
 MODES = ("none", "R2", "R3")
 NO_ROUTE = -1  # a target row of -1: the router chooses for that token itself
 
 
-def moe_layer_pattern(config) -> list[int]:
-    """1 for each MoE layer of the model, 0 for a dense one (Megatron's moe_layer_freq, as its block spec reads it)."""
-    freq, layers = config.moe_layer_freq, config.num_layers
-    return [1 if i % freq == 0 else 0 for i in range(layers)] if isinstance(freq, int) else list(freq)
+def config_moe_layers(config) -> list[int]:
+    """1 for each MoE layer of the model, 0 for a dense one (its TransformerConfig's moe_layer_freq)."""
+    return moe_layer_pattern(config.moe_layer_freq, config.num_layers)
 
 
 def chunk_routers(chunk: torch.nn.Module) -> list[tuple[int, object]]:
@@ -41,7 +41,7 @@ def chunk_routers(chunk: torch.nn.Module) -> list[tuple[int, object]]:
             if module.router_replay is None:
                 raise RuntimeError("this model was built without moe_enable_routing_replay: build it with "
                                    "mrl.megatron.model.build_model, which turns it on for MoE models")
-            pattern = moe_layer_pattern(module.config)
+            pattern = config_moe_layers(module.config)
             out.append((sum(pattern[: module.layer_number - 1]), module.router_replay))
     return out
 
@@ -112,7 +112,7 @@ class RoutePass:
     def __init__(self, built, plan: RoutePlan):
         self.plan = plan
         self.top_k = built.chunks[0].config.moe_router_topk
-        self.moe_layers = sum(moe_layer_pattern(built.chunks[0].config))
+        self.moe_layers = sum(config_moe_layers(built.chunks[0].config))
         self.layers = local_layers(built)
         self.position = {g: i for i, g in enumerate(self.layers)}
         self._routers: dict[int, list] = {}  # id(model given to forward_step) → its routers

@@ -18,6 +18,12 @@ if TYPE_CHECKING:
     from mrl.routes import RouteShape
 
 
+def moe_layer_pattern(freq: int | list[int], layers: int) -> list[int]:
+    """1 for each MoE layer, 0 for a dense one, from Megatron's moe_layer_freq (every freq-th layer,
+    or a list of 0/1 a layer) as its block spec reads it."""
+    return [1 if i % freq == 0 else 0 for i in range(layers)] if isinstance(freq, int) else list(freq)
+
+
 class UnsupportedModelError(ValueError):
     """A config.json this registry cannot translate; the message names the field and the fix."""
 
@@ -52,8 +58,7 @@ class ModelSpec:
 
         if not self.num_experts:
             return None
-        freq, layers = self.config.get("moe_layer_freq", 1), self.config["num_layers"]
-        pattern = [1 if i % freq == 0 else 0 for i in range(layers)] if isinstance(freq, int) else freq
+        pattern = moe_layer_pattern(self.config.get("moe_layer_freq", 1), self.config["num_layers"])
         return RouteShape(sum(pattern), self.config["moe_router_topk"], self.num_experts)
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mrl.layout import ParallelLayout
-from mrl.models.registry import ModelSpec
+from mrl.models.registry import ModelSpec, moe_layer_pattern
 
 
 class PlanError(ValueError):
@@ -67,10 +67,7 @@ class ModelShape:
                           c["v_head_dim"])
         moe = None
         if c.get("num_moe_experts"):
-            pattern = c.get("moe_layer_freq", 1)
-            layers = c["num_layers"]
-            moe_layers = tuple(bool(x) for x in pattern) if isinstance(pattern, list) else tuple(
-                i % pattern == 0 for i in range(layers))
+            moe_layers = tuple(bool(x) for x in moe_layer_pattern(c.get("moe_layer_freq", 1), c["num_layers"]))
             moe = MoEDims(
                 experts=c["num_moe_experts"], ffn=c["moe_ffn_hidden_size"],
                 shared_ffn=c.get("moe_shared_expert_intermediate_size") or 0, topk=c["moe_router_topk"],
