@@ -25,7 +25,7 @@ from mrl.rank_map import write_rank_map
 from mrl.rollout.engine import Generation, SamplingSettings
 from mrl.sync.channel import channel_count
 from mrl.sync.driver import WeightSync
-from mrl.sync.parity import probe_sequences
+from mrl.sync.parity import probe_sequences, route_probe_for
 from mrl.workers.actor import ActorSetup
 
 
@@ -192,9 +192,10 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
                                                  allow_split=launch.allow_cross_node_tp)))
             groups[-1].setup(role_setup)
         write_rank_map(Path(cfg.trainer.output_dir), dict(zip(("actor", "critic"), (g.group.ranks for g in groups))))
+        probe = probe_sequences(vocab_size)
         sync = None if fleet is None else WeightSync(groups[0], fleet.handles, cfg.sync,
-                                                     channel_count(cfg.sync.transport, cfg.parallel.pp),
-                                                     probe_sequences(vocab_size))
+                                                     channel_count(cfg.sync.transport, cfg.parallel.pp), probe,
+                                                     route_probe_for(cfg, hf_dir, probe))
     except BaseException:
         for group in groups:
             group.group.shutdown()

@@ -13,7 +13,7 @@ from typing import Any
 from mrl.config.schema import SyncConfig
 from mrl.profiling import stage
 from mrl.sync.channel import SyncEndpoint
-from mrl.sync.parity import ParityError, check_parity, logprob_gap
+from mrl.sync.parity import ParityError, RouteProbe, check_parity, logprob_gap, probe_routing
 
 
 # After a failed push: how long a dead engine's receipt may take to report the death.
@@ -33,6 +33,7 @@ class WeightSync:
     settings: SyncConfig
     channels: int  # one per pipeline stage (broadcast) or one (colocated)
     probe: list[list[int]] = field(default_factory=list)
+    route_probe: RouteProbe | None = None  # an MoE model whose engines return routes: the gate checks routing too
     syncs: int = 0
 
     def __post_init__(self) -> None:
@@ -106,6 +107,8 @@ class WeightSync:
                 continue
             trainer = trainer or self.actor.probe_logprobs(self.probe)
             gap = logprob_gap(engine.score(self.probe), trainer)
+            if self.route_probe is not None:
+                gap.update(probe_routing(engine, self.actor, self.route_probe))
             if gap["rollout/logprob_abs_diff_max"] >= metrics.get("rollout/logprob_abs_diff_max", -1.0):
                 metrics.update(gap)  # the worst engine's gap is the one logged
             if count > 1:

@@ -293,6 +293,9 @@ def test_sft_then_grpo_on_moe_with_expert_parallelism(tmp_path, ray_local, capsy
     for row in steps.values():  # routes of 4 MoE layers x top-2, one byte an id; fp32 on both sides
         assert row["rollout/route_bytes_per_token"] == 8.0 and row["rollout/routing_agreement"] > 0.99, row
         assert row["rollout/routing_tokens_any_diff"] < 0.05 and row["rollout/train_logprob_abs_diff_max"] < 1e-4, row
+    # the parity gate's routing check: the engine's experts for the probe tokens against the trainer's own
+    gated = [row for row in steps.values() if "rollout/probe_routing_agreement" in row]
+    assert gated and all(row["rollout/probe_routing_agreement"] > 0.99 for row in gated), steps
     assert (tmp_path / "ckpt" / "sft" / "latest").read_text().strip() == "iter_0000003"
     # `mrl sft` alone (no engine) writes an SFT checkpoint that RL starts from in a run of its own.
     sft_only = _overrides(tmp_path / "sft_only", model, "model.tiny=null", "parallel.tp=1",

@@ -5,11 +5,13 @@ and parity checked, naming the engine."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mrl.config.schema import SyncConfig
 from mrl.sync.channel import SyncEndpoint
 from mrl.sync.driver import WeightSync
-from mrl.sync.parity import ParityError
+from mrl.sync.parity import ParityError, RouteProbe
+from mrl.routes import RouteShape
 from mrl.sync.wire import WeightUpdateReport
 
 
@@ -90,6 +92,50 @@ def test_parity_failure_names_the_engine():
     sync = WeightSync(FakeActor(log), engines, SyncConfig(transport="broadcast"), channels=1, probe=[[1, 2]])
     with pytest.raises(ParityError, match=r"engine 1 of 2 at 10\.0\.0\.1:5001: step 0: .*'lm_head\.weight'"):
         sync()
+
+
+class RoutingEngine(FakeEngine):
+    """Routes the probe's tokens to expert (token % 4), which the fake trainer below agrees with
+    except at one token of one layer."""
+
+    def generate(self, rows, sampling):
+        import numpy as np
+
+        from mrl.rollout.engine import Generation
+
+        assert sampling.max_tokens == 1 and sampling.temperature == 0.0
+        routes = lambda row: np.array([[[t % 4]] * 2 for t in row], dtype=np.uint8)  # noqa: E731
+        return [[Generation(list(row), [7], "", [-1.0], "length", routed_experts=routes(row))] for row in rows]
+
+
+class RoutingActor(FakeActor):
+    def logprobs(self, batch):
+        from mrl.launch.proxies import Scored
+        from mrl.routes import agreement
+
+        own = batch["routes"].long().clone()
+        own[0, 0, 1] = 3 - own[0, 0, 1]  # one flipped choice (token 0's in MoE layer 1)
+        mask = torch.arange(own.shape[1]).unsqueeze(0) < batch["routes_len"].unsqueeze(1)
+        self.log.append(("logprobs", batch["tokens"].shape[0]))
+        return Scored(torch.zeros(1), agreement(own, batch["routes"].long(), mask))
+
+
+def test_the_gate_compares_routing_and_names_it_when_it_fails():
+    log: list = []
+    probe = RouteProbe.of([[1, 2, 3]], data_parallel=2, shape=RouteShape(layers=2, top_k=1, n_experts=4))
+    assert probe.rows == [[1, 2, 3], [1, 2, 3]]  # a multiple of DP: every rank scores a share
+    sync = WeightSync(RoutingActor(log), [RoutingEngine(5000, log)], SyncConfig(transport="broadcast"), channels=1,
+                      probe=[[1, 2]], route_probe=probe)
+    metrics = sync()
+    assert ("logprobs", 2) in log
+    assert metrics["rollout/probe_routing_agreement"] == 11 / 12  # 2 rows x 3 tokens x 2 layers, one differs
+    assert metrics["rollout/probe_routing_agreement_min_layer"] == 5 / 6
+    assert metrics["rollout/probe_routing_tokens_any_diff"] == 1 / 6
+    worse = WeightSync(RoutingActor(log), [RoutingEngine(5000, log, logprob=-3.0)], SyncConfig(transport="broadcast"),
+                       channels=1, probe=[[1, 2]], route_probe=probe)
+    with pytest.raises(ParityError, match=r"Routing on the probe: 0\.9167 of the expert choices agree "
+                                          r"\(worst MoE layer 0\.8333\)"):
+        worse()
 
 
 def test_a_stale_engine_is_checked_even_when_parity_is_not_due():
