@@ -298,11 +298,14 @@ def rollout_metrics(batch: dict, groups, scores: torch.Tensor) -> dict[str, floa
 
 
 def drift_metrics(batch: dict) -> dict[str, float]:
-    """How far the engine's sampling log-probs are from the trainer's: the drift users never see."""
+    """How far the engine's sampling log-probs are from the trainer's: the drift users never see.
+    rollout/train_kl estimates KL(engine ‖ trainer) from the engine's own samples with the k3
+    estimator (r - 1 - log r, r = p_trainer / p_engine: unbiased, never negative, per token)."""
     mask = batch["response_mask"].bool()
-    diff = (batch["rollout_logprobs"] - batch["old_logprobs"])[mask].abs()
-    return {"rollout/train_logprob_abs_diff_mean": float(diff.mean()),
-            "rollout/train_logprob_abs_diff_max": float(diff.max())}
+    delta = (batch["old_logprobs"] - batch["rollout_logprobs"])[mask].double()
+    return {"rollout/train_logprob_abs_diff_mean": float(delta.abs().mean()),
+            "rollout/train_logprob_abs_diff_max": float(delta.abs().max()),
+            "rollout/train_kl": float((delta.exp() - 1 - delta).mean())}
 
 
 def correction_metrics(batch: dict, a: AlgoConfig) -> dict[str, float]:

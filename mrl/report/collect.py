@@ -51,6 +51,7 @@ NOTES = {
     "actor/pg_clipfrac": "fraction of tokens whose ratio was clipped",
     "response_length/clip_ratio": "fraction of responses cut at rollout.max_new_tokens",
     "rollout/train_logprob_abs_diff": "|engine's sampling log-prob - trainer's log-prob| on the sampled tokens",
+    "rollout/train_kl": "KL(engine || trainer) on the sampled tokens (k3 estimate)",
     "rollout/logprob_abs_diff": "the parity gate: |engine - trainer| log-prob on the probe batch, when checked",
     "critic/vf_explained_var": "how much of the returns' variance the critic's values explain",
     "timing_s/phases": "seconds per step by phase, stacked; the line is the whole step",

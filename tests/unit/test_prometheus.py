@@ -31,7 +31,7 @@ STEP_METRICS = PPO_ONLY | {
     "critic/returns_mean", "critic/returns_min", "critic/score/max", "critic/score/mean", "critic/score/min",
     "eval/accuracy", "eval/accuracy_sampled", "perf/throughput", "perf/gen_tokens_per_s", "response_length/clip_ratio",
     "response_length/max", "response_length/mean", "rollout/logprob_abs_diff_max", "rollout/logprob_abs_diff_mean",
-    "rollout/train_logprob_abs_diff_max", "rollout/train_logprob_abs_diff_mean", "sync/bytes", "sync/engine_load_s",
+    "rollout/train_logprob_abs_diff_max", "rollout/train_logprob_abs_diff_mean", "rollout/train_kl", "sync/bytes", "sync/engine_load_s",
     "timing_s/gen", "timing_s/old_log_prob", "timing_s/reward", "timing_s/step", "timing_s/sync_weights",
     "timing_s/update_actor",
 }

@@ -181,3 +181,16 @@ def test_trainer_correction_metrics_are_over_the_whole_batch():
     assert metrics["rollout/is_weight_mean"] == pytest.approx(1.4) and metrics["rollout/is_clipfrac"] == pytest.approx(0.4)
     metrics = correction_metrics(batch, AlgoConfig(policy_loss="decoupled_ppo", behav_imp_weight_cap=2.0))
     assert metrics["rollout/is_masked_frac"] == pytest.approx(2 / 5)  # 3.0 and 2.5 are over the cap
+
+
+def test_drift_metrics_estimate_the_train_inference_kl():
+    from mrl.trainer import drift_metrics
+
+    # ratios p_trainer / p_engine of 0.5, 1.0, 3.0, 2.5, 1.5 on the sampled tokens; padding ignored
+    old, rollout, mask = logprobs_with_ratios([[0.5, 1.0, 3.0], [2.5, 1.5, PAD]])
+    metrics = drift_metrics({"old_logprobs": old, "rollout_logprobs": rollout, "response_mask": mask})
+    k3 = [r - 1 - math.log(r) for r in (0.5, 1.0, 3.0, 2.5, 1.5)]
+    assert metrics["rollout/train_kl"] == pytest.approx(sum(k3) / 5)
+    assert metrics["rollout/train_logprob_abs_diff_max"] == pytest.approx(math.log(3.0))
+    same = drift_metrics({"old_logprobs": rollout, "rollout_logprobs": rollout, "response_mask": mask})
+    assert same["rollout/train_kl"] == 0.0 and same["rollout/train_logprob_abs_diff_max"] == 0.0
