@@ -1,0 +1,1 @@
+"""Agentic RL: multi-turn episodes with tools, token-in/token-out (issue 40)."""
