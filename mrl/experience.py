@@ -2,7 +2,8 @@
 
 Layout (B sequences, every row right-padded with PAD_ID to the longest one, L + 1 tokens):
   tokens              long  [B, L+1]  prompt ids then response ids
-  response_mask       float [B, L]    1 where labels = tokens[:, 1:] is a response token
+  response_mask       float [B, L]    1 where labels = tokens[:, 1:] is a response token the policy generated
+                                      (an agent's appended tool / environment tokens are 0: Generation.loss_mask)
   token_level_rewards float [B, L]    the sequence score on its last response label, 0 elsewhere
   rollout_logprobs    float [B, L]    the engine's log-prob of each sampled response token
   group_ids           long  [B]       index of the prompt a sample answers (GRPO, RLOO groups)
@@ -33,13 +34,16 @@ def _pad_rows(rows: Sequence[Sequence[float]], width: int, dtype: torch.dtype) -
     return out
 
 
-def _rows(prompts: Sequence[list[int]], responses: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens [B, L+1] and response_mask [B, L] of prompt + response pairs."""
+def _rows(prompts: Sequence[list[int]], responses: Sequence[list[int]],
+          masks: Sequence[list[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [B, L+1] and response_mask [B, L] of prompt + response pairs; `masks` (an agent's
+    episodes: 1 where the policy generated the token, None: every response token) per response."""
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
     tokens = _pad_rows([list(p) + list(r) for p, r in zip(prompts, responses)], width, torch.long)
     mask = torch.zeros(len(prompts), width - 1)
     for index, (prompt, response) in enumerate(zip(prompts, responses)):
-        mask[index, len(prompt) - 1 : len(prompt) - 1 + len(response)] = 1.0
+        own = None if masks is None else masks[index]
+        mask[index, len(prompt) - 1 : len(prompt) - 1 + len(response)] = 1.0 if own is None else torch.tensor(own)
     return tokens, mask
 
 
@@ -50,13 +54,14 @@ def rollout_batch(groups: Sequence[Sequence[Generation]], scores: Sequence[float
     samples = [g for group in groups for g in group]
     if len(samples) != len(scores):
         raise ValueError(f"{len(scores)} scores for {len(samples)} samples")
-    tokens, mask = _rows([s.prompt_ids for s in samples], [s.token_ids for s in samples])
+    tokens, mask = _rows([s.prompt_ids for s in samples], [s.token_ids for s in samples],
+                         [s.loss_mask for s in samples])
     rewards = torch.zeros_like(mask)
     logprobs = torch.zeros_like(mask)
     for index, sample in enumerate(samples):
         start = len(sample.prompt_ids) - 1
-        if sample.token_ids:
-            rewards[index, start + len(sample.token_ids) - 1] = scores[index]
+        if sample.token_ids:  # on the last token the policy generated (an episode ends with one)
+            rewards[index, start + _last_policy_token(sample)] = scores[index]
             logprobs[index, start : start + len(sample.logprobs)] = torch.tensor(sample.logprobs)
     group_ids = torch.tensor([g for g, group in enumerate(groups) for _ in group])
     batch = {"tokens": tokens, "response_mask": mask, "token_level_rewards": rewards,
@@ -64,6 +69,11 @@ def rollout_batch(groups: Sequence[Sequence[Generation]], scores: Sequence[float
     if route_shape is not None:
         batch.update(route_rows(samples, mask.shape[1], route_shape))
     return batch
+
+
+def _last_policy_token(sample: Generation) -> int:
+    mask = sample.loss_mask
+    return len(sample.token_ids) - 1 if mask is None else max(i for i, m in enumerate(mask) if m)
 
 
 def sample_routes(sample: Any) -> Any:

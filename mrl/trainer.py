@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from mrl import algo, evaluation
+from mrl.agent.runner import episode_metrics
 from mrl.atomic import atomic_write
 from mrl.checkpoint_dir import iter_name
 from mrl.config import RunConfig, config_to_dict
@@ -147,6 +148,7 @@ def collect(run: Run, generated: GeneratedBatch, metrics: dict) -> Rollout:
     metrics.update(generated.engine_metrics)  # rollout/engine{i}/...: each engine's throughput
     if generated.gen_seconds > 0:
         metrics["perf/gen_tokens_per_s"] = sum(len(g.token_ids) for gs in groups for g in gs) / generated.gen_seconds
+    metrics.update(episode_metrics([g for gs in groups for g in gs]))  # agent/*: samples that are episodes
     route_bytes = route_bytes_per_token([g for gs in groups for g in gs])  # None: samples carry no routes
     if route_bytes is not None:
         metrics["rollout/route_bytes_per_token"] = route_bytes

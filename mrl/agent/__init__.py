@@ -1,1 +1,1 @@
-"""Agentic RL: multi-turn episodes with tools, token-in/token-out (issue 40)."""
+"""Agentic RL: multi-turn episodes with tools, token-in/token-out (docs/agents.md)."""

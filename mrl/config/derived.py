@@ -102,5 +102,13 @@ def engine_options(cfg: RunConfig) -> dict[str, Any]:
                    streaming=cfg.async_.streaming, return_routes=returns_routes(cfg))
     if r.kv_cache_memory_mb is not None:
         options["kv_cache_memory_bytes"] = r.kv_cache_memory_mb << 20
+    if cfg.agent.loop != "none":  # the rollout actor runs episodes; their turns are concurrent engine calls
+        options["agent"] = agent_settings(cfg)
     return options
 
+
+def agent_settings(cfg: RunConfig) -> dict[str, Any]:
+    """The agent section as the rollout actor takes it (mrl.agent.runner.AgentSettings' fields)."""
+    a = cfg.agent
+    return dict(loop=a.loop, tools=tuple(a.tools), max_turns=a.max_turns, max_tokens=a.max_tokens or cfg.rollout.max_model_len,
+                max_tool_response_chars=a.max_tool_response_chars, tool_timeout_s=a.tool_timeout_s)

@@ -149,6 +149,19 @@ class RolloutConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Multi-turn episodes with tools (docs/agents.md). loop "none": one answer per sample, the
+    engine's plain generate; otherwise every sample is an episode of this loop (mrl/agent/loop.py)."""
+
+    loop: str = "none"  # none | single_turn | tool_calling | "package.module:function"
+    tools: list[str] = field(default_factory=list)  # "calculator", "python" or "package.module:function"
+    max_turns: int = 4  # model turns an episode may take
+    max_tokens: int | None = None  # an episode's context budget (prompt + all its tokens); null: rollout.max_model_len
+    max_tool_response_chars: int = 1024  # a longer tool answer is cut, and says so
+    tool_timeout_s: float = 10.0
+
+
+@dataclass
 class SyncConfig:
     """Per-step weight sync from the Megatron actor to the rollout engine."""
 
@@ -348,6 +361,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

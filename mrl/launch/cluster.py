@@ -19,13 +19,14 @@ from mrl.config import RunConfig
 from mrl.config.derived import actor_world_size, engine_options, has_critic, layout_of, optim_for, recompute_of
 from mrl.launch.fleet import EngineFleet, FleetGeneration
 from mrl.launch.proxies import ActorGroup, EngineHandle
+from mrl.launch.route_probe import routing_check
 from mrl.launch.rollout_actor import start_rollout_actor
 from mrl.launch.worker_group import WorkerGroup
 from mrl.rank_map import write_rank_map
 from mrl.rollout.engine import Generation, SamplingSettings
 from mrl.sync.channel import channel_count
 from mrl.sync.driver import WeightSync
-from mrl.sync.parity import probe_sequences, route_probe_for
+from mrl.sync.parity import probe_sequences
 from mrl.workers.actor import ActorSetup
 
 
@@ -195,7 +196,7 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
         probe = probe_sequences(vocab_size)
         sync = None if fleet is None else WeightSync(groups[0], fleet.handles, cfg.sync,
                                                      channel_count(cfg.sync.transport, cfg.parallel.pp), probe,
-                                                     route_probe_for(cfg, hf_dir, probe))
+                                                     routing_check(cfg, hf_dir, probe, groups[0]))
     except BaseException:
         for group in groups:
             group.group.shutdown()

@@ -28,10 +28,14 @@ class RolloutServer:
     """One vLLM engine and its weight receiver (runs inside a Ray actor process)."""
 
     def __init__(self, model: str, engine_options: dict[str, Any], sync_timeout_s: float = 300.0):
+        from mrl.agent.runner import AgentSettings, EpisodeRunner
         from mrl.rollout.vllm_engine import VLLMEngine
         from mrl.sync.receiver import WeightReceiver
 
-        self.engine = VLLMEngine(model, **engine_options)
+        agent = engine_options.get("agent")  # an agent's episodes take turns concurrently: a streaming engine
+        options = {k: v for k, v in engine_options.items() if k != "agent"} | ({"streaming": True} if agent else {})
+        self.engine = VLLMEngine(model, **options)
+        self.episodes = None if agent is None else EpisodeRunner(self.engine, AgentSettings(**agent))
         self.receiver = WeightReceiver(self.engine, host=ray.util.get_node_ip_address(), timeout_s=sync_timeout_s)
 
     def endpoint(self):
@@ -69,13 +73,14 @@ class RolloutServer:
 
     def generate(self, prompts: Sequence[str | list[int]],
                  sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[list[Generation]]:
-        return self.engine.generate(prompts, sampling)
+        """Per prompt its samples: the engine's, or with an agent its episodes (mrl.agent.runner)."""
+        return (self.episodes or self.engine).generate(prompts, sampling)
 
     @ray.method(concurrency_group="generate")
     def generate_streaming(self, prompts: Sequence[str | list[int]],
                            sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[list[Generation]]:
         """generate, beside the other generate_streaming calls in flight (async.streaming)."""
-        return self.engine.generate(prompts, sampling)
+        return (self.episodes or self.engine).generate(prompts, sampling)
 
     @ray.method(concurrency_group="control")
     def interrupt(self) -> None:

@@ -30,6 +30,7 @@ class SamplingSettings:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # besides EOS (an agent's turn: the chat template's end of turn)
 
 
 def per_prompt(sampling: SamplingSettings | Sequence[SamplingSettings], prompts: int) -> list[SamplingSettings]:
@@ -73,7 +74,11 @@ class Generation:
     finish_reason None: not finished (interrupted by a weight update, to be continued).
     `routed_experts` (rollout.return_routes, MoE models): the expert ids the engine routed each
     forwarded token to, [len(prompt_ids) + len(token_ids) - 1, MoE layers, top-k] (mrl/routes.py),
-    each token's under the weights that forwarded it; None when not recorded (or no token yet)."""
+    each token's under the weights that forwarded it; None when not recorded (or no token yet).
+    An agent's episode (mrl.agent.loop) is one Generation whose `token_ids` interleave the policy's
+    turns with appended tool, environment or user tokens: `loss_mask` is 1 where the policy
+    generated the token (None: every token, a plain sample), `logprobs` 0.0 elsewhere, and `agent`
+    holds its turns, tool calls and conversation (Trajectory.stats)."""
 
     prompt_ids: list[int]
     token_ids: list[int]
@@ -83,6 +88,8 @@ class Generation:
     weight_version: int | None = None
     token_versions: list[int] | None = None  # None: data from before this field (one version: weight_version)
     routed_experts: np.ndarray | None = field(default=None, compare=False)
+    loss_mask: list[int] | None = None
+    agent: dict | None = field(default=None, compare=False)
 
     def to_state(self) -> dict:
         """Plain data a checkpoint loads with weights_only: the routes as a tensor, not a numpy array."""

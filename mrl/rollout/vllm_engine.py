@@ -227,7 +227,8 @@ class VLLMEngine:
         return SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=sampling.max_tokens, n=sampling.n, stop=list(sampling.stop) or None,
-            seed=sampling.seed, ignore_eos=sampling.ignore_eos, logprobs=0, **extra,
+            seed=sampling.seed, ignore_eos=sampling.ignore_eos, logprobs=0,
+            stop_token_ids=list(sampling.stop_token_ids) or None, **extra,
         )
 
     @staticmethod

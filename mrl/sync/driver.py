@@ -8,12 +8,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from mrl.config.schema import SyncConfig
 from mrl.profiling import stage
 from mrl.sync.channel import SyncEndpoint
-from mrl.sync.parity import ParityError, RouteProbe, check_parity, logprob_gap, probe_routing
+from mrl.sync.parity import ParityError, check_parity, logprob_gap
 
 
 # After a failed push: how long a dead engine's receipt may take to report the death.
@@ -33,7 +33,8 @@ class WeightSync:
     settings: SyncConfig
     channels: int  # one per pipeline stage (broadcast) or one (colocated)
     probe: list[list[int]] = field(default_factory=list)
-    route_probe: RouteProbe | None = None  # an MoE model whose engines return routes: the gate checks routing too
+    # an MoE model whose engines return routes: the gate's routing check of an engine (mrl.launch.route_probe)
+    route_check: Callable[[Any], dict[str, float]] | None = None
     syncs: int = 0
 
     def __post_init__(self) -> None:
@@ -107,8 +108,8 @@ class WeightSync:
                 continue
             trainer = trainer or self.actor.probe_logprobs(self.probe)
             gap = logprob_gap(engine.score(self.probe), trainer)
-            if self.route_probe is not None:
-                gap.update(probe_routing(engine, self.actor, self.route_probe))
+            if self.route_check is not None:
+                gap.update(self.route_check(engine))
             if gap["rollout/logprob_abs_diff_max"] >= metrics.get("rollout/logprob_abs_diff_max", -1.0):
                 metrics.update(gap)  # the worst engine's gap is the one logged
             if count > 1:

@@ -6,18 +6,14 @@ prompt logprobs, Megatron through its forward). The gap is logged every step as
 says whether a tensor arrived different from what was sent (checksums), an engine parameter was
 not reached by the sync, or the weights are intact and the gap is numerical (dtype, kernels).
 For an MoE model whose engines return routes the gate also compares routing: the experts the
-engine chose for every probe token against the trainer's own top-k (`rollout/probe_routing_*`).
+engine chose for every probe token against the trainer's own top-k (`rollout/probe_routing_*`,
+mrl/launch/route_probe.py).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
-from mrl.routes import RouteShape
 from mrl.sync.wire import WeightUpdateReport
 
 PROBE_SEED = 4321
@@ -31,44 +27,6 @@ def probe_sequences(vocab_size: int, count: int = 4, length: int = 24, seed: int
     """Fixed random token ids: any model works, with or without a tokenizer."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (count, length), generator=generator).tolist()
-
-
-@dataclass(frozen=True)
-class RouteProbe:
-    """What the gate's routing check needs: the probe sequences as batch rows (repeated to a
-    multiple of the actor's data-parallel size: every rank takes an equal share) and the model's
-    route shape (mrl.routes)."""
-
-    rows: list[list[int]]
-    shape: RouteShape
-
-    @classmethod
-    def of(cls, probe: list[list[int]], data_parallel: int, shape: RouteShape) -> RouteProbe:
-        return cls(probe * (math.lcm(len(probe), data_parallel) // len(probe)), shape)
-
-
-def route_probe_for(cfg: Any, hf_dir: str, probe: list[list[int]]) -> RouteProbe | None:
-    """The run's RouteProbe: an MoE model whose engines return routes (rollout.return_routes, or R3)."""
-    from mrl.config.derived import data_parallel_size, returns_routes
-    from mrl.models.registry import model_spec_from_hf
-
-    shape = model_spec_from_hf(hf_dir).route_shape
-    return RouteProbe.of(probe, data_parallel_size(cfg), shape) if shape and returns_routes(cfg) else None
-
-
-def probe_routing(engine: Any, actor: Any, probe: RouteProbe) -> dict[str, float]:
-    """`rollout/probe_routing_agreement`, `_min_layer`, `rollout/probe_routing_tokens_any_diff`: the
-    engine forwards every probe sequence (one greedy token, its routes captured) and the trainer's
-    log-prob pass counts how often its own top-k equals the engine's at each position. The weights
-    are the same on both sides, so a low value is precision or a router tensor the sync left stale
-    (e.g. DeepSeek-V3's expert bias); the log-prob gap alone would hide a few flipped choices."""
-    from mrl.experience import rollout_batch
-    from mrl.rollout.engine import SamplingSettings
-
-    groups = engine.generate(probe.rows, SamplingSettings(max_tokens=1))
-    batch = rollout_batch(groups, [0.0] * len(probe.rows), probe.shape)
-    routing = actor.logprobs(batch).routing
-    return {key.replace("rollout/routing", "rollout/probe_routing"): value for key, value in routing.items()}
 
 
 def logprob_gap(engine: list[list[float]], trainer: list[list[float]]) -> dict[str, float]:

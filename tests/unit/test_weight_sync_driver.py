@@ -4,13 +4,16 @@ and parity checked, naming the engine."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from mrl.config.schema import SyncConfig
 from mrl.sync.channel import SyncEndpoint
 from mrl.sync.driver import WeightSync
-from mrl.sync.parity import ParityError, RouteProbe
+from mrl.launch.route_probe import RouteProbe, probe_routing
+from mrl.sync.parity import ParityError
 from mrl.routes import RouteShape
 from mrl.sync.wire import WeightUpdateReport
 
@@ -124,15 +127,17 @@ def test_the_gate_compares_routing_and_names_it_when_it_fails():
     log: list = []
     probe = RouteProbe.of([[1, 2, 3]], data_parallel=2, shape=RouteShape(layers=2, top_k=1, n_experts=4))
     assert probe.rows == [[1, 2, 3], [1, 2, 3]]  # a multiple of DP: every rank scores a share
-    sync = WeightSync(RoutingActor(log), [RoutingEngine(5000, log)], SyncConfig(transport="broadcast"), channels=1,
-                      probe=[[1, 2]], route_probe=probe)
+    actor = RoutingActor(log)
+    check = functools.partial(probe_routing, actor=actor, probe=probe)
+    sync = WeightSync(actor, [RoutingEngine(5000, log)], SyncConfig(transport="broadcast"), channels=1,
+                      probe=[[1, 2]], route_check=check)
     metrics = sync()
     assert ("logprobs", 2) in log
     assert metrics["rollout/probe_routing_agreement"] == 11 / 12  # 2 rows x 3 tokens x 2 layers, one differs
     assert metrics["rollout/probe_routing_agreement_min_layer"] == 5 / 6
     assert metrics["rollout/probe_routing_tokens_any_diff"] == 1 / 6
-    worse = WeightSync(RoutingActor(log), [RoutingEngine(5000, log, logprob=-3.0)], SyncConfig(transport="broadcast"),
-                       channels=1, probe=[[1, 2]], route_probe=probe)
+    worse = WeightSync(actor, [RoutingEngine(5000, log, logprob=-3.0)], SyncConfig(transport="broadcast"),
+                       channels=1, probe=[[1, 2]], route_check=check)
     with pytest.raises(ParityError, match=r"Routing on the probe: 0\.9167 of the expert choices agree "
                                           r"\(worst MoE layer 0\.8333\)"):
         worse()

@@ -1,0 +1,165 @@
+"""The agent loop: one async function per episode, and the trajectory it builds.
+
+An agent is `async def episode(sample: dict, ctx: EpisodeContext) -> Trajectory`. It asks the engine
+for turns (`ctx.turn`: token ids in, the turn's tokens, log-probs and weight versions out), appends
+what the world answers as token deltas (`ctx.append`: tool results, environment or user turns,
+rendered with the model's chat template, never re-tokenising a generated token) and returns the
+trajectory: the first prompt, then every later token with a loss mask (1: the policy generated it).
+Built-ins: `single_turn` (one answer) and `tool_calling` (turns until the model calls no tool, each
+call answered by the Toolbox). The episode ends at its last generated token, so what the model
+never answered is not trained on. Limits: max turns, and a context budget (prompt + every token)
+that caps each turn's max_tokens; an episode that reaches either is marked `truncated`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+
+from mrl.rollout.engine import Generation, SamplingSettings, _mix
+
+Generate = Callable[[list[int], SamplingSettings], Awaitable[Generation]]
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    max_turns: int = 4  # model turns an episode may take
+    max_tokens: int = 4096  # the context budget: prompt + generated + appended tokens
+
+
+@dataclass
+class Trajectory:
+    """An episode as the trainer sees it. `token_ids` follow `prompt_ids`: policy tokens (mask 1,
+    the engine's log-probs and versions) and appended ones (mask 0, log-prob 0.0, the version of
+    the turn before them). `text` is the last turn's text: what the run's reward function scores."""
+
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    routed_experts: np.ndarray | None = None
+    reward: float | None = None  # an environment's; None: the run's reward function scores `text`
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0  # malformed calls and calls that failed
+    tool_s: float = 0.0
+    gen_s: float = 0.0
+    truncated: bool = False
+    messages: list[dict] = field(default_factory=list)  # the conversation by role, for traces
+
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.token_ids
+
+    def add_turn(self, turn: Generation) -> None:
+        """A generated turn whose prompt was this trajectory's context."""
+        if turn.prompt_ids != self.context():
+            raise ValueError(f"turn {self.turns + 1}'s prompt ({len(turn.prompt_ids)} tokens) is not the episode's "
+                             f"context ({len(self.context())} tokens): generate from trajectory.context()")
+        self.token_ids += turn.token_ids
+        self.loss_mask += [1] * len(turn.token_ids)
+        self.logprobs += list(turn.logprobs)
+        self.token_versions += turn.versions()
+        self.text, self.finish_reason, self.turns = turn.text, turn.finish_reason, self.turns + 1
+        # the last turn forwarded the whole context: its routes cover every earlier position too
+        self.routed_experts = turn.routed_experts
+        self.messages.append({"role": "assistant", "content": turn.text})
+
+    def add_appended(self, ids: list[int], messages: list[dict]) -> None:
+        version = self.token_versions[-1] if self.token_versions else 0
+        self.token_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.token_versions += [version] * len(ids)
+        self.messages += messages
+
+    def to_generation(self) -> Generation:
+        """The episode as one sample, cut after its last generated token."""
+        end = max((i + 1 for i, m in enumerate(self.loss_mask) if m), default=0)
+        versions = self.token_versions[:end]
+        routes = self.routed_experts
+        if routes is not None:
+            routes = routes[: len(self.prompt_ids) + end - 1]
+        return Generation(list(self.prompt_ids), self.token_ids[:end], self.text, self.logprobs[:end],
+                          self.finish_reason, min(versions) if versions else None, versions, routes,
+                          loss_mask=self.loss_mask[:end], agent=self.stats())
+
+    def stats(self) -> dict[str, Any]:
+        """Per-episode numbers for the agent/* metrics and the trace."""
+        return {"turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
+                "tool_s": self.tool_s, "gen_s": self.gen_s, "truncated": self.truncated,
+                "reward": self.reward, "messages": self.messages}
+
+
+@dataclass
+class EpisodeContext:
+    """What an agent gets for one episode: the engine, the step's sampling settings (seeded per
+    episode), the chat template as token deltas (mrl.agent.chat.ChatRenderer), the tools."""
+
+    generate: Generate
+    sampling: SamplingSettings
+    chat: Any = None  # ChatRenderer
+    tools: Any = None  # mrl.agent.tools.Toolbox
+    limits: AgentLimits = AgentLimits()
+
+    async def turn(self, trajectory: Trajectory) -> Generation | None:
+        """The model's next turn, appended to `trajectory`; None (and `truncated`) when the episode
+        is out of turns or context. Each turn draws with a seed of its own."""
+        room = self.limits.max_tokens - len(trajectory.context())
+        if trajectory.turns >= self.limits.max_turns or room <= 0:
+            trajectory.truncated = True
+            return None
+        seed = None if self.sampling.seed is None else _mix(self.sampling.seed, trajectory.turns)
+        sampling = replace(self.sampling, n=1, seed=seed, max_tokens=min(self.sampling.max_tokens, room),
+                           stop_token_ids=tuple(self.chat.end_of_turn_ids()) if self.chat else ())
+        start = time.perf_counter()
+        turn = await self.generate(trajectory.context(), sampling)
+        trajectory.gen_s += time.perf_counter() - start
+        trajectory.add_turn(turn)
+        return turn
+
+    async def append(self, trajectory: Trajectory, messages: list[dict]) -> bool:
+        """Append `messages` (tool results, user or environment turns) and the next generation
+        prompt as tokens; False (and `truncated`) when they would not leave room for a turn."""
+        ended = bool(trajectory.token_ids) and trajectory.token_ids[-1:] == self.chat.end_of_turn_ids()
+        ids = await self.chat.append_ids_async(messages, self.tools.schemas() if self.tools else None,
+                                               truncated=not ended)
+        if len(trajectory.context()) + len(ids) >= self.limits.max_tokens:
+            trajectory.truncated = True
+            return False
+        trajectory.add_appended(ids, messages)
+        return True
+
+
+async def single_turn(sample: dict, ctx: EpisodeContext) -> Trajectory:
+    """One answer to the prompt: the plain RL sample as an episode."""
+    trajectory = Trajectory(list(sample["prompt_ids"]))
+    await ctx.turn(trajectory)
+    return trajectory
+
+
+async def tool_calling(sample: dict, ctx: EpisodeContext) -> Trajectory:
+    """Turns until the model calls no tool (or the limits end the episode); every call in a turn is
+    answered, malformed ones by an error message the model sees."""
+    trajectory = Trajectory(list(sample["prompt_ids"]))
+    while (turn := await ctx.turn(trajectory)) is not None:
+        calls, errors = ctx.tools.parse(turn.text, ctx.chat.family, id_prefix=f"call_{trajectory.turns}_")
+        if not calls and not errors:
+            break
+        start = time.perf_counter()
+        results = await ctx.tools.call_all(calls)
+        trajectory.tool_s += time.perf_counter() - start
+        trajectory.tool_calls += len(calls) + len(errors)
+        trajectory.tool_errors += len(errors) + sum(r.error is not None for r in results)
+        answers = [r.to_message() for r in results] + [{"role": "tool", "content": f"Error: {e}"} for e in errors]
+        if not await ctx.append(trajectory, answers):
+            break
+    return trajectory
+
+
+BUILT_IN = {"single_turn": single_turn, "tool_calling": tool_calling}

@@ -1,0 +1,28 @@
+"""The `agent` section's checks (mrl/agent/): what a run with episodes can and cannot do yet."""
+
+from __future__ import annotations
+
+from mrl.config.schema import RunConfig
+
+LOOPS = ("none", "single_turn", "tool_calling")
+TOOLS = ("calculator", "python")
+
+
+def check_agent(cfg: RunConfig) -> list[str]:
+    a = cfg.agent
+    if a.loop == "none":
+        return ["agent.tools are set but agent.loop is none: set agent.loop: tool_calling"] if a.tools else []
+    errors = []
+    if a.loop not in LOOPS and ":" not in a.loop:
+        errors.append(f"agent.loop {a.loop!r} is neither a built-in ({', '.join(LOOPS)}) nor 'package.module:function'")
+    if a.loop == "tool_calling" and not a.tools:
+        errors.append(f"agent.loop tool_calling needs agent.tools (built-ins: {', '.join(TOOLS)}, or module:function)")
+    errors += [f"agent.tools: {t!r} is neither a built-in ({', '.join(TOOLS)}) nor 'package.module:function'"
+               for t in a.tools if t not in TOOLS and ":" not in t]
+    if a.max_turns < 1 or a.tool_timeout_s <= 0 or a.max_tool_response_chars < 1:
+        errors.append("agent.max_turns and agent.max_tool_response_chars must be >= 1 and agent.tool_timeout_s > 0")
+    if a.max_tokens is not None and not 0 < a.max_tokens <= cfg.rollout.max_model_len:
+        errors.append(f"agent.max_tokens {a.max_tokens} must be in 1..rollout.max_model_len ({cfg.rollout.max_model_len})")
+    if cfg.async_.partial_rollout:
+        errors.append("agent episodes cannot be interrupted mid-turn yet: set async.partial_rollout: false")
+    return errors
