@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from mrl.rewards.base import RewardFn, RewardInput, RewardLoadError, RewardResult, call_reward
 from mrl.rewards.signature import adapt
@@ -41,47 +41,53 @@ class InWorkers:
     install: str
 
 
-def parse_spec(spec: str, check_file: bool = True) -> tuple[str, str]:
+def parse_spec(spec: str, check_file: bool = True, kind: str = "reward") -> tuple[str, str]:
     """Split "module:function" / "file.py:function", checking the form and (check_file) that a
-    file target exists; nothing is imported."""
+    file target exists; nothing is imported. `kind` names what the spec is for in errors."""
     target, sep, function = spec.rpartition(":")
     if not sep or not target or not function.isidentifier():
         raise RewardLoadError(
-            f"reward {spec!r} is not an import path: use 'package.module:function' or 'path/to/file.py:function'."
+            f"{kind} {spec!r} is not an import path: use 'package.module:function' or 'path/to/file.py:function'."
         )
     if check_file and target.endswith(".py") and not Path(target).is_file():
-        raise RewardLoadError(f"reward file {target} not found (from {spec!r}): check the path.")
+        raise RewardLoadError(f"{kind} file {target} not found (from {spec!r}): check the path.")
     return target, function
 
 
 def load_reward_fn(spec: str) -> RewardFn:
     """Import the function a spec names, as mrl calls it (a verl compute_score is wrapped: signature.py).
     Runs the user's module: call it inside a worker. A failure is a RewardLoadError of one line."""
-    target, function = parse_spec(spec)
+    return adapt(import_function(spec), spec)
+
+
+def import_function(spec: str, kind: str = "reward") -> Callable:
+    """The callable a spec names, imported here (runs the user's module); a failure is a
+    RewardLoadError of one line naming the `kind`, the spec and the fix."""
+    target, function = parse_spec(spec, kind=kind)
     try:
         if target.endswith(".py"):
-            module_spec = importlib.util.spec_from_file_location(f"mrl_user_reward_{Path(target).stem}", target)
+            module_spec = importlib.util.spec_from_file_location(f"mrl_user_{kind}_{Path(target).stem}", target)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(target)
     except SyntaxError as exc:
-        raise RewardLoadError(f"reward {spec!r}: {exc.filename} line {exc.lineno} has a syntax error ({exc.msg}): "
+        raise RewardLoadError(f"{kind} {spec!r}: {exc.filename} line {exc.lineno} has a syntax error ({exc.msg}): "
                               "fix that line.") from None
     except ImportError as exc:
-        raise RewardLoadError(f"reward {spec!r}: importing {target} failed with {type(exc).__name__}: "
+        raise RewardLoadError(f"{kind} {spec!r}: importing {target} failed with {type(exc).__name__}: "
                               f"{' '.join(str(exc).split())}: install the missing module, or fix the import path / "
                               "PYTHONPATH.") from None
     except Exception as exc:
-        raise RewardLoadError(f"reward {spec!r}: importing {target} raised {type(exc).__name__}: "
+        raise RewardLoadError(f"{kind} {spec!r}: importing {target} raised {type(exc).__name__}: "
                               f"{' '.join(str(exc).split())}: fix the module's top-level code.") from None
     fn = getattr(module, function, None)
     if not callable(fn):
         names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
                        and getattr(v, "__module__", None) == module.__name__)
-        raise RewardLoadError(f"{target} has no callable {function!r} (from reward {spec!r}; its functions: "
+        raise RewardLoadError(f"{target} has no callable {function!r} (from {kind} {spec!r}; its functions: "
                               f"{', '.join(names) or 'none'}): fix the name after the colon.")
-    return adapt(fn, spec)
+    return fn
 
 
 def load_problem(spec: str, timeout_s: float = 60.0) -> str | None:
