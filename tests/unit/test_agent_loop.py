@@ -1,0 +1,154 @@
+"""The agent loop (mrl/agent/loop.py, runner.py) on a scripted engine: a tool-calling episode's tokens
+equal its conversation's template render, only the policy's tokens train, limits end episodes, a
+crashing agent fails its episode only; the trainer batch (mrl.experience) masks what the tools wrote."""
+
+import asyncio
+import functools
+from types import SimpleNamespace
+
+import pytest
+
+from mrl.agent.loop import AgentLimits, EpisodeContext, tool_calling
+from mrl.agent.runner import AgentSettings, EpisodeRunner
+from mrl.rollout.engine import Generation, SamplingSettings
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123456789*987654321"}}\n</tool_call>'
+ANSWER = "121932631112635269"
+
+
+@functools.cache
+def tokenizer():
+    from transformers import PreTrainedTokenizerFast
+
+    from mrl.models.tiny import _CHAT_TEMPLATE, build_tokenizer
+
+    return PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), chat_template=_CHAT_TEMPLATE,
+                                   eos_token="<|im_end|>")
+
+
+class ScriptedEngine:
+    """Answers turn k of an episode with script[k] (ending with <|im_end|>), log-prob -0.5 a token,
+    weight version 3; records every call's prompt and settings."""
+
+    def __init__(self, script: list[str]):
+        self.script, self.calls = script, []
+        self.llm = SimpleNamespace(get_tokenizer=tokenizer)
+
+    def generate(self, prompts, sampling):
+        (prompt,) = prompts
+        self.calls.append((list(prompt), sampling))
+        turn = tokenizer().decode(prompt).count("<|im_start|>assistant") - 1
+        text = self.script[min(turn, len(self.script) - 1)]
+        ids = tokenizer().encode(text, add_special_tokens=False)[: sampling.max_tokens - 1]
+        text = tokenizer().decode(ids)
+        ids += tokenizer().encode("<|im_end|>", add_special_tokens=False)
+        return [[Generation(list(prompt), ids, text, [-0.5] * len(ids), "stop", 3, [3] * len(ids))]]
+
+
+def run_episode(engine: ScriptedEngine, limits: AgentLimits = AgentLimits()):
+    from mrl.agent.chat import ChatRenderer
+    from mrl.agent.tools import Toolbox, load_tool
+
+    chat = ChatRenderer(tokenizer())
+    prompt = chat.prompt_ids([{"role": "user", "content": "What is 123456789*987654321?"}])
+
+    async def generate(ids, sampling):
+        return (await asyncio.to_thread(engine.generate, [ids], sampling))[0][0]
+
+    ctx = EpisodeContext(generate, SamplingSettings(temperature=1.0, max_tokens=128, seed=7), chat,
+                         Toolbox([load_tool("calculator")]), limits)
+    return chat, asyncio.run(tool_calling({"prompt_ids": prompt}, ctx))
+
+
+def test_a_tool_episode_is_its_conversation_and_trains_only_the_policys_tokens():
+    from mrl.experience import rollout_batch
+
+    engine = ScriptedEngine([CALL, ANSWER])
+    chat, trajectory = run_episode(engine)
+    assert trajectory.turns == 2 and trajectory.tool_calls == 1 and trajectory.tool_errors == 0
+    assert [m["role"] for m in trajectory.messages] == ["assistant", "tool", "assistant"]
+    assert trajectory.messages[1]["content"] == ANSWER and trajectory.text == ANSWER
+    # every turn is generated from the episode's context, and the whole episode renders as its conversation
+    assert engine.calls[1][0] == trajectory.prompt_ids + trajectory.token_ids[: len(engine.calls[1][0]) -
+                                                                                len(trajectory.prompt_ids)]
+    conversation = [{"role": "user", "content": "What is 123456789*987654321?"}, *trajectory.messages]
+    chat.check(conversation, trajectory.prompt_ids + trajectory.token_ids)
+    # each turn stops at the template's end of turn and draws with a seed of its own
+    assert all(s.stop_token_ids == tuple(chat.end_of_turn_ids()) for _, s in engine.calls)
+    assert len({s.seed for _, s in engine.calls}) == 2
+
+    sample = trajectory.to_generation()
+    appended = [i for i, m in enumerate(sample.loss_mask) if not m]
+    tool_text = tokenizer().decode([sample.token_ids[i] for i in appended])
+    assert ANSWER in tool_text and "<|im_start|>tool" in tool_text and "<|im_start|>assistant" in tool_text
+    assert all(sample.logprobs[i] == 0.0 for i in appended) and sample.token_versions == [3] * len(sample.token_ids)
+    batch = rollout_batch([[sample]], [1.0])
+    start = len(sample.prompt_ids) - 1
+    row = batch["response_mask"][0, start : start + len(sample.token_ids)]
+    assert row.tolist() == [float(m) for m in sample.loss_mask]
+    assert batch["response_mask"][0].sum() == sum(sample.loss_mask)
+    assert batch["token_level_rewards"][0, start + len(sample.token_ids) - 1] == 1.0  # the answer's last token
+
+
+def test_limits_end_an_episode_and_say_so():
+    _, looping = run_episode(ScriptedEngine([CALL]), AgentLimits(max_turns=3))
+    assert looping.turns == 3 and looping.truncated and looping.tool_calls == 3
+    engine = ScriptedEngine([CALL])
+    _, short = run_episode(engine, AgentLimits(max_turns=10, max_tokens=120))
+    assert short.truncated and len(short.prompt_ids) + len(short.token_ids) <= 120
+    assert all(len(p) + s.max_tokens <= 120 for p, s in engine.calls)  # a turn never outgrows the budget
+    sample = short.to_generation()
+    assert sample.loss_mask[-1] == 1  # cut after the last generated token: nothing unanswered is kept
+
+
+def test_a_malformed_call_is_answered_and_counted():
+    _, trajectory = run_episode(ScriptedEngine(['<tool_call>{"name": "calculator"', ANSWER]))
+    assert trajectory.turns == 2 and trajectory.tool_errors == 1
+    assert trajectory.messages[1]["content"].startswith("Error:")
+
+
+def test_the_runner_runs_n_episodes_a_prompt_and_a_crash_fails_only_its_episode(monkeypatch):
+    from mrl.agent import runner
+
+    from mrl.agent.chat import ChatRenderer
+
+    prompt = ChatRenderer(tokenizer()).prompt_ids([{"role": "user", "content": "What is 123456789*987654321?"}])
+    good = EpisodeRunner(ScriptedEngine([CALL, ANSWER]), AgentSettings("tool_calling", ("calculator",)))
+    groups = good.generate([prompt, prompt], SamplingSettings(n=3, seed=5, max_tokens=128))
+    assert [len(g) for g in groups] == [3, 3] and all(s.agent["turns"] == 2 for g in groups for s in g)
+    assert len({s.seed for _, s in good.engine.calls}) == 6  # 3 samples x 2 turns, the same for both prompts
+
+    async def crash(sample, ctx):
+        raise RuntimeError("the environment fell over")
+
+    monkeypatch.setitem(runner.BUILT_IN, "crash", crash)
+    bad = EpisodeRunner(ScriptedEngine([ANSWER]), AgentSettings("crash"))
+    (failed,) = bad.generate([prompt], SamplingSettings())[0]
+    assert failed.token_ids == [] and failed.agent["error"] == "RuntimeError: the environment fell over"
+
+
+def test_a_loop_that_cannot_be_found_is_named():
+    from mrl.agent.runner import load_loop
+
+    with pytest.raises(ValueError, match="agent.loop 'nowhere:episode': importing nowhere failed"):
+        load_loop("nowhere:episode")
+    with pytest.raises(ValueError, match="agent.loop 'json:nothing' is neither a built-in"):
+        load_loop("json:nothing")
+
+
+def test_the_agent_section_is_checked_before_anything_starts():
+    from mrl.config import ConfigError, load_config
+
+    def errors(*overrides):
+        try:
+            load_config("configs/tiny_cpu_grpo.yaml", list(overrides), check_files=False)
+        except ConfigError as err:
+            return str(err)
+        return ""
+
+    assert errors("agent.loop=tool_calling", "agent.tools=[calculator]") == ""
+    assert "agent.tools are set but agent.loop is none: set agent.loop: tool_calling" in errors("agent.tools=[calculator]")
+    assert "agent.loop tool_calling needs agent.tools" in errors("agent.loop=tool_calling")
+    assert "agent.tools: 'shell' is neither a built-in" in errors("agent.loop=tool_calling", "agent.tools=[shell]")
+    assert "set async.partial_rollout: false" in errors("agent.loop=single_turn", "async.partial_rollout=true",
+                                                        "trainer.mode=fully_async")
