@@ -157,7 +157,9 @@ def collect(run: Run, generated: GeneratedBatch, metrics: dict) -> Rollout:
                                         ahead_key=generated.step)
     metrics["reward/scored_ahead"] = float(ahead)
     metrics.update(run.reward_watch.observe(rewards))  # reward/errors; N steps of nothing but failures stop the run
-    scores = torch.tensor([r.score for r in rewards], dtype=torch.float32)
+    samples = [g for gs in groups for g in gs]  # an environment's episode brings its own reward
+    scores = torch.tensor([r.score if (g.agent or {}).get("reward") is None else g.agent["reward"]
+                           for r, g in zip(rewards, samples)], dtype=torch.float32)
     batch = rollout_batch(groups, scores.tolist(), route_shape=run.route_shape if returns_routes(cfg) else None)
     metrics.update(rollout_metrics(batch, groups, scores))
     return Rollout(generated, prompts, rewards, shape_rewards(batch, scores, cfg, metrics))

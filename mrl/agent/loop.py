@@ -5,8 +5,9 @@ for turns (`ctx.turn`: token ids in, the turn's tokens, log-probs and weight ver
 what the world answers as token deltas (`ctx.append`: tool results, environment or user turns,
 rendered with the model's chat template, never re-tokenising a generated token) and returns the
 trajectory: the first prompt, then every later token with a loss mask (1: the policy generated it).
-Built-ins: `single_turn` (one answer) and `tool_calling` (turns until the model calls no tool, each
-call answered by the Toolbox). The episode ends at its last generated token, so what the model
+Built-ins: `single_turn` (one answer), `tool_calling` (turns until the model calls no tool, each
+call answered by the Toolbox) and `environment` (a gym-like environment, mrl/agent/env.py, sets the
+task, answers every turn and gives the reward). The episode ends at its last generated token, so what the model
 never answered is not trained on. Limits: max turns, and a context budget (prompt + every token)
 that caps each turn's max_tokens; an episode that reaches either is marked `truncated`.
 """
@@ -106,6 +107,7 @@ class EpisodeContext:
     chat: Any = None  # ChatRenderer
     tools: Any = None  # mrl.agent.tools.Toolbox
     limits: AgentLimits = AgentLimits()
+    environment: Any = None  # a factory of mrl.agent.env.Environment (agent.environment)
 
     async def turn(self, trajectory: Trajectory) -> Generation | None:
         """The model's next turn, appended to `trajectory`; None (and `truncated`) when the episode
@@ -162,4 +164,24 @@ async def tool_calling(sample: dict, ctx: EpisodeContext) -> Trajectory:
     return trajectory
 
 
-BUILT_IN = {"single_turn": single_turn, "tool_calling": tool_calling}
+async def environment(sample: dict, ctx: EpisodeContext) -> Trajectory:
+    """A fresh environment per episode: its first observation is the prompt (reset gets the
+    sample), each turn's text goes to its step, whose observation is appended until it says done;
+    the episode's reward is the sum of the steps' (it replaces the run's reward function's score)."""
+    from mrl.agent.env import make_env, reset_env, step_env
+
+    env = make_env(ctx.environment)
+    first = await reset_env(env, sample)
+    trajectory = Trajectory(await ctx.chat.prompt_ids_async(first, ctx.tools.schemas() if ctx.tools else None))
+    trajectory.messages, trajectory.reward = list(first), 0.0
+    while (turn := await ctx.turn(trajectory)) is not None:
+        start = time.perf_counter()
+        observation, reward, done = await step_env(env, turn.text)
+        trajectory.tool_s += time.perf_counter() - start
+        trajectory.reward += reward
+        if done or not await ctx.append(trajectory, observation):
+            break
+    return trajectory
+
+
+BUILT_IN = {"single_turn": single_turn, "tool_calling": tool_calling, "environment": environment}

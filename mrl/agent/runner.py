@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from mrl.agent.loop import BUILT_IN, AgentLimits, EpisodeContext, Trajectory
-from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
+from mrl.rollout.engine import Generation, SamplingSettings, _mix, per_prompt
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ class AgentSettings:
     max_tokens: int = 4096
     max_tool_response_chars: int = 1024
     tool_timeout_s: float = 10.0
+    environment: str | None = None  # the environment loop's: a built-in (mrl.agent.env) or "module:Factory"
     chat_template_kwargs: dict = field(default_factory=dict)
 
 
@@ -64,6 +65,11 @@ class EpisodeRunner:
         self.tools = Toolbox([load_tool(t) for t in settings.tools], settings.max_tool_response_chars,
                              settings.tool_timeout_s) if settings.tools else None
         self.limits = AgentLimits(settings.max_turns, settings.max_tokens)
+        self.environment = None
+        if settings.environment:
+            from mrl.agent.env import load_environment
+
+            self.environment = load_environment(settings.environment)
 
     def generate(self, prompts: Sequence[list[int]],
                  sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[list[Generation]]:
@@ -78,9 +84,13 @@ class EpisodeRunner:
         return [[next(it) for _ in group] for group in episodes]
 
     async def _episode(self, prompt_ids: list[int], sampling: SamplingSettings) -> Generation:
-        ctx = EpisodeContext(self._generate, sampling, self.chat, self.tools, self.limits)
+        ctx = EpisodeContext(self._generate, sampling, self.chat, self.tools, self.limits, self.environment)
+        # the sample: the prompt, and a seed of the prompt's own (an environment draws its task from it:
+        # every episode of a GRPO group gets the same task)
+        sample = {"prompt_ids": prompt_ids, "prompt": self.chat.tokenizer.decode(prompt_ids),
+                  "seed": _mix(0, hash(tuple(prompt_ids)))}
         try:
-            trajectory = await self.loop({"prompt_ids": prompt_ids}, ctx)
+            trajectory = await self.loop(sample, ctx)
         except Exception as err:  # noqa: BLE001 - one episode's failure, never the run's
             log.warning("agent episode failed: %s: %s", type(err).__name__, err)
             failed = Trajectory(prompt_ids)

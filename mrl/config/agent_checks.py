@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from mrl.config.schema import RunConfig
 
-LOOPS = ("none", "single_turn", "tool_calling")
+LOOPS = ("none", "single_turn", "tool_calling", "environment")
 TOOLS = ("calculator", "python")
 
 
 def check_agent(cfg: RunConfig) -> list[str]:
     a = cfg.agent
     if a.loop == "none":
-        return ["agent.tools are set but agent.loop is none: set agent.loop: tool_calling"] if a.tools else []
+        unused = [("tools", "tool_calling")] * bool(a.tools) + [("environment", "environment")] * bool(a.environment)
+        return [f"agent.{key} is set but agent.loop is none: set agent.loop: {loop}" for key, loop in unused]
     errors = []
     if a.loop not in LOOPS and ":" not in a.loop:
         errors.append(f"agent.loop {a.loop!r} is neither a built-in ({', '.join(LOOPS)}) nor 'package.module:function'")
@@ -19,6 +20,9 @@ def check_agent(cfg: RunConfig) -> list[str]:
         errors.append(f"agent.loop tool_calling needs agent.tools (built-ins: {', '.join(TOOLS)}, or module:function)")
     errors += [f"agent.tools: {t!r} is neither a built-in ({', '.join(TOOLS)}) nor 'package.module:function'"
                for t in a.tools if t not in TOOLS and ":" not in t]
+    if (a.loop == "environment") != (a.environment is not None):
+        errors.append("agent.loop environment and agent.environment go together (e.g. loop: environment, "
+                      "environment: guess_number)")
     if a.max_turns < 1 or a.tool_timeout_s <= 0 or a.max_tool_response_chars < 1:
         errors.append("agent.max_turns and agent.max_tool_response_chars must be >= 1 and agent.tool_timeout_s > 0")
     if a.max_tokens is not None and not 0 < a.max_tokens <= cfg.rollout.max_model_len:

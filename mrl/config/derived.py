@@ -111,4 +111,5 @@ def agent_settings(cfg: RunConfig) -> dict[str, Any]:
     """The agent section as the rollout actor takes it (mrl.agent.runner.AgentSettings' fields)."""
     a = cfg.agent
     return dict(loop=a.loop, tools=tuple(a.tools), max_turns=a.max_turns, max_tokens=a.max_tokens or cfg.rollout.max_model_len,
-                max_tool_response_chars=a.max_tool_response_chars, tool_timeout_s=a.tool_timeout_s)
+                max_tool_response_chars=a.max_tool_response_chars, tool_timeout_s=a.tool_timeout_s,
+                environment=a.environment)

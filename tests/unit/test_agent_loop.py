@@ -147,8 +147,37 @@ def test_the_agent_section_is_checked_before_anything_starts():
         return ""
 
     assert errors("agent.loop=tool_calling", "agent.tools=[calculator]") == ""
-    assert "agent.tools are set but agent.loop is none: set agent.loop: tool_calling" in errors("agent.tools=[calculator]")
+    assert "agent.tools is set but agent.loop is none: set agent.loop: tool_calling" in errors("agent.tools=[calculator]")
+    assert "agent.loop environment and agent.environment go together" in errors("agent.loop=environment")
+    assert errors("agent.loop=environment", "agent.environment=guess_number") == ""
     assert "agent.loop tool_calling needs agent.tools" in errors("agent.loop=tool_calling")
     assert "agent.tools: 'shell' is neither a built-in" in errors("agent.loop=tool_calling", "agent.tools=[shell]")
     assert "set async.partial_rollout: false" in errors("agent.loop=single_turn", "async.partial_rollout=true",
                                                         "trainer.mode=fully_async")
+
+
+def test_an_environment_sets_the_task_answers_each_turn_and_gives_the_reward():
+    """guess_number: the engine guesses 50, then 75 (scripted); the secret is 75 (from the sample)."""
+    engine = ScriptedEngine(["My guess is 50.", "75"])
+    runner = EpisodeRunner(engine, AgentSettings("environment", environment="guess_number"))
+    runner.environment = lambda: _Fixed(75)
+    (sample,) = runner.generate([[1, 2, 3]], SamplingSettings(max_tokens=16))[0]
+    assert sample.agent["turns"] == 2 and sample.agent["reward"] == 1.0 and "error" not in sample.agent
+    roles = [m["role"] for m in sample.agent["messages"]]
+    assert roles == ["user", "assistant", "user", "assistant"] and sample.agent["messages"][2]["content"].startswith("Higher")
+    assert "thinking of an integer" in tokenizer().decode(sample.prompt_ids)  # the first observation is the prompt
+    assert sum(sample.loss_mask) < len(sample.token_ids)  # the hint between the guesses is not trained
+
+
+class _Fixed:
+    def __init__(self, secret):
+        from mrl.agent.env import GuessNumber
+
+        self.game = GuessNumber()
+        self.secret = secret
+
+    def reset(self, sample):
+        return self.game.reset({"secret": self.secret})
+
+    def step(self, text):
+        return self.game.step(text)
