@@ -34,6 +34,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("sync.bucket_mb", lambda v: v >= 1, ">= 1"),
     ("sync.timeout_s", lambda v: v > 0, "> 0"),
     ("rollout.start_timeout_s", lambda v: v > 0, "> 0"),
+    ("rollout.engine_restarts", lambda v: v >= 0, ">= 0 (0: a failed engine stops the run)"),
     ("sync.parity_threshold", lambda v: v > 0, "> 0"),
     ("sync.parity_every", lambda v: v >= 0, ">= 0"),
     ("algo.clip_low", lambda v: 0 < v < 1, "in (0, 1)"),

@@ -125,6 +125,8 @@ class RolloutConfig:
     engine: Literal["vllm"] = "vllm"
     num_engines: int = 1  # engines in the fleet (mrl/launch/fleet.py), each tensor_parallel_size GPUs wide
     start_timeout_s: float = 600.0  # an engine not up by then fails the start, naming it
+    # failed engines (dead, or hung in a generate) the run replaces before it stops (docs/rollout.md#engine-restarts)
+    engine_restarts: int = 0
     tensor_parallel_size: int = 1
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     # The engines' weights: null (rollout.dtype) or "fp8", DeepSeek's block FP8 (e4m3, 128×128 float32

@@ -46,6 +46,12 @@ class Cluster:
     # trainer.offload_actor_during_rollout: move the ranks' host tensors too (tests on CPU only)
     offload_host_tensors: bool = field(default=False, init=False)
 
+    def __post_init__(self) -> None:
+        restarts = getattr(self.engines, "restarts", None)  # rollout.engine_restarts (mrl/launch/restarts.py)
+        if restarts is not None and self.sync is not None:
+            self.sync.engines = list(self.sync.engines)  # its own list: the fleet replaces engines in its own
+            restarts.join_now = self._join_restarted
+
     def generate(self, prompt_ids: list[list[int]],
                  sampling: SamplingSettings) -> tuple[list[list[Generation]], dict[str, float]]:
         """Samples per prompt, spread over the engines; and each engine's throughput metrics."""
@@ -77,10 +83,28 @@ class Cluster:
         (the engines generate next): gradients, optimizer state and the KL reference (and a critic's
         everything) before it, the actor's weights, which the push reads, after it."""
         if not self.cfg.trainer.offload_actor_during_rollout:
-            return self.sync()
+            return self._push()
         metrics = self._offload(["grads", "optimizer", "reference"], list(OFFLOAD_PARTS))
-        metrics.update(self.sync())
+        metrics.update(self._push())
         return _added(metrics, self._offload(["weights"], []))
+
+    def _push(self) -> dict[str, float]:
+        """The weight sync; with rollout.engine_restarts, an engine found failed is replaced first
+        and restarted ones join (EngineRestarts.push)."""
+        restarts = getattr(self.engines, "restarts", None)
+        return self.sync() if restarts is None else restarts.push(self.engines, self.sync)
+
+    def _join_restarted(self) -> dict[str, float]:
+        """No engine holds the weights mid-generation (every one was restarted): the trainer's go
+        to the restarted engines now, its state on the device for the push and away again after."""
+        restarts, offload = self.engines.restarts, self.cfg.trainer.offload_actor_during_rollout
+        if offload:
+            self._onload()
+        try:
+            return restarts.join(self.engines, self.sync, sorted(restarts.fresh), restarts.version - 1)
+        finally:
+            if offload:
+                self._away_before_generating()
 
     @contextmanager
     def trainers_on_device(self) -> Iterator[None]:
@@ -179,7 +203,8 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
             fleet = EngineFleet.start(engine_checkpoint(cfg, hf_dir), engine_options(cfg), engines, num_cpus=1,
                                       num_gpus=engine_gpus,
                                       sync_timeout_s=cfg.sync.timeout_s, timeout_s=cfg.sync.timeout_s,
-                                      start_timeout_s=cfg.rollout.start_timeout_s)
+                                      start_timeout_s=cfg.rollout.start_timeout_s,
+                                      restarts=cfg.rollout.engine_restarts)
         setup = ActorSetup(hf_dir=hf_dir, layout=layout_of(cfg), params_dtype=cfg.model.dtype,
                            transformer_impl=cfg.model.transformer_impl, recompute=recompute_of(cfg), fp8=cfg.model.fp8,
                            seed=cfg.trainer.seed,

@@ -5,7 +5,9 @@ A batch is spread by load: a prompt's n samples stay on one engine (their shared
 computed once, in its prefix cache), and prompts go to engines by estimated work, longest first
 (`assign_by_load`). The engines run concurrently; the driver waits for all of them at once, with
 one deadline, and hands back the results in the batch's order. An engine that dies, raises or
-does not answer by the deadline fails the call with an EngineError naming the engine and its node.
+does not answer by the deadline fails the call with an EngineError naming the engine and its node;
+with rollout.engine_restarts it is replaced instead and its prompts generated again
+(mrl.launch.restarts).
 
 Sampling needs no per-engine seeding: vLLM seeds each request from SamplingSettings.seed (sample j
 of a prompt from seed + j), and the trainer gives each prompt its seed from the prompt's index in
@@ -16,11 +18,12 @@ generates them (tests/e2e/test_fleet.py checks a 2-engine fleet against one engi
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 
 from mrl.launch.proxies import EngineError, EngineHandle, close_engines, engine_died, engine_silent
+from mrl.launch.restarts import EngineRestarts, Piece
 from mrl.launch.rollout_actor import RolloutServer, launch_rollout_actor
 from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
 
@@ -49,7 +52,8 @@ def prompt_costs(prompt_ids: Sequence[list[int]],
 class EngineFleet:
     """N rollout engines (`handles`, with the node each runs on): the trainer's engine calls."""
 
-    def __init__(self, handles: list[EngineHandle], nodes: list[str], streaming: bool = False):
+    def __init__(self, handles: list[EngineHandle], nodes: list[str], streaming: bool = False,
+                 restarts: EngineRestarts | None = None):
         if not handles or len(nodes) != len(handles):
             raise ValueError(f"an engine fleet needs one node per engine, got {len(handles)} engines, {len(nodes)} nodes")
         self.handles, self.nodes = handles, nodes
@@ -58,6 +62,7 @@ class EngineFleet:
         # and a call's prompts go to the engines with the least work in flight (`in_flight`)
         self.streaming = streaming
         self.in_flight = [0.0] * len(handles)
+        self.restarts = restarts  # rollout.engine_restarts (None: a failed engine fails the call)
         self._name_handles()
 
     def _name_handles(self) -> None:
@@ -68,13 +73,18 @@ class EngineFleet:
     @classmethod
     def start(cls, model: str, engine_options: dict[str, Any], count: int, *, num_cpus: float = 1,
               num_gpus: float = 0, sync_timeout_s: float = 300.0, timeout_s: float = 300.0,
-              start_timeout_s: float = 600.0) -> "EngineFleet":
+              start_timeout_s: float = 600.0, restarts: int = 0) -> "EngineFleet":
         """Start `count` engines at once and wait for all of them together (N engines start in about
-        the time of one); one that fails or hangs stops them all and raises EngineError naming it."""
-        actors = [launch_rollout_actor(model, engine_options, num_cpus=num_cpus, num_gpus=num_gpus,
-                                       sync_timeout_s=sync_timeout_s) for _ in range(count)]
-        fleet = cls([EngineHandle(actor, timeout_s) for actor in actors], ["not known: starting"] * count,
-                    bool(engine_options.get("streaming")))
+        the time of one); one that fails or hangs stops them all and raises EngineError naming it.
+        `restarts`: how many failed engines the run may replace (rollout.engine_restarts)."""
+
+        def launch() -> EngineHandle:  # a restart starts its engine with the same options
+            return EngineHandle(launch_rollout_actor(model, engine_options, num_cpus=num_cpus, num_gpus=num_gpus,
+                                                     sync_timeout_s=sync_timeout_s), timeout_s)
+
+        fleet = cls([launch() for _ in range(count)], ["not known: starting"] * count,
+                    bool(engine_options.get("streaming")),
+                    EngineRestarts(restarts, launch, start_timeout_s) if restarts else None)
         try:
             nodes = fleet._gather({i: h.submit(RolloutServer.node_ip) for i, h in enumerate(fleet.handles)},
                                   f"start (model {model}; its log is in the Ray session's worker logs)",
@@ -91,6 +101,17 @@ class EngineFleet:
 
     def name(self, i: int) -> str:
         return f"rollout engine {i} of {len(self)} (node {self.nodes[i]})"
+
+    def live(self) -> list[int]:
+        """The engines that hold the run's weights: all, but a restarted one until it takes them."""
+        fresh = self.restarts.fresh if self.restarts is not None else set()
+        return [i for i in range(len(self)) if i not in fresh]
+
+    def _generating(self) -> list[int]:
+        """The engines to generate on (with none holding the weights, the restarted ones take them first)."""
+        if not self.live():
+            self.restarts.give_weights_now(self)
+        return self.live()
 
     # --- the trainer's calls ------------------------------------------------------------------
 
@@ -109,29 +130,40 @@ class EngineFleet:
         `sampling`: one for every prompt, or one per prompt."""
         settings = per_prompt(sampling, len(prompt_ids))
         costs = prompt_costs(prompt_ids, settings)
-        parts = assign_by_load(costs, len(self), self.in_flight if self.streaming else None)
+        live, parts = self._generating(), [[] for _ in self.handles]
+        loads = [self.in_flight[i] for i in live] if self.streaming else None
+        for i, part in zip(live, assign_by_load(costs, len(live), loads)):
+            parts[i] = part
 
         def engine_sampling(part: list[int]) -> SamplingSettings | list[SamplingSettings]:
             return sampling if isinstance(sampling, SamplingSettings) else [settings[j] for j in part]
 
         method = RolloutServer.generate_streaming if self.streaming else RolloutServer.generate
-        refs = {i: self.handles[i].submit(method, [prompt_ids[j] for j in part], engine_sampling(part))
-                for i, part in enumerate(parts) if part}
-        return FleetGeneration(self, parts, refs, len(prompt_ids), [sum(costs[j] for j in part) for part in parts])
+
+        def send(i: int, part: list[int]) -> Any:  # also a failed engine's prompts, to another (restarts)
+            return self.handles[i].submit(method, [prompt_ids[j] for j in part], engine_sampling(part))
+
+        refs = {i: send(i, part) for i, part in enumerate(parts) if part}
+        return FleetGeneration(self, parts, refs, len(prompt_ids), [sum(costs[j] for j in part) for part in parts],
+                               send, costs)
 
     def score(self, sequences: Sequence[list[int]]) -> list[list[float]]:
         """Teacher-forced log-probs on the first engine (every engine holds the same weights)."""
-        return self._gather({0: self.handles[0].submit(RolloutServer.score, sequences)}, "score", self.timeout_s)[0]
+        i = self._generating()[0]
+        return self._gather({i: self.handles[i].submit(RolloutServer.score, sequences)}, "score", self.timeout_s)[i]
 
     def interrupt(self) -> None:
         """async.partial_rollout, before a weight push: every engine stops the generation it runs
         and returns its samples as they are (so do the calls queued behind it) until its next
         weight update. Waits for every engine's acknowledgement, not for the generations."""
-        self._gather({i: h.submit(RolloutServer.interrupt) for i, h in enumerate(self.handles)}, "interrupt",
-                     self.timeout_s)
+        self._gather({i: self.handles[i].submit(RolloutServer.interrupt) for i in self.live()}, "interrupt",
+                     self.timeout_s)  # a restarted engine without the weights has generated nothing
 
     def sleep(self) -> None:
-        """Every engine frees its accelerator memory (colocated placement, while the actor trains)."""
+        """Every engine frees its accelerator memory (colocated placement, while the actor trains);
+        a restarted one once it is up."""
+        if self.restarts is not None:
+            self.restarts.await_started(self, sorted(self.restarts.fresh))
         self._gather({i: h.submit(RolloutServer.sleep) for i, h in enumerate(self.handles)}, "sleep", self.timeout_s)
 
     def close(self) -> None:
@@ -173,15 +205,28 @@ class FleetGeneration:
     own even when the driver was busy training meanwhile."""
 
     def __init__(self, fleet: EngineFleet, parts: list[list[int]], refs: dict[int, Any], prompts: int,
-                 costs: list[float] | None = None):
+                 costs: list[float] | None = None, send: Callable[[int, list[int]], Any] | None = None,
+                 prompt_costs: list[float] | None = None):
         self.fleet, self.parts, self.refs, self.prompts = fleet, parts, refs, prompts
         self.started = time.perf_counter()
+        self.timeout_s = fleet.timeout_s * EngineHandle.GENERATE_TIMEOUT_FACTOR
+        # rollout.engine_restarts: how to send prompts to another engine, each prompt's cost, and
+        # the calls that carry a failed engine's prompts (mrl.launch.restarts)
+        self._send, self.prompt_costs = send, prompt_costs or []
+        self.rerouted: dict[Any, Any] = {}
         self.finished: dict[int, float] = {}
         self.metrics: dict[str, float] = {}  # filled by result()
         self.costs = costs or [0.0] * len(parts)  # each engine's share of the work: in flight until it finishes
         for i, ref in refs.items():
             fleet.in_flight[i] += self.costs[i]
             ref.future().add_done_callback(lambda _done, i=i: self._done(i))
+
+    def send(self, engine: int, prompts: list[int]) -> Any:
+        """Start generating these prompts (indices into the batch) on `engine`: its Ray reference."""
+        return self._send(engine, prompts)
+
+    def cost_of(self, prompts: list[int]) -> float:
+        return sum(self.prompt_costs[j] for j in prompts)
 
     def _done(self, i: int) -> None:
         """Engine i's part came back (on Ray's thread, or result()'s, whichever is first): its
@@ -201,30 +246,38 @@ class FleetGeneration:
         """Abandon the engines' parts not finished: queued ones never start (a running one ends
         with the engine, which the run closes next). Nothing is waited for; errors are ignored
         (an engine that died has dropped its part already)."""
-        for i, ref in self.refs.items():
-            if i not in self.finished:
-                try:
-                    ray.cancel(ref)
-                except Exception:  # noqa: BLE001 - cancelling is best effort on the way out
-                    pass
+        for ref in [ref for i, ref in self.refs.items() if i not in self.finished] + list(self.rerouted):
+            try:
+                ray.cancel(ref)
+            except Exception:  # noqa: BLE001 - cancelling is best effort on the way out
+                pass
 
     def result(self) -> list[list[Generation]]:
         """Per prompt (in batch order) its generations; waits at most the generate timeout from now.
         Sets `metrics`: `rollout/engine{i}/tokens_per_s` and `rollout/engine{i}/gen_s` for each
-        engine that had prompts."""
-        answers = self.fleet._gather(self.refs, "generate",
-                                        self.fleet.timeout_s * EngineHandle.GENERATE_TIMEOUT_FACTOR)
+        engine that generated."""
+        restarts = getattr(self.fleet, "restarts", None)
+        if restarts is not None:
+            pieces = restarts.collect(self)
+        else:
+            pieces = []
+            for i, answer in self.fleet._gather(self.refs, "generate", self.timeout_s).items():
+                self._done(i)  # Ray runs the callback on its own thread, possibly just after get returned
+                pieces.append(Piece(i, self.parts[i], answer, self.finished[i]))
         groups: list[list[Generation]] = [[] for _ in range(self.prompts)]
-        for i, answer in answers.items():
-            part = self.parts[i]
-            if len(answer) != len(part):
-                raise EngineError(f"{self.fleet.name(i)} answered {len(answer)} prompts of the {len(part)} it was sent")
-            for j, generations in zip(part, answer):
+        tokens: dict[int, int] = {}
+        finished: dict[int, float] = {}
+        for piece in pieces:
+            if len(piece.answer) != len(piece.prompts):
+                raise EngineError(f"{self.fleet.name(piece.engine)} answered {len(piece.answer)} prompts of the "
+                                  f"{len(piece.prompts)} it was sent")
+            for j, generations in zip(piece.prompts, piece.answer):
                 groups[j] = generations
-            # Ray runs the callback on its own thread, possibly just after get returned.
-            self._done(i)
-            seconds = self.finished[i] - self.started
-            tokens = sum(len(g.token_ids) for generations in answer for g in generations)
-            self.metrics[f"rollout/engine{i}/tokens_per_s"] = tokens / max(seconds, 1e-9)
+            made = sum(len(g.token_ids) for generations in piece.answer for g in generations)
+            tokens[piece.engine] = tokens.get(piece.engine, 0) + made
+            finished[piece.engine] = max(finished.get(piece.engine, piece.finished), piece.finished)
+        for i in tokens:
+            seconds = finished[i] - self.started
+            self.metrics[f"rollout/engine{i}/tokens_per_s"] = tokens[i] / max(seconds, 1e-9)
             self.metrics[f"rollout/engine{i}/gen_s"] = seconds
         return groups

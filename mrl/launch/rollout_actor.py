@@ -71,6 +71,11 @@ class RolloutServer:
         self.engine.weight_version = weight_version
         return report
 
+    def set_weight_version(self, version: int) -> None:
+        """A restarted engine takes its peers' weight version before its first update, so that
+        its generations carry the versions theirs do (mrl/launch/restarts.py)."""
+        self.engine.weight_version = version
+
     def generate(self, prompts: Sequence[str | list[int]],
                  sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[list[Generation]]:
         """Per prompt its samples: the engine's, or with an agent its episodes (mrl.agent.runner)."""
