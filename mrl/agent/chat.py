@@ -35,7 +35,7 @@ _PLACEHOLDER = "MRL-PLACEHOLDER-TURN"
 _HIDDEN_TAGS = {"<think>": "\ue000think\ue001", "</think>": "\ue000/think\ue001"}
 # Fast tokenizers raise "Already borrowed" when one Rust tokenizer is used from two threads at once,
 # and the *_async methods run in threads: every encode and decode here takes this lock.
-_TOKENIZER_LOCK = threading.Lock()
+TOKENIZER_LOCK = threading.Lock()
 
 
 def detect_family(template: str) -> str:
@@ -164,11 +164,11 @@ class ChatRenderer:
 
     def _encode(self, text: str) -> list[int]:
         # No special tokens added: the template writes its own (Llama's <|begin_of_text|>).
-        with _TOKENIZER_LOCK:
+        with TOKENIZER_LOCK:
             return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _decode(self, token_ids: list[int]) -> str:
-        with _TOKENIZER_LOCK:
+        with TOKENIZER_LOCK:
             return self.tokenizer.decode(list(token_ids), skip_special_tokens=False,
                                          clean_up_tokenization_spaces=False)
 

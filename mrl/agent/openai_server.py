@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from mrl.agent.call_log import CallLog, CallRecord, EndpointTrajectory
-from mrl.agent.chat import _TOKENIZER_LOCK as TOKENIZER_LOCK
+from mrl.agent.chat import TOKENIZER_LOCK
 from mrl.agent.chat import ChatRenderer
 from mrl.agent.openai_format import (
     BadRequest, ChatContext, appended_messages, assistant_reply, chat_response, completion_response,
