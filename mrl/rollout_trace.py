@@ -75,6 +75,8 @@ def trace_records(step: int, prompts: Sequence[dict], groups: Sequence[Sequence[
             "weight_versions": sorted(set(generation.versions())),
             "kept": index in trained,
         }
+        if generation.agent is not None:  # an agent's episode: its conversation, which turns train, its counts
+            record.update(_episode(generation.agent, max_chars))
         record.update(trained.get(index, {}))
         records.append(_bounded(record, max_chars))
     return records
@@ -98,6 +100,15 @@ def _trained_rows(batch: dict, limit: int) -> dict[int, dict[str, float]]:
             "logprob_drift_max": None if empty else float(drift[row][tokens].max()),
         }
     return rows
+
+
+def _episode(agent: dict, max_chars: int) -> dict:
+    """An episode's trace fields: `conversation` (role, content cut to `max_chars`, `trains`: the
+    policy generated it, so the update learns from it) and its `agent` counts."""
+    conversation = [{"role": m.get("role"), "content": str(m.get("content") or "")[:max_chars],
+                     "trains": m.get("role") == "assistant"} for m in agent.get("messages", [])]
+    counts = {k: agent[k] for k in ("turns", "tool_calls", "tool_errors", "truncated", "error") if k in agent}
+    return {"conversation": conversation, "agent": counts}
 
 
 def _json_safe(info: dict) -> Any:

@@ -288,7 +288,7 @@ function drawRunSummary() {
 
 const COLUMNS = [
   ["step", r => r.step, "num"], ["#", r => r.sample, "num"], ["prompt", r => cut(r, "prompt"), "text"],
-  ["response", r => cut(r, "response"), "text"], ["answer", r => cut(r, "ground_truth"), "text"],
+  ["response", r => r.conversation ? conversation(r) : cut(r, "response"), "text"], ["answer", r => cut(r, "ground_truth"), "text"],
   ["score", r => fmt(r.score), "num"], ["reward details", details, "text"], ["advantage", r => fmt(r.advantage), "num"],
   ["drift mean", r => fmt(r.logprob_drift_mean), "num"], ["drift max", r => fmt(r.logprob_drift_max), "num"],
   ["tokens", r => r.response_tokens, "num"], ["finish", r => r.finish_reason ?? "–", "tag"],
@@ -299,6 +299,16 @@ const COLUMNS = [
 function cut(record, field) {
   const text = record[field] ?? "–", full = (record.truncated || {})[field];
   return full ? [text, el("span", { class: "cut", title: `cut from ${full} characters` }, ` ✂ ${full}`)] : [text];
+}
+
+// An agent's episode: its messages by role; the policy's turns (the tokens that train) are marked.
+function conversation(record) {
+  const turns = record.conversation.map(m => el("div", { class: m.trains ? "turn trains" : "turn" },
+    el("b", {}, `${m.role}${m.trains ? " (trains)" : ""}: `), m.content));
+  const a = record.agent || {};
+  const note = `${a.turns ?? "?"} turns, ${a.tool_calls ?? 0} tool calls (${a.tool_errors ?? 0} failed)` +
+    (a.truncated ? ", cut by a limit" : "") + (a.error ? `, failed: ${a.error}` : "");
+  return [...turns, el("div", { class: "cut" }, note)];
 }
 
 function details(record) {
@@ -313,7 +323,8 @@ function details(record) {
 }
 
 function haystack(r) {
-  return [r.prompt, r.response, r.ground_truth, JSON.stringify(r.reward_info), r.reward_error, r.finish_reason]
+  const said = (r.conversation || []).map(m => m.content);
+  return [r.prompt, r.response, r.ground_truth, JSON.stringify(r.reward_info), r.reward_error, r.finish_reason, ...said]
     .filter(Boolean).join("\n").toLowerCase();
 }
 

@@ -184,3 +184,18 @@ def test_a_screenshot_of_the_page(browser, page, tmp_path):
     shot = tmp_path / "report.png"
     headless(browser, tmp_path / "profile", url, f"--screenshot={shot}", "--window-size=1280,1600")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def test_an_episode_shows_its_conversation_and_the_turns_that_train(browser, synthetic_run, tmp_path):
+    record = {"step": 8, "sample": 0, "of": 1, "group": 0, "prompt": "12*2", "response": "24", "score": 1.0,
+              "reward_info": {}, "kept": True, "truncated": {},
+              "conversation": [{"role": "assistant", "content": "<tool_call>x</tool_call>", "trains": True},
+                               {"role": "tool", "content": "24", "trains": False},
+                               {"role": "assistant", "content": "24", "trains": True}],
+              "agent": {"turns": 2, "tool_calls": 1, "tool_errors": 0, "truncated": False}}
+    (synthetic_run / "rollouts" / "step_000008.jsonl").write_text(json.dumps(record) + "\n")
+    url = write_report(synthetic_run, tmp_path / "report.html").as_uri()
+    dom = headless(browser, tmp_path / "profile", url, "--dump-dom")
+    assert ('<div class="turn trains"><b>assistant (trains): </b>&lt;tool_call&gt;x&lt;/tool_call&gt;</div>'
+            '<div class="turn"><b>tool: </b>24</div><div class="turn trains"><b>assistant (trains): </b>24</div>'
+            '<div class="cut">2 turns, 1 tool calls (0 failed)</div>') in dom

@@ -78,3 +78,24 @@ def test_trace_every_n_steps_into_one_file_per_step(tmp_path):
     logging.trace_every = 0
     assert trace_rollouts(run, 6, prompts, groups, rewards, batch) is None
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["step_000004.jsonl"]
+
+
+def test_an_episode_is_traced_as_its_conversation_with_the_turns_that_train():
+    from mrl.agent.loop import Trajectory
+
+    episode = Trajectory([1, 2])
+    episode.add_turn(Generation([1, 2], [3, 4], "<tool_call>...</tool_call>", [-0.5, -0.25], "stop", 3, [3, 3]))
+    episode.add_appended([5, 6], [{"role": "tool", "content": "12" * 30}])
+    episode.add_turn(Generation([1, 2, 3, 4, 5, 6], [7], "24", [-0.1], "stop", 3, [3]))
+    episode.tool_calls = 1
+    groups = [[episode.to_generation()]]
+    rewards = [RewardResult(1.0, {})]
+    batch = rollout_batch(groups, [1.0])
+    batch["old_logprobs"], batch["advantages"] = batch["rollout_logprobs"], batch["response_mask"]
+    (record,) = trace_records(5, [{"prompt": "12*2"}], groups, rewards, batch, start_step=0, max_samples=8,
+                              max_chars=20)
+    assert [(m["role"], m["trains"]) for m in record["conversation"]] == [
+        ("assistant", True), ("tool", False), ("assistant", True)]
+    assert record["conversation"][1]["content"] == "12" * 10  # cut to trace_chars
+    assert record["agent"] == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "truncated": False}
+    assert record["response"] == "24" and record["logprob_drift_max"] == 0.0  # the tool's tokens are not scored
