@@ -14,6 +14,10 @@ class BadRequest(ValueError):
     """A request the endpoint refuses: answered with HTTP 400 and this message."""
 
 
+class EpisodeNotOpen(LookupError):
+    """A call of an episode that is not open: answered with HTTP 404 and this message."""
+
+
 @dataclass(frozen=True)
 class ChatContext:
     """What a chat call was sent and answered, to tell whether the next call continues it."""

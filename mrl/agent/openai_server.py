@@ -7,7 +7,8 @@ trajectories. Token-in/token-out: when a chat call's messages are the previous c
 the reply this endpoint gave, and new messages (tool results, user turns), its prompt is the
 previous prompt + completion + the chat template's tokens for the new messages only; anything else
 is rendered afresh and the episode stops being linear. One choice per call, no streaming. Calls of
-one episode run one at a time, in arrival order; episodes run concurrently. See docs/agents.md.
+one episode run one at a time, in arrival order; episodes run concurrently. For training, an episode
+is opened with its own sampling settings and limits (`open_episode`, `close_episode`). See docs/agents.md.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import socket
 import threading
 import time
 import urllib.parse
-from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -29,13 +31,27 @@ from mrl.agent.call_log import CallLog, CallRecord, EndpointTrajectory
 from mrl.agent.chat import TOKENIZER_LOCK
 from mrl.agent.chat import ChatRenderer
 from mrl.agent.openai_format import (
-    BadRequest, ChatContext, appended_messages, assistant_reply, chat_response, completion_response,
+    BadRequest, ChatContext, EpisodeNotOpen, appended_messages, assistant_reply, chat_response, completion_response,
     refuse_unsupported, template_messages,
 )
 from mrl.agent.tool_calls import parse_tool_calls
-from mrl.rollout.engine import Generation, SamplingSettings
+from mrl.rollout.engine import Generation, SamplingSettings, _mix
 
 Generate = Callable[[list[int], SamplingSettings], Awaitable[Generation]]
+
+
+@dataclass
+class EpisodeSettings:
+    """An open episode's own settings (OpenAIEndpoint.open_episode). The policy's sampling is the
+    rollout's: `sampling`'s temperature, top_p, top_k and seed stream (seed, call index) win over a
+    request's (an agent that asks for temperature 0 or a fixed seed would make every sample of a
+    group the same), and its max_tokens caps each call's. A call past `max_calls`, or whose prompt
+    leaves no room in `max_context` tokens, is refused and the episode marked `truncated`."""
+
+    sampling: SamplingSettings
+    max_calls: int | None = None
+    max_context: int | None = None
+    truncated: str = ""  # the refusal that cut the episode short ("" when none)
 
 
 class OpenAIEndpoint:
@@ -43,18 +59,42 @@ class OpenAIEndpoint:
 
     `defaults` are the rollout's sampling settings; a request's fields override them. When the
     request gives no seed and defaults.seed is set, each call gets a seed of its own from
-    (defaults.seed, episode id, call index), so calls never share their random numbers."""
+    (defaults.seed, episode id, call index), so calls never share their random numbers. An open
+    episode (`open_episode`) uses its own settings instead; `open_only`: calls of episodes that are
+    not open (ended, timed out) are refused (HTTP 404) and never recorded."""
 
     def __init__(self, generate: Generate, tokenizer: Any, defaults: SamplingSettings | None = None,
-                 renderer: Any = None, model_name: str = "mrl-policy", generate_timeout_s: float = 600.0):
+                 renderer: Any = None, model_name: str = "mrl-policy", generate_timeout_s: float = 600.0,
+                 open_only: bool = False):
         self.generate, self.tokenizer = generate, tokenizer
         self.renderer = renderer or ChatRenderer(tokenizer)
         self.defaults = defaults or SamplingSettings()
-        self.model_name, self.generate_timeout_s = model_name, generate_timeout_s
+        self.model_name, self.generate_timeout_s, self.open_only = model_name, generate_timeout_s, open_only
         self.family: str = getattr(self.renderer, "family", None) or "qwen"
         self.log = CallLog()
         self._gates: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._episodes: dict[str, EpisodeSettings] = {}
+        self._episodes_lock = threading.Lock()  # open/close (any thread) against recording (the server's)
         self.app = self._build_app()
+
+    def open_episode(self, episode_id: str, sampling: SamplingSettings, max_calls: int | None = None,
+                     max_context: int | None = None) -> EpisodeSettings:
+        """Start an episode with its own settings (see EpisodeSettings); the id must be new."""
+        with self._episodes_lock:
+            if episode_id in self._episodes:
+                raise ValueError(f"episode {episode_id!r} is already open: give each episode an id of its own")
+            self._episodes[episode_id] = EpisodeSettings(sampling, max_calls, max_context)
+            return self._episodes[episode_id]
+
+    def close_episode(self, episode_id: str) -> list[CallRecord]:
+        """End an episode: its calls, forgotten here ([] when it made none). A call of it still
+        running when it ends is refused, not recorded."""
+        with self._episodes_lock:
+            self._episodes.pop(episode_id, None)
+            try:
+                return self.log.pop(episode_id)
+            except KeyError:
+                return []
 
     def assemble(self, episode_id: str, pop: bool = False) -> list[EndpointTrajectory]:
         """The episode's trajectories: one when it was linear (see call_log.assemble)."""
@@ -67,6 +107,7 @@ class OpenAIEndpoint:
         app.add_api_route(prefix + "/chat/completions", self._chat, methods=["POST"])
         app.add_api_route(prefix + "/completions", self._completions, methods=["POST"])
         app.add_exception_handler(BadRequest, _bad_request)
+        app.add_exception_handler(EpisodeNotOpen, _not_open)
         app.add_exception_handler(Exception, _server_error)
         return app
 
@@ -81,6 +122,7 @@ class OpenAIEndpoint:
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list of {'role': ..., 'content': ...}")
         async with self._gate(episode_id):
+            self._check_open(episode_id)
             index, last = self.log.last(episode_id)
             prompt, appended, note = await self._chat_prompt(index, last, messages, tools)
             generation, seconds = await self._generate(episode_id, index, prompt, body, chat=True)
@@ -90,20 +132,31 @@ class OpenAIEndpoint:
             reply = assistant_reply(generation.text, calls, self.family)
             record = _record("chat", generation, prompt, seconds, appended, note, errors,
                              ChatContext(messages, tools, reply))
-            self.log.record(episode_id, record)
+            self._record(episode_id, record)
         return JSONResponse(chat_response(self, episode_id, index, record, reply, _wants_logprobs(body, chat=True)))
 
     async def _completions(self, episode_id: str, request: Request) -> JSONResponse:
         body = await _json_body(request)
         refuse_unsupported(body, chat=False)
         async with self._gate(episode_id):
+            self._check_open(episode_id)
             index, last = self.log.last(episode_id)
             prompt, appended, note = await self._completion_prompt(index, last, body.get("prompt"))
             generation, seconds = await self._generate(episode_id, index, prompt, body, chat=False)
             text = body["prompt"] if isinstance(body["prompt"], str) else None
             record = _record("completion", generation, prompt, seconds, appended, note, [], text)
-            self.log.record(episode_id, record)
+            self._record(episode_id, record)
         return JSONResponse(completion_response(self, episode_id, index, record, _wants_logprobs(body, chat=False)))
+
+    def _check_open(self, episode_id: str) -> None:
+        if self.open_only and episode_id not in self._episodes:
+            raise EpisodeNotOpen(f"episode {episode_id!r} is not open (it ended, timed out or never began): an "
+                                 "agent must call the base_url of its own episode while the episode runs")
+
+    def _record(self, episode_id: str, record: CallRecord) -> None:
+        with self._episodes_lock:  # not into an episode that closed while its call ran
+            self._check_open(episode_id)
+            self.log.record(episode_id, record)
 
     async def _chat_prompt(self, index: int, last: CallRecord | None, messages: list[dict],
                            tools: list[dict] | None) -> tuple[list[int], int | None, str]:
@@ -150,7 +203,7 @@ class OpenAIEndpoint:
 
     async def _generate(self, episode_id: str, index: int, prompt: list[int],
                         body: dict, chat: bool) -> tuple[Generation, float]:
-        sampling = self._sampling(body, episode_id, index)
+        sampling = self._sampling(body, episode_id, index, len(prompt))
         if chat:  # a chat turn ends at the template's end of turn, whatever the model's EOS
             ends = dict.fromkeys((*sampling.stop_token_ids, *self.renderer.end_of_turn_ids()))
             sampling = replace(sampling, stop_token_ids=tuple(ends))
@@ -166,8 +219,9 @@ class OpenAIEndpoint:
                              f"{len(generation.logprobs)} log-probs; it must return one log-prob per token")
         return generation, time.perf_counter() - start
 
-    def _sampling(self, body: dict, episode_id: str, index: int) -> SamplingSettings:
-        d = self.defaults
+    def _sampling(self, body: dict, episode_id: str, index: int, prompt_tokens: int) -> SamplingSettings:
+        episode = self._episodes.get(episode_id)
+        d = self.defaults if episode is None else episode.sampling
         stop = _given(body, "stop", d.stop)
         seed = _given(body, "seed", None)
         if seed is None and d.seed is not None:
@@ -184,7 +238,7 @@ class OpenAIEndpoint:
                              "max_tokens, top_k, seed integers, stop a string or a list of strings") from None
         if sampling.max_tokens < 1:
             raise BadRequest(f"max_tokens={sampling.max_tokens}: ask for at least 1 token")
-        return sampling
+        return sampling if episode is None else _episode_sampling(episode, sampling, episode_id, index, prompt_tokens)
 
     @contextlib.asynccontextmanager
     async def _gate(self, episode_id: str) -> AsyncIterator[None]:
@@ -210,6 +264,23 @@ class OpenAIEndpoint:
             del self._gates[episode_id]
         else:
             self._gates[episode_id] = (lock, users - 1)
+
+
+def _episode_sampling(episode: EpisodeSettings, sampling: SamplingSettings, episode_id: str, index: int,
+                      prompt_tokens: int) -> SamplingSettings:
+    """A call's settings within its open episode's (see EpisodeSettings); refuses a call past its limits."""
+    room = sampling.max_tokens if episode.max_context is None else episode.max_context - prompt_tokens
+    if episode.max_calls is not None and index >= episode.max_calls:
+        episode.truncated = f"episode {episode_id!r} may make {episode.max_calls} calls (agent.max_turns)"
+    elif room < 1:
+        episode.truncated = (f"call {index}'s prompt of {prompt_tokens} tokens leaves no room in episode "
+                             f"{episode_id!r}'s context budget of {episode.max_context} tokens (agent.max_tokens)")
+    if episode.truncated:
+        raise BadRequest(f"call {index} refused: {episode.truncated}; end the episode")
+    own = episode.sampling
+    return replace(sampling, temperature=own.temperature, top_p=own.top_p, top_k=own.top_k,
+                   seed=None if own.seed is None else _mix(own.seed, index),
+                   max_tokens=min(sampling.max_tokens, own.max_tokens, room))
 
 
 def _record(kind: str, generation: Generation, prompt: list[int], seconds: float, appended: int | None,
@@ -250,24 +321,36 @@ async def _bad_request(request: Request, exc: Exception) -> JSONResponse:
     return _error(400, str(exc), "invalid_request_error")
 
 
+async def _not_open(request: Request, exc: Exception) -> JSONResponse:
+    return _error(404, str(exc), "not_found_error")
+
+
 async def _server_error(request: Request, exc: Exception) -> JSONResponse:
     return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
 
 
 class LocalServer:
     """An app served by uvicorn from a thread of its own on host:port (port 0: a free one, bound
-    before the thread starts, so `port` is known at once). Use as a context manager."""
+    before the thread starts, so `port` is known at once). Use as a context manager. `threads`:
+    the server loop's worker threads (each running generate call of a thread-based handle holds
+    one; asyncio's default, CPUs + 4, would cap how many episodes' calls reach the engine at once)."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
+                 threads: int = 256):
         import uvicorn
 
         self._socket = socket.create_server((host, port))
         self.host, self.port = host, self._socket.getsockname()[1]
-        self.timeout_s = timeout_s
+        self.timeout_s, self.threads = timeout_s, threads
         config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=int(timeout_s))
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
-                                        name=f"openai-endpoint:{self.port}", daemon=True)
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), name=f"openai-endpoint:{self.port}",
+                                        daemon=True)
+
+    async def _serve(self) -> None:
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"openai-endpoint:{self.port}")
+        asyncio.get_running_loop().set_default_executor(pool)
+        await self._server.serve(sockets=[self._socket])
 
     def base_url(self, episode_id: str) -> str:
         """What an agent's OpenAI client takes as base_url for this episode."""
