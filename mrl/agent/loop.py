@@ -52,6 +52,7 @@ class Trajectory:
     tool_s: float = 0.0
     gen_s: float = 0.0
     truncated: bool = False
+    nonlinear: bool = False  # an openai-loop episode of which only the last linked calls train (openai_loop.py)
     messages: list[dict] = field(default_factory=list)  # the conversation by role, for traces
 
     def context(self) -> list[int]:
@@ -94,7 +95,7 @@ class Trajectory:
         """Per-episode numbers for the agent/* metrics and the trace."""
         return {"turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
                 "tool_s": self.tool_s, "gen_s": self.gen_s, "truncated": self.truncated,
-                "reward": self.reward, "messages": self.messages}
+                "nonlinear": self.nonlinear, "reward": self.reward, "messages": self.messages}
 
 
 @dataclass
