@@ -146,10 +146,12 @@ def collect(run: Run, generated: GeneratedBatch, metrics: dict) -> Rollout:
     cfg, groups = run.cfg, generated.groups
     prompts = [run.train_set[i] for i in generated.prompt_indices]
     metrics.update(generated.engine_metrics)  # rollout/engine{i}/...: each engine's throughput
-    if generated.gen_seconds > 0:
-        metrics["perf/gen_tokens_per_s"] = sum(len(g.token_ids) for gs in groups for g in gs) / generated.gen_seconds
-    metrics.update(episode_metrics([g for gs in groups for g in gs]))  # agent/*: samples that are episodes
-    route_bytes = route_bytes_per_token([g for gs in groups for g in gs])  # None: samples carry no routes
+    samples = [g for gs in groups for g in gs]
+    if generated.gen_seconds > 0:  # the policy's tokens (an episode's appended tool tokens are not generated)
+        generated_tokens = sum(len(g.token_ids) if g.loss_mask is None else sum(g.loss_mask) for g in samples)
+        metrics["perf/gen_tokens_per_s"] = generated_tokens / generated.gen_seconds
+    metrics.update(episode_metrics(samples))  # agent/*: samples that are episodes
+    route_bytes = route_bytes_per_token(samples)  # None: samples carry no routes
     if route_bytes is not None:
         metrics["rollout/route_bytes_per_token"] = route_bytes
     with timer("reward", metrics):  # the wait: nothing when the batch was scored ahead
@@ -157,9 +159,9 @@ def collect(run: Run, generated: GeneratedBatch, metrics: dict) -> Rollout:
                                         ahead_key=generated.step)
     metrics["reward/scored_ahead"] = float(ahead)
     metrics.update(run.reward_watch.observe(rewards))  # reward/errors; N steps of nothing but failures stop the run
-    samples = [g for gs in groups for g in gs]  # an environment's episode brings its own reward
-    scores = torch.tensor([r.score if (g.agent or {}).get("reward") is None else g.agent["reward"]
-                           for r, g in zip(rewards, samples)], dtype=torch.float32)
+    rewards = [r if (g.agent or {}).get("reward") is None else RewardResult(g.agent["reward"], {"from": "environment"})
+               for r, g in zip(rewards, samples)]  # an environment's episode brings its own reward
+    scores = torch.tensor([r.score for r in rewards], dtype=torch.float32)
     batch = rollout_batch(groups, scores.tolist(), route_shape=run.route_shape if returns_routes(cfg) else None)
     metrics.update(rollout_metrics(batch, groups, scores))
     return Rollout(generated, prompts, rewards, shape_rewards(batch, scores, cfg, metrics))

@@ -14,6 +14,7 @@ that caps each turn's max_tokens; an episode that reaches either is marked `trun
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
@@ -81,14 +82,17 @@ class Trajectory:
         self.messages += messages
 
     def to_generation(self) -> Generation:
-        """The episode as one sample, cut after its last generated token."""
+        """The episode as one sample, cut after its last generated token. An episode without a turn
+        (a limit, or a failure) finishes by "length" or "error", never None: None is a sample to
+        continue after a weight push (async.partial_rollout), which an episode never is."""
         end = max((i + 1 for i, m in enumerate(self.loss_mask) if m), default=0)
         versions = self.token_versions[:end]
         routes = self.routed_experts
         if routes is not None:
             routes = routes[: len(self.prompt_ids) + end - 1]
+        finish = self.finish_reason or ("length" if self.truncated else "error")
         return Generation(list(self.prompt_ids), self.token_ids[:end], self.text, self.logprobs[:end],
-                          self.finish_reason, min(versions) if versions else None, versions, routes,
+                          finish, min(versions) if versions else None, versions, routes,
                           loss_mask=self.loss_mask[:end], agent=self.stats())
 
     def stats(self) -> dict[str, Any]:
@@ -118,8 +122,9 @@ class EpisodeContext:
             trajectory.truncated = True
             return None
         seed = None if self.sampling.seed is None else _mix(self.sampling.seed, trajectory.turns)
+        stops = self.sampling.stop_token_ids + (tuple(self.chat.end_of_turn_ids()) if self.chat else ())
         sampling = replace(self.sampling, n=1, seed=seed, max_tokens=min(self.sampling.max_tokens, room),
-                           stop_token_ids=tuple(self.chat.end_of_turn_ids()) if self.chat else ())
+                           stop_token_ids=tuple(dict.fromkeys(stops)))
         start = time.perf_counter()
         turn = await self.generate(trajectory.context(), sampling)
         trajectory.gen_s += time.perf_counter() - start
@@ -172,17 +177,20 @@ async def environment(sample: dict, ctx: EpisodeContext) -> Trajectory:
     from mrl.agent.env import make_env, reset_env, step_env
 
     env = make_env(ctx.environment)
-    first = await reset_env(env, sample)
-    trajectory = Trajectory(await ctx.chat.prompt_ids_async(first, ctx.tools.schemas() if ctx.tools else None))
-    trajectory.messages, trajectory.reward = list(first), 0.0
-    while (turn := await ctx.turn(trajectory)) is not None:
-        start = time.perf_counter()
-        observation, reward, done = await step_env(env, turn.text)
-        trajectory.tool_s += time.perf_counter() - start
-        trajectory.reward += reward
-        if done or not await ctx.append(trajectory, observation):
-            break
-    return trajectory
+    try:
+        first = await reset_env(env, sample)
+        trajectory = Trajectory(await ctx.chat.prompt_ids_async(first, ctx.tools.schemas() if ctx.tools else None))
+        trajectory.messages, trajectory.reward = list(first), 0.0
+        while (turn := await ctx.turn(trajectory)) is not None:
+            start = time.perf_counter()
+            observation, reward, done = await step_env(env, turn.text)
+            trajectory.tool_s += time.perf_counter() - start
+            trajectory.reward += reward
+            if done or not await ctx.append(trajectory, observation):
+                break
+        return trajectory
+    finally:  # an environment holding processes or sockets lets them go with its episode
+        await asyncio.to_thread(getattr(env, "close", lambda: None))
 
 
 BUILT_IN = {"single_turn": single_turn, "tool_calling": tool_calling, "environment": environment}

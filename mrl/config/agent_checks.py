@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from mrl.config.schema import RunConfig
 
-LOOPS = ("none", "single_turn", "tool_calling", "environment")
+LOOPS = ("none", "single_turn", "tool_calling", "environment", "openai")
 TOOLS = ("calculator", "python")
 
 
@@ -12,10 +14,13 @@ def check_agent(cfg: RunConfig) -> list[str]:
     a = cfg.agent
     if a.loop == "none":
         unused = [("tools", "tool_calling")] * bool(a.tools) + [("environment", "environment")] * bool(a.environment)
+        unused += [("openai_agent", "openai")] * bool(a.openai_agent)
         return [f"agent.{key} is set but agent.loop is none: set agent.loop: {loop}" for key, loop in unused]
     errors = []
     if a.loop not in LOOPS and ":" not in a.loop:
         errors.append(f"agent.loop {a.loop!r} is neither a built-in ({', '.join(LOOPS)}) nor 'package.module:function'")
+    if a.loop == "tool_calling" and not cfg.data.chat_template:
+        errors.append("agent.loop tool_calling appends chat-template turns to the prompt: set data.chat_template: true")
     if a.loop == "tool_calling" and not a.tools:
         errors.append(f"agent.loop tool_calling needs agent.tools (built-ins: {', '.join(TOOLS)}, or module:function)")
     errors += [f"agent.tools: {t!r} is neither a built-in ({', '.join(TOOLS)}) nor 'package.module:function'"
@@ -23,10 +28,21 @@ def check_agent(cfg: RunConfig) -> list[str]:
     if (a.loop == "environment") != (a.environment is not None):
         errors.append("agent.loop environment and agent.environment go together (e.g. loop: environment, "
                       "environment: guess_number)")
+    if (a.loop == "openai") != (a.openai_agent is not None):
+        errors.append("agent.loop openai and agent.openai_agent go together (e.g. loop: openai, "
+                      "openai_agent: examples/openai_agent.py:agent)")
+    elif a.openai_agent is not None and ":" not in a.openai_agent:
+        errors.append(f"agent.openai_agent {a.openai_agent!r} is neither 'package.module:function' nor "
+                      "'path/file.py:function'")
+    if a.episode_timeout_s <= 0:
+        errors.append(f"agent.episode_timeout_s {a.episode_timeout_s} must be > 0")
     if a.max_turns < 1 or a.tool_timeout_s <= 0 or a.max_tool_response_chars < 1:
         errors.append("agent.max_turns and agent.max_tool_response_chars must be >= 1 and agent.tool_timeout_s > 0")
     if a.max_tokens is not None and not 0 < a.max_tokens <= cfg.rollout.max_model_len:
         errors.append(f"agent.max_tokens {a.max_tokens} must be in 1..rollout.max_model_len ({cfg.rollout.max_model_len})")
+    specs = [a.loop, *a.tools] + [s for s in (a.environment, a.openai_agent) if s]
+    errors += [f"agent: file {spec.rpartition(':')[0]} not found (from {spec!r}): check the path"
+               for spec in specs if spec.rpartition(":")[0].endswith(".py") and not Path(spec.rpartition(":")[0]).is_file()]
     if cfg.async_.partial_rollout:
         errors.append("agent episodes cannot be interrupted mid-turn yet: set async.partial_rollout: false")
     return errors

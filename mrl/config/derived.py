@@ -108,8 +108,15 @@ def engine_options(cfg: RunConfig) -> dict[str, Any]:
 
 
 def agent_settings(cfg: RunConfig) -> dict[str, Any]:
-    """The agent section as the rollout actor takes it (mrl.agent.runner.AgentSettings' fields)."""
+    """The agent section as the rollout actor takes it (mrl.agent.runner.AgentSettings' fields); a
+    "file.py:name" spec made absolute, since the actor runs elsewhere than the config was read."""
     a = cfg.agent
-    return dict(loop=a.loop, tools=tuple(a.tools), max_turns=a.max_turns, max_tokens=a.max_tokens or cfg.rollout.max_model_len,
-                max_tool_response_chars=a.max_tool_response_chars, tool_timeout_s=a.tool_timeout_s,
-                environment=a.environment)
+    return dict(loop=_absolute(a.loop), tools=tuple(_absolute(t) for t in a.tools), max_turns=a.max_turns,
+                max_tokens=a.max_tokens or cfg.rollout.max_model_len, max_tool_response_chars=a.max_tool_response_chars,
+                tool_timeout_s=a.tool_timeout_s, environment=a.environment and _absolute(a.environment),
+                openai_agent=a.openai_agent and _absolute(a.openai_agent), episode_timeout_s=a.episode_timeout_s)
+
+
+def _absolute(spec: str) -> str:
+    target, sep, name = spec.rpartition(":")
+    return f"{Path(target).resolve()}{sep}{name}" if target.endswith(".py") else spec

@@ -155,8 +155,11 @@ class AgentConfig:
     """Multi-turn episodes with tools (docs/agents.md). loop "none": one answer per sample, the
     engine's plain generate; otherwise every sample is an episode of this loop (mrl/agent/loop.py)."""
 
-    loop: str = "none"  # none | single_turn | tool_calling | environment | "package.module:function"
+    loop: str = "none"  # none | single_turn | tool_calling | environment | openai | "package.module:function"
     environment: str | None = None  # loop environment's: guess_number or "package.module:Factory" (mrl/agent/env.py)
+    # loop openai's agent(base_url, sample), any OpenAI-client code: "package.module:function" (mrl/agent/openai_loop.py)
+    openai_agent: str | None = None
+    episode_timeout_s: float = 600.0  # an episode running longer fails
     tools: list[str] = field(default_factory=list)  # "calculator", "python" or "package.module:function"
     max_turns: int = 4  # model turns an episode may take
     max_tokens: int | None = None  # an episode's context budget (prompt + all its tokens); null: rollout.max_model_len

@@ -104,6 +104,8 @@ class RolloutServer:
     def shutdown(self) -> None:
         """Stop the engine's workers before the actor is killed: a killed actor whose engine has worker
         processes (TP > 1) leaves vLLM's message queues behind in /dev/shm (two files an engine, never freed)."""
+        if self.episodes is not None:  # the agent's tool threads and endpoint first: they call the engine
+            self.episodes.close()
         self.engine.shutdown()
 
 

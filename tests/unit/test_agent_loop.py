@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mrl.agent.loop import AgentLimits, EpisodeContext, tool_calling
+from mrl.agent.loop import AgentLimits, EpisodeContext, Trajectory, tool_calling
 from mrl.agent.runner import AgentSettings, EpisodeRunner
 from mrl.rollout.engine import Generation, SamplingSettings
 
@@ -125,6 +125,45 @@ def test_the_runner_runs_n_episodes_a_prompt_and_a_crash_fails_only_its_episode(
     bad = EpisodeRunner(ScriptedEngine([ANSWER]), AgentSettings("crash"))
     (failed,) = bad.generate([prompt], SamplingSettings())[0]
     assert failed.token_ids == [] and failed.agent["error"] == "RuntimeError: the environment fell over"
+    assert failed.finish_reason == "error"  # None would be a sample to continue after a push: a stalled step
+
+
+def test_episodes_turn_concurrently_and_an_environment_task_follows_the_prompts_seed():
+    """Every episode's turn is in the engine at once (not asyncio's CPUs + 4 threads), and the task
+    seed is the prompt's seed of the step: the same for a GRPO group, another for another step."""
+    import threading
+
+    class Gathering(ScriptedEngine):
+        def __init__(self, script, expected):
+            super().__init__(script)
+            self.barrier = threading.Barrier(expected, timeout=20)
+
+        def generate(self, prompts, sampling):
+            self.barrier.wait()  # breaks (an error per episode) unless all of them are in at once
+            return super().generate(prompts, sampling)
+
+    seeds = []
+
+    async def record(sample, ctx):
+        seeds.append(sample["seed"])
+        trajectory = Trajectory(list(sample["prompt_ids"]))
+        await ctx.turn(trajectory)
+        return trajectory
+
+    runner = EpisodeRunner(Gathering([ANSWER], expected=24), AgentSettings("single_turn"))
+    runner.loop = record
+    groups = runner.generate([[1, 2], [3, 4], [5, 6]], [SamplingSettings(n=8, seed=s) for s in (10, 10, 20)])
+    assert all(g.agent.get("error") is None and g.agent["turns"] == 1 for group in groups for g in group)
+    assert sorted(seeds) == [10] * 16 + [20] * 8
+
+
+def test_the_reward_sits_on_the_last_token_the_policy_generated():
+    from mrl.experience import rollout_batch
+
+    sample = Generation([1, 2], [3, 4, 5, 6], "x", [-0.5, -0.5, 0.0, 0.0], "stop", 0, [0] * 4, loss_mask=[1, 1, 0, 0])
+    batch = rollout_batch([[sample]], [1.0])
+    assert batch["token_level_rewards"][0].tolist() == [0.0, 0.0, 1.0, 0.0, 0.0]  # label of token 4: position 2
+    assert batch["response_mask"][0].tolist() == [0.0, 1.0, 1.0, 0.0, 0.0]
 
 
 def test_a_loop_that_cannot_be_found_is_named():
@@ -132,8 +171,9 @@ def test_a_loop_that_cannot_be_found_is_named():
 
     with pytest.raises(ValueError, match="agent.loop 'nowhere:episode': importing nowhere failed"):
         load_loop("nowhere:episode")
-    with pytest.raises(ValueError, match="agent.loop 'json:nothing' is neither a built-in"):
+    with pytest.raises(ValueError, match="json has no callable 'nothing' \\(from agent.loop 'json:nothing'"):
         load_loop("json:nothing")
+    assert load_loop("tool_calling").__name__ == "tool_calling"
 
 
 def test_the_agent_section_is_checked_before_anything_starts():
@@ -146,7 +186,8 @@ def test_the_agent_section_is_checked_before_anything_starts():
             return str(err)
         return ""
 
-    assert errors("agent.loop=tool_calling", "agent.tools=[calculator]") == ""
+    assert errors("agent.loop=tool_calling", "agent.tools=[calculator]", "data.chat_template=true") == ""
+    assert "set data.chat_template: true" in errors("agent.loop=tool_calling", "agent.tools=[calculator]")
     assert "agent.tools is set but agent.loop is none: set agent.loop: tool_calling" in errors("agent.tools=[calculator]")
     assert "agent.loop environment and agent.environment go together" in errors("agent.loop=environment")
     assert errors("agent.loop=environment", "agent.environment=guess_number") == ""
