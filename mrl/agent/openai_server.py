@@ -22,14 +22,14 @@ import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from mrl.agent.call_log import CallLog, CallRecord, EndpointTrajectory
-from mrl.agent.chat import TOKENIZER_LOCK
-from mrl.agent.chat import ChatRenderer
+from mrl.agent.chat import TOKENIZER_LOCK, ChatRenderer
+from mrl.agent.loop import Generate
 from mrl.agent.openai_format import (
     BadRequest, ChatContext, EpisodeNotOpen, appended_messages, assistant_reply, chat_response, completion_response,
     refuse_unsupported, template_messages,
@@ -37,7 +37,6 @@ from mrl.agent.openai_format import (
 from mrl.agent.tool_calls import parse_tool_calls
 from mrl.rollout.engine import Generation, SamplingSettings, _mix
 
-Generate = Callable[[list[int], SamplingSettings], Awaitable[Generation]]
 
 
 @dataclass
