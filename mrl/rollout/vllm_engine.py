@@ -26,6 +26,7 @@ import torch
 from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
 from mrl.rollout.route_capture import EngineRoutes, capture_state
 from mrl.rollout.vllm_cpu import _bind_cpu_workers, _unpack_small_cpu_gemms, cpu_attention
+from mrl.rollout.vllm_cpu_ep import map_cpu_experts
 from mrl.rollout.vllm_weights import (_begin_in_place, _begin_reload, _copy_in_place, _finish_in_place, _finish_reload,
                                       _install_plan, _load, _load_shared, _not_planned, _parameter_metadata,
                                       _recv_routed, _zero_kv_cache)
@@ -128,6 +129,7 @@ class VLLMEngine:
         interruptible: bool = False,
         streaming: bool = False,
         return_routes: bool = False,
+        expert_parallel: bool = False,
     ):
         from vllm import LLM
 
@@ -145,6 +147,11 @@ class VLLMEngine:
             # at least one full-length sequence. (vLLM does the same itself for MLA on CPU.)
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 2048))
             kwargs.update(cpu_attention(model))
+            if expert_parallel and not enforce_eager:  # vLLM's compile warm-up would run the unmapped kernel
+                raise ValueError("expert_parallel on vLLM-CPU needs enforce_eager=True: its experts kernel is mapped "
+                                 "after start (mrl/rollout/vllm_cpu_ep.py), before any forward pass")
+        if expert_parallel:  # rollout.expert_parallel: the MoE layers' experts split over the TP workers
+            kwargs["enable_expert_parallel"] = True
         # On CPU gpu_memory_utilization is a fraction of *host* RAM; an explicit byte budget is
         # the portable way to size the KV cache.
         if kv_cache_memory_bytes is not None:
@@ -165,6 +172,8 @@ class VLLMEngine:
             kwargs["enable_return_routed_experts"] = True  # vLLM's own capture: chosen at start, on GPUs only
         _unpack_small_cpu_gemms()
         self.llm = LLM(**kwargs)
+        if expert_parallel and not torch.cuda.is_available():
+            self.llm.collective_rpc(map_cpu_experts)
         self.dtype = self.llm.llm_engine.model_config.dtype
         self.device = _weights_device()
         self.ipc_opens = 1 + tensor_parallel_size  # load_shared's receipt here, then every worker maps it
@@ -384,7 +393,7 @@ class VLLMEngine:
 
     def _install_sync_plan(self) -> None:
         """Once per engine: compute every TP worker's sync plan and keep it in the worker."""
-        from mrl.sync.plan import POST_APPLY, PlanError, build_plan, hf_metadata
+        from mrl.sync.plan import POST_APPLY, PlanError, build_engine_plans, hf_metadata
         from mrl.sync.routing import routes_from_plan
 
         if self._param_sources is not None:
@@ -395,13 +404,13 @@ class VLLMEngine:
                             f"{self.model_path!r} is no directory with safetensors files; use a local checkpoint "
                             "or sync.apply: load_weights")
         arch = json.loads((Path(self.model_path) / "config.json").read_text())["model_type"]
-        plans = {w["tp_rank"]: build_plan(arch, hf, w) for w in self.parameter_metadata()}
+        plans = build_engine_plans(arch, hf, self.parameter_metadata())
         self.llm.collective_rpc(_install_plan, args=(plans, hf))
         self._hooks = POST_APPLY[arch]
         self._routes = [routes_from_plan(plans[rank]) for rank in sorted(plans)]
         self._planned = {name for route in self._routes for name in route}
         self._param_sources = {}
-        for c in plans[0]:
+        for c in (c for plan in plans.values() for c in plan):  # expert parallel: each worker's experts
             if c.hf_name is not None:
                 self._param_sources.setdefault(c.param, set()).add(c.hf_name)
 

@@ -94,14 +94,38 @@ def _parameter_metadata(worker: Any) -> dict:
         meta = restore.get(leaf, param)
         params[name] = {"shape": list(meta.shape), "dtype": str(meta.dtype).removeprefix("torch."),
                         "derived": is_deferred_attention_layer(module)}
-    return {"params": params, "tp_rank": get_tensor_model_parallel_rank(),
-            "tp_size": get_tensor_model_parallel_world_size()}
+    worker_meta = {"params": params, "tp_rank": get_tensor_model_parallel_rank(),
+                   "tp_size": get_tensor_model_parallel_world_size()}
+    experts = _expert_layouts(model)
+    if experts:  # expert parallel: which experts this worker holds
+        worker_meta["experts"] = experts
+    return worker_meta
+
+
+def _expert_layouts(model: torch.nn.Module) -> dict[str, dict]:
+    """Per fused-MoE module of an expert-parallel engine, which experts its local slots hold, read
+    from vLLM's own expert map (linear or round-robin placement alike): "ids", the global expert id
+    of each local slot; its EP rank and size; and what an EPLB engine would differ in (physical
+    slots numbering redundant copies, moved at run time), which the sync plan refuses."""
+    layouts = {}
+    for name, module in model.named_modules():
+        manager = getattr(module, "expert_map_manager", None)
+        if manager is None or not manager.use_ep or not list(module.parameters(recurse=False)):
+            continue  # the layer's wrapper shares the map with the module holding the experts
+        expert_map = manager.expert_map.tolist()
+        ids = sorted((slot, g) for g, slot in enumerate(expert_map[: manager.global_num_experts]) if slot >= 0)
+        config = module.moe_config
+        layouts[name] = {"ids": [g for _, g in ids], "ep_rank": manager.ep_rank, "ep_size": manager.ep_size,
+                         "eplb": bool(config.moe_parallel_config.enable_eplb),
+                         "physical": manager.global_num_experts, "logical": config.num_logical_experts}
+    return layouts
 
 
 # --- in-place apply (sync.apply: in_place): the sync plan's copies, no load_weights ---
 
 def _install_plan(worker: Any, plans: dict[int, list], shapes: dict[str, list[int]]) -> int:
-    """Keep this TP rank's copies, by HF name, and the HF shapes they assume in the worker."""
+    """Keep this TP rank's copies, by HF name, and the HF shapes they assume in the worker; and the
+    names only other workers copy (an expert-parallel engine's other experts: skipped here)."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
     by_hf: dict[str, list] = {}
@@ -109,6 +133,7 @@ def _install_plan(worker: Any, plans: dict[int, list], shapes: dict[str, list[in
         if c.hf_name is not None:  # padding: nothing to write
             by_hf.setdefault(c.hf_name, []).append(c)
     worker.mrl_sync_plan = by_hf
+    worker.mrl_sync_elsewhere = {c.hf_name for plan in plans.values() for c in plan} - set(by_hf) - {None}
     worker.mrl_sync_slots = None  # looked up again for this plan (_sync_slots)
     worker.mrl_sync_indices = {}  # and its entries' slices (_indices)
     worker.mrl_sync_shapes = {name: tuple(shape) for name, shape in shapes.items()}
@@ -188,6 +213,8 @@ def _copy_tensor(worker: Any, name: str, tensor: torch.Tensor) -> tuple[list[Any
     each with the slice it copied."""
     plan, targets = worker.mrl_sync_plan, worker.mrl_sync_targets
     if name not in plan:
+        if name in worker.mrl_sync_elsewhere:
+            return [], []
         raise KeyError(_not_planned(name))
     _check_shape(worker, name, tensor.shape)
     whole, sliced = [], []

@@ -5,7 +5,10 @@ and shapes (what the bridge's export yields), the engine's parameter metadata (n
 dtypes in checkpoint format, read from the vLLM worker: VLLMEngine.parameter_metadata), and
 mrl/models/vllm_fusions.py, a table of vLLM's fusion rules (which HF tensors stack into which vLLM parameter,
 in which order, along which dimension; read from vLLM 0.32's model files). The plan is checked for
-full coverage: every element of every loaded engine parameter is written exactly once.
+full coverage: every element of every loaded engine parameter is written exactly once. An
+expert-parallel engine's workers each hold whole experts, some of them: the metadata names the
+global expert in each local slot (read from vLLM's expert map), and build_engine_plans checks that
+every HF tensor reaches some worker and every expert exactly one.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from pathlib import Path
 
 from mrl.models.vllm_fusions import EXPERT_MODULE, FUSIONS, POST_APPLY, TP_DIMS, VOCAB
 
-__all__ = ["EXPERT_MODULE", "FUSIONS", "POST_APPLY", "TP_DIMS", "VOCAB", "Copy", "PlanError", "build_plan",
-           "check_coverage", "hf_metadata"]
+__all__ = ["EXPERT_MODULE", "FUSIONS", "POST_APPLY", "TP_DIMS", "VOCAB", "Copy", "PlanError", "build_engine_plans",
+           "build_plan", "check_coverage", "hf_metadata"]
 
 
 def hf_metadata(model_dir: str | Path) -> dict[str, dict]:
@@ -119,21 +122,39 @@ def _stacked(p: _Param, parts, hf: dict) -> list[Copy]:
     return copies
 
 
-def _experts(p: _Param, parts, hf: dict) -> list[Copy]:
-    """FusedMoE's [experts, rows, cols] parameter from experts.{e}.<part>.weight, all experts local."""
+def _local_experts(p: _Param, layout: dict | None) -> tuple[list[int], int, int]:
+    """The global expert in each local slot, and the experts' own TP size and rank: with expert
+    parallelism (`layout`, from the engine's metadata) some whole experts (vLLM gives the MoE layer
+    TP 1), else every expert, split over the engine's TP ranks."""
+    if layout is None:
+        return list(range(p.shape[0])), p.tp, p.rank
+    if layout["eplb"] or layout["physical"] != layout["logical"]:
+        raise PlanError(f"engine parameter {p.name!r}: the engine balances experts (EPLB: {layout['physical']} "
+                        f"physical slots for {layout['logical']} experts, moved at run time), which the in-place "
+                        "plan cannot follow; start the engine without EPLB")
+    if len(layout["ids"]) != p.shape[0]:
+        raise PlanError(f"engine parameter {p.name!r} holds {p.shape[0]} experts, its expert map names "
+                        f"{len(layout['ids'])}: fused shared experts (ROCm AITER) are not planned")
+    return list(layout["ids"]), 1, 0
+
+
+def _experts(p: _Param, parts, hf: dict, layout: dict | None = None) -> list[Copy]:
+    """FusedMoE's [local experts, rows, cols] parameter from experts.{e}.<part>.weight: slot s holds
+    global expert ids[s] (see _local_experts)."""
+    ids, tp, rank = _local_experts(p, layout)
     copies = []
-    for e in range(p.shape[0]):
+    for slot, e in enumerate(ids):
         offset = 0
         for mod, rule in parts:
             name = f"{p.prefix}.{e}.{mod}.weight"  # prefix: the HF `…mlp.experts` module
             rows, cols = _shape(hf, name, p.name)
             if rule == "row":  # down_proj: [hidden, intermediate/tp]
-                src = ((0, rows), _rank_rows(cols, p.shape[2], p.rank, p.tp))
-                dst = ((e, e + 1), (0, p.shape[1]), (0, p.shape[2]))
+                src = ((0, rows), _rank_rows(cols, p.shape[2], rank, tp))
+                dst = ((slot, slot + 1), (0, p.shape[1]), (0, p.shape[2]))
             else:  # gate/up stacked along dim 1: [2 · intermediate/tp, hidden]
-                length = rows // p.tp
-                src = (_rank_rows(rows, length, p.rank, p.tp), (0, cols))
-                dst = ((e, e + 1), (offset, offset + length), (0, p.shape[2]))
+                length = rows // tp
+                src = (_rank_rows(rows, length, rank, tp), (0, cols))
+                dst = ((slot, slot + 1), (offset, offset + length), (0, p.shape[2]))
                 offset += length
             copies.append(Copy(name, src, p.name, dst))
     return copies
@@ -179,7 +200,8 @@ def build_plan(arch: str, hf: dict[str, list[int]], engine: dict, fusions: dict 
         if p.module in fusions["stacked"]:
             copies += _stacked(p, fusions["stacked"][p.module], hf)
         elif p.module == EXPERT_MODULE and p.leaf in fusions["experts"]:
-            copies += _experts(p, fusions["experts"][p.leaf], hf)
+            layout = engine.get("experts", {}).get(name.rpartition(".")[0])
+            copies += _experts(p, fusions["experts"][p.leaf], hf, layout)
         else:
             copies += _direct(p, hf)
     check_coverage(copies, engine, hf)
@@ -212,7 +234,45 @@ def check_coverage(copies: list[Copy], engine: dict, hf: dict) -> None:
         if covered != numel:
             raise PlanError(f"engine parameter {name!r}: {numel - covered} of its {numel} elements are written "
                             "by no HF tensor: a fusion row is missing (mrl/models/vllm_fusions.py FUSIONS)")
-    unused = sorted(set(hf) - {c.hf_name for c in copies})
+    unused = sorted(set(hf) - {c.hf_name for c in copies} - _expert_split(engine, hf)[1])
     if unused:
         raise PlanError(f"HF tensor {unused[0]!r} ({len(unused)} in all) reaches no engine parameter: "
                         "the engine has no place for it, or the fusion table misses its row")
+
+
+def _expert_split(engine: dict, hf: dict) -> tuple[set[str], set[str]]:
+    """An expert-parallel worker's HF expert tensors: those of the experts it holds, and the others'.
+    Each HF name is parsed once (`…mlp.experts.{e}.<part>.weight`): DeepSeek-V3 has ~45k of them."""
+    by_module: dict[str, dict[int, list[str]]] = {}
+    for name in hf:
+        module, _, expert = name.rsplit(".", 2)[0].rpartition(".")
+        if expert.isdigit():
+            by_module.setdefault(module, {}).setdefault(int(expert), []).append(name)
+    held: set[str] = set()
+    foreign: set[str] = set()
+    for module, layout in engine.get("experts", {}).items():
+        local = set(layout["ids"])
+        for expert, names in by_module.get(module.rsplit(".", 1)[0], {}).items():  # the HF `…mlp.experts`
+            (held if expert in local else foreign).update(names)
+    return held, foreign
+
+
+def build_engine_plans(arch: str, hf: dict[str, list[int]], workers: list[dict],
+                       fusions: dict | None = None) -> dict[int, list[Copy]]:
+    """Every worker's plan (by TP rank), each checked by build_plan, and the engine's as a whole:
+    every HF tensor reaches some worker, and with expert parallelism every expert exactly one
+    (a worker holds its experts whole; two holding one would be EPLB's redundant copies)."""
+    plans = {w["tp_rank"]: build_plan(arch, hf, w, fusions) for w in workers}
+    missing = sorted(set(hf) - {c.hf_name for plan in plans.values() for c in plan})
+    if missing:
+        raise PlanError(f"HF tensor {missing[0]!r} ({len(missing)} in all) reaches no worker of the engine: "
+                        "no worker's expert map holds its expert")
+    holders: dict[str, list[int]] = {}
+    for w in workers:
+        for name in _expert_split(w, hf)[0]:
+            holders.setdefault(name, []).append(w["tp_rank"])
+    twice = sorted((name, ranks) for name, ranks in holders.items() if len(ranks) > 1)
+    if twice:
+        raise PlanError(f"HF tensor {twice[0][0]!r} is an expert held by workers {twice[0][1]}: the engine's "
+                        "expert maps overlap (redundant experts are not planned)")
+    return plans
