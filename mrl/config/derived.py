@@ -102,6 +102,8 @@ def engine_options(cfg: RunConfig) -> dict[str, Any]:
                    streaming=cfg.async_.streaming, return_routes=returns_routes(cfg))
     if r.kv_cache_memory_mb is not None:
         options["kv_cache_memory_bytes"] = r.kv_cache_memory_mb << 20
+    if r.expert_parallel:
+        options["expert_parallel"] = True
     if cfg.agent.loop != "none":  # the rollout actor runs episodes; their turns are concurrent engine calls
         options["agent"] = agent_settings(cfg)
     return options

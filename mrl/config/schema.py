@@ -128,6 +128,9 @@ class RolloutConfig:
     # failed engines (dead, or hung in a generate) the run replaces before it stops (docs/rollout.md#engine-restarts)
     engine_restarts: int = 0
     tensor_parallel_size: int = 1
+    # MoE models: each engine's experts split over its TP workers, whole (vLLM's enable_expert_parallel;
+    # attention stays TP). On CPU needs enforce_eager (docs/rollout.md#expert-parallel-engines)
+    expert_parallel: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     # The engines' weights: null (rollout.dtype) or "fp8", DeepSeek's block FP8 (e4m3, 128×128 float32
     # scales): the engines load the checkpoint's FP8 twin (written at start; an FP8 model.path as it
