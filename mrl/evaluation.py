@@ -5,7 +5,7 @@ A sample is correct when the reward scores it >= 1. Greedy accuracy always; with
 prompt, drawn as the rollout draws them (seeded per prompt, so two evaluations use the same random
 numbers and differ by the weights): pass@1 (the mean), pass@k (some sample correct) and maj@k (the
 most common extracted answer is a correct one), overall and per `data_source` when the records
-have one.
+have one. Agent episodes (the `agent` section) also give the share with a tool call that succeeded.
 """
 
 from __future__ import annotations
@@ -35,16 +35,21 @@ def rollout_settings(rollout: Any, seed: int) -> SamplingSettings:
 def evaluate(generate: Generate, score_batch: ScoreBatch, samples: list[dict], greedy: SamplingSettings,
              sampled: SamplingSettings | None = None) -> dict:
     """{"prompts", "greedy": {"accuracy"}, "sampled": {"k", "pass@1", "pass@k", "maj@k"} (with
-    `sampled`, its n = k), "by_source": {source: the same}} of `samples` ({"prompt_ids", "prompt",
-    "ground_truth", "metadata"})."""
+    `sampled`, its n = k), "by_source": {source: the same}, "agent": {"greedy", "sampled": episodes(...)}
+    (agent episodes only)} of `samples` ({"prompt_ids", "prompt", "ground_truth", "metadata"})."""
     prompt_ids = [s["prompt_ids"] for s in samples]
-    greedy_ok = correct(score_batch, samples, generate(prompt_ids, greedy))
+    greedy_groups = generate(prompt_ids, greedy)
+    greedy_ok = correct(score_batch, samples, greedy_groups)
     sampled_ok = answers = None
+    agent = {"greedy": episodes(greedy_groups)}
     if sampled is not None:
         groups = generate(prompt_ids, seeded_per_prompt(sampled, range(len(samples))))
         sampled_ok, answers = correct(score_batch, samples, groups, with_answers=True)
+        agent["sampled"] = episodes(groups)
     sources = [str((s["metadata"] or {}).get("data_source", "")) for s in samples]
     summary = {"prompts": len(samples), **summarise(range(len(samples)), greedy_ok, sampled_ok, answers)}
+    if agent["greedy"] is not None:
+        summary["agent"] = agent
     if any(sources):
         by_source = defaultdict(list)
         for i, source in enumerate(sources):
@@ -67,6 +72,16 @@ def correct(score_batch: ScoreBatch, samples: list[dict], groups: list[list[Gene
     answers = [[str(r.info.get("extracted", g.text.strip())) for r, g in zip(rs, group)]
                for rs, group in zip(scored, groups)]
     return ok, answers
+
+
+def episodes(groups: list[list[Generation]]) -> dict | None:
+    """Of agent episodes: the share with a tool call that succeeded (parsed, and the tool answered
+    without an error), mean turns and tool errors; None for plain samples."""
+    stats = [g.agent for group in groups for g in group if g.agent is not None]
+    if not stats:
+        return None
+    return {"tool_call_success": mean(a["tool_calls"] > a["tool_errors"] for a in stats),
+            "turns_mean": mean(a["turns"] for a in stats), "tool_errors": mean(a["tool_errors"] for a in stats)}
 
 
 def summarise(rows: Sequence[int], greedy_ok: list[list[bool]], sampled_ok: list[list[bool]] | None,

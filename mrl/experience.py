@@ -94,14 +94,17 @@ def route_rows(samples: Sequence[Generation], width: int, shape: RouteShape) -> 
     return {"routes": routes, "routes_len": lengths}
 
 
-def sft_batch(prompts: Sequence[list[int]], targets: Sequence[list[int]]) -> dict[str, torch.Tensor]:
-    """Prompt + target pairs with the loss on the target tokens only."""
-    tokens, mask = _rows(prompts, targets)
+def sft_batch(prompts: Sequence[list[int]], targets: Sequence[list[int]],
+              masks: Sequence[list[int] | None] | None = None) -> dict[str, torch.Tensor]:
+    """Prompt + target pairs with the loss on the target tokens only; with `masks` (a demonstrated
+    conversation: 1 on the assistant's tokens, 0 on the tool's; None: the whole target) on those."""
+    tokens, mask = _rows(prompts, targets, masks)
     return {"tokens": tokens, "response_mask": mask}
 
 
 def packed_sft_batch(prompts: Sequence[list[int]], targets: Sequence[list[int]], row_tokens: int,
-                     rows_multiple: int = 1) -> dict[str, torch.Tensor]:
+                     rows_multiple: int = 1,
+                     masks: Sequence[list[int] | None] | None = None) -> dict[str, torch.Tensor]:
     """sft_batch with several sequences per row, each row at most `row_tokens` tokens.
 
     First-fit decreasing by length. A row's sequences are separated by segment ids: `segments`
@@ -136,7 +139,8 @@ def packed_sft_batch(prompts: Sequence[list[int]], targets: Sequence[list[int]],
             end = start + len(sequence)
             tokens[r, start:end] = torch.tensor(sequence)
             segments[r, start : min(end, width - 1)] = segment
-            mask[r, start + prompt - 1 : end - 1] = 1.0  # the target's labels; end - 1 would cross over
+            own = None if masks is None else masks[index]  # the target's labels; end - 1 would cross over
+            mask[r, start + prompt - 1 : end - 1] = 1.0 if own is None else torch.tensor(own, dtype=mask.dtype)
             start = end
     return {"tokens": tokens, "response_mask": mask, "segments": segments}
 

@@ -3,6 +3,8 @@
 An SFT step sees as many sequences as an RL step (data.batch_size × rollout.n_samples_per_prompt),
 sampled from the train split's prompts with their ground-truth answers; the same optimizer and
 checkpoints as RL, so `mrl train` with trainer.sft_steps > 0 warm-starts and then goes on to RL.
+A demonstrated conversation (assistant turns and tool answers) trains on the assistant's tokens
+only, laid out token for token as an agent's episode lays them out (mrl/agent/demonstrations.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ def run_sft(run: Run) -> dict:
     """trainer.sft_steps optimizer steps; returns the first and last loss and the time taken."""
     cfg, actor = run.cfg, run.cluster.actor
     # one example a demonstration: a prompt with several (data.sft_key naming a list) is shown each in turn
-    samples = [{"prompt_ids": s["prompt_ids"], "target_ids": t} for s in run.train_set for t in s["sft_targets"]]
+    samples = [{"prompt_ids": s["prompt_ids"], "target_ids": t, "target_mask": m} for s in run.train_set
+               for t, m in zip(s["sft_targets"], s.get("sft_masks") or [None] * len(s["sft_targets"]))]
     if not samples:
         raise ValueError("SFT needs answers: the train split has no ground truth (data.answer_key) or demonstration "
                          "(data.sft_key).")
@@ -51,9 +54,11 @@ def run_sft(run: Run) -> dict:
 def sft_rows(cfg: RunConfig, chosen: list[dict]) -> dict:
     """The batch of `chosen` samples: one sequence per row, or packed rows (trainer.sft_pack_tokens)."""
     prompts, targets = [s["prompt_ids"] for s in chosen], [s["target_ids"] for s in chosen]
+    masks = [s.get("target_mask") for s in chosen]
+    masks = masks if any(m is not None for m in masks) else None
     if cfg.trainer.sft_pack_tokens:
-        return packed_sft_batch(prompts, targets, cfg.trainer.sft_pack_tokens, data_parallel_size(cfg))
-    return sft_batch(prompts, targets)
+        return packed_sft_batch(prompts, targets, cfg.trainer.sft_pack_tokens, data_parallel_size(cfg), masks)
+    return sft_batch(prompts, targets, masks)
 
 
 def sft_only(cfg: RunConfig) -> dict:

@@ -348,6 +348,8 @@ def evaluate(run: Run, sampled: bool = True) -> dict[str, float | None]:
     metrics = {"eval/accuracy": summary["greedy"]["accuracy"]}
     if n:
         metrics["eval/accuracy_sampled"] = summary["sampled"]["pass@1"]
+    for kind, episodes in summary.get("agent", {}).items():  # agent episodes: held-out tool-call success
+        metrics["eval/tool_call_success" + ("_sampled" if kind == "sampled" else "")] = episodes["tool_call_success"]
     return metrics
 
 

@@ -119,7 +119,8 @@ def prompt_samples(
     sft_key: str | None = None,
 ) -> list[dict[str, Any]]:
     """Records → {"prompt", "ground_truth", "metadata"} samples (metadata: the whole record), with
-    "demonstrations" (what SFT trains on, when not the ground truth: `sft_key`'s text, or each of its list)."""
+    "demonstrations" (what SFT trains on, when not the ground truth: `sft_key`'s text or conversation, or each
+    of its list)."""
     samples = []
     for index, record in enumerate(records):
         try:
@@ -131,8 +132,20 @@ def prompt_samples(
         samples.append({"prompt": prompt, "ground_truth": None if truth is None else str(truth), "metadata": record})
         shown = MISSING if sft_key is None else field_value(record, sft_key)
         if shown is not MISSING and shown is not None:
-            samples[-1]["demonstrations"] = [str(s) for s in shown] if isinstance(shown, list) else [str(shown)]
+            samples[-1]["demonstrations"] = demonstrations(shown)
     return samples
+
+
+def demonstrations(shown: Any) -> list:
+    """An sft_key field's demonstrations: texts, or conversations (lists of chat messages, which SFT
+    trains on as an agent's episode: mrl.agent.demonstrations); one of either, or a list of them."""
+    if is_conversation(shown):
+        return [shown]
+    return [s if is_conversation(s) else str(s) for s in (shown if isinstance(shown, list) else [shown])]
+
+
+def is_conversation(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
 def field_value(record: dict[str, Any], key: str) -> Any:
