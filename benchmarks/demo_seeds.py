@@ -23,14 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "tiny_cpu_grpo.yaml"
 
 
-def run_seeds(seeds: list[int], workdir: Path, parallel: int, overrides: list[str]) -> None:
-    """`mrl train` of the recipe for every seed, `parallel` at a time; each run's log beside its output."""
+def run_seeds(seeds: list[int], workdir: Path, parallel: int, overrides: list[str], recipe: Path = RECIPE) -> None:
+    """`mrl train` of `recipe` for every seed, `parallel` at a time; each run's log beside its output."""
     mrl = Path(sys.executable).with_name("mrl")
     for first in range(0, len(seeds), parallel):
         running = []
         for seed in seeds[first:first + parallel]:
             out = workdir / f"seed{seed}"
-            argv = [str(mrl), "train", str(RECIPE), f"trainer.output_dir={out}", f"trainer.seed={seed}",
+            argv = [str(mrl), "train", str(recipe), f"trainer.output_dir={out}", f"trainer.seed={seed}",
                     f"rollout.seed={seed}", *overrides]
             log = open(workdir / f"seed{seed}.log", "w")
             running.append((seed, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))

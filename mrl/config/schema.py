@@ -160,14 +160,14 @@ class AgentConfig:
 
     loop: str = "none"  # none | single_turn | tool_calling | environment | openai | "package.module:function"
     environment: str | None = None  # loop environment's: guess_number or "package.module:Factory" (mrl/agent/env.py)
-    # loop openai's agent(base_url, sample), any OpenAI-client code: "package.module:function" (mrl/agent/openai_loop.py)
-    openai_agent: str | None = None
-    episode_timeout_s: float = 600.0  # an episode running longer fails
     tools: list[str] = field(default_factory=list)  # "calculator", "python" or "package.module:function"
     max_turns: int = 4  # model turns an episode may take
     max_tokens: int | None = None  # an episode's context budget (prompt + all its tokens); null: rollout.max_model_len
     max_tool_response_chars: int = 1024  # a longer tool answer is cut, and says so
     tool_timeout_s: float = 10.0
+    # loop openai's agent(base_url, sample), any OpenAI-client code: "package.module:function" (mrl/agent/openai_loop.py)
+    openai_agent: str | None = None
+    episode_timeout_s: float = 600.0  # an episode running longer fails
 
 
 @dataclass
@@ -297,6 +297,8 @@ class ArithmeticConfig:
     train_size: int = 2000
     heldout_size: int = 200
     teacher_error: float = 0.0  # fraction of SFT demonstrations written ten too high (the reward checks the result)
+    # demonstrations call the calculator (agent.tools: [calculator]); careless ones skip it (configs/tiny_cpu_agent.yaml)
+    tool_calls: bool = False
 
 
 @dataclass

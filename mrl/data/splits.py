@@ -16,7 +16,8 @@ def load_splits(data: Any, seed: int, tokenizer: Any = None) -> tuple[list[dict]
     template = PromptTemplate(data.template, data.chat_template, data.system_prompt)
     if data.synthetic:
         a = data.arithmetic
-        task = ArithmeticTask(tuple(a.ops), a.min_operand, a.max_operand, a.heldout_fraction, seed, a.teacher_error)
+        task = ArithmeticTask(tuple(a.ops), a.min_operand, a.max_operand, a.heldout_fraction, seed, a.teacher_error,
+                              a.tool_calls)
         train, heldout = task.sample(a.train_size, "train"), task.sample(a.heldout_size, "heldout")
         return (prompt_samples(train, template, "answer", tokenizer, sft_key="demonstrations"),
                 prompt_samples(heldout, template, "answer", tokenizer))
