@@ -116,12 +116,15 @@ class EpisodeContext:
 
     async def turn(self, trajectory: Trajectory) -> Generation | None:
         """The model's next turn, appended to `trajectory`; None (and `truncated`) when the episode
-        is out of turns or context. Each turn draws with a seed of its own."""
+        is out of turns or context. Each turn draws with a seed of its own; the first with the
+        episode's, so a one-turn episode samples what a plain generate call does."""
         room = self.limits.max_tokens - len(trajectory.context())
         if trajectory.turns >= self.limits.max_turns or room <= 0:
             trajectory.truncated = True
             return None
-        seed = None if self.sampling.seed is None else _mix(self.sampling.seed, trajectory.turns)
+        seed = self.sampling.seed
+        if seed is not None and trajectory.turns:
+            seed = _mix(seed, trajectory.turns)
         stops = self.sampling.stop_token_ids + (tuple(self.chat.end_of_turn_ids()) if self.chat else ())
         sampling = replace(self.sampling, n=1, seed=seed, max_tokens=min(self.sampling.max_tokens, room),
                            stop_token_ids=tuple(dict.fromkeys(stops)))

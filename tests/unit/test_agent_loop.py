@@ -73,9 +73,9 @@ def test_a_tool_episode_is_its_conversation_and_trains_only_the_policys_tokens()
                                                                                 len(trajectory.prompt_ids)]
     conversation = [{"role": "user", "content": "What is 123456789*987654321?"}, *trajectory.messages]
     chat.check(conversation, trajectory.prompt_ids + trajectory.token_ids)
-    # each turn stops at the template's end of turn and draws with a seed of its own
+    # each turn stops at the template's end of turn and draws with a seed of its own, the first the episode's
     assert all(s.stop_token_ids == tuple(chat.end_of_turn_ids()) for _, s in engine.calls)
-    assert len({s.seed for _, s in engine.calls}) == 2
+    assert engine.calls[0][1].seed == 7 and engine.calls[1][1].seed != 7
 
     sample = trajectory.to_generation()
     appended = [i for i, m in enumerate(sample.loss_mask) if not m]
