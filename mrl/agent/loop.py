@@ -55,6 +55,7 @@ class Trajectory:
     truncated: bool = False
     nonlinear: bool = False  # an openai-loop episode of which only the last linked calls train (openai_loop.py)
     messages: list[dict] = field(default_factory=list)  # the conversation by role, for traces
+    last_turn: Generation | None = field(default=None, repr=False)
 
     def context(self) -> list[int]:
         return self.prompt_ids + self.token_ids
@@ -69,6 +70,7 @@ class Trajectory:
         self.logprobs += list(turn.logprobs)
         self.token_versions += turn.versions()
         self.text, self.finish_reason, self.turns = turn.text, turn.finish_reason, self.turns + 1
+        self.last_turn = turn
         # the last turn forwarded the whole context: its routes cover every earlier position too
         self.routed_experts = turn.routed_experts
         self.messages.append({"role": "assistant", "content": turn.text})
@@ -82,15 +84,19 @@ class Trajectory:
         self.messages += messages
 
     def to_generation(self) -> Generation:
-        """The episode as one sample, cut after its last generated token. An episode without a turn
-        (a limit, or a failure) finishes by "length" or "error", never None: None is a sample to
-        continue after a weight push (async.partial_rollout), which an episode never is."""
+        """The episode as one sample, cut after its last generated token. One turn and nothing
+        appended: that turn's sample as the engine returned it (finish_reason None if a weight push
+        interrupted it: async.partial_rollout continues it). Otherwise an episode finishes by its
+        last turn's reason, or by "length" or "error" without a turn, never None: a multi-turn
+        episode is not continued after a push."""
+        if self.turns == 1 and all(self.loss_mask):
+            return replace(self.last_turn, loss_mask=list(self.loss_mask), agent=self.stats())
         end = max((i + 1 for i, m in enumerate(self.loss_mask) if m), default=0)
         versions = self.token_versions[:end]
         routes = self.routed_experts
         if routes is not None:
             routes = routes[: len(self.prompt_ids) + end - 1]
-        finish = self.finish_reason or ("length" if self.truncated else "error")
+        finish = self.finish_reason or ("length" if self.truncated or self.turns else "error")
         return Generation(list(self.prompt_ids), self.token_ids[:end], self.text, self.logprobs[:end],
                           finish, min(versions) if versions else None, versions, routes,
                           loss_mask=self.loss_mask[:end], agent=self.stats())

@@ -1,12 +1,14 @@
-"""Episodes beside the engine: an engine call's prompts as concurrent agent episodes.
+"""Episodes beside the engine: every rollout's samples, run as agent episodes.
 
-The rollout actor (mrl.launch.rollout_actor) hands a generate call's prompts here when the run has
-an agent (the `agent` section): each of a prompt's n samples is an episode of its own (seed
-`seed + i`, as vLLM draws an n-request's samples), all episodes run at once on one event loop, and
-every turn is an engine.generate call on a thread of its own, so the engine's running batch holds
-every episode's current turn (the engine must take concurrent calls: VLLMEngine's `streaming`).
-An episode's turns stay on this engine, for its prefix cache. A crashing agent, tool or environment
-fails that episode only: it comes back with no tokens and the error in `agent["error"]`.
+The rollout actor (mrl.launch.rollout_actor) hands every generate call's prompts here: each of a
+prompt's n samples is an episode of its own (seed `seed + i`, as vLLM draws an n-request's samples),
+all on one event loop. A run without an agent (agent.loop none) runs the `single_turn` loop and
+gets the engine's samples unchanged. Turns asked for together go to the engine as one call
+(`TurnBatcher`): on a streaming engine each event-loop tick's turns join the running batch at once; on
+any other every live episode's turn waits for the rest (one call at a time, as the engine takes
+them), so a plain rollout is one engine call, as before. An episode's turns stay on this engine,
+for its prefix cache. A crashing agent, tool or environment fails that episode only: it comes back
+with no tokens and the error in `agent["error"]`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-from mrl.agent.loop import BUILT_IN, AgentLimits, EpisodeContext, Trajectory
+from mrl.agent.loop import BUILT_IN, AgentLimits, EpisodeContext, Trajectory, single_turn
 from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
 
 log = logging.getLogger(__name__)
@@ -29,7 +31,7 @@ MAX_TURN_THREADS = 512  # turns of one engine call in flight at once (each waits
 class AgentSettings:
     """The run's `agent` section as the rollout actor needs it (plain data: it crosses to Ray)."""
 
-    loop: str = "single_turn"  # a built-in (mrl.agent.loop.BUILT_IN) or "package.module:function"
+    loop: str = "none"  # none (plain samples), a built-in (mrl.agent.loop.BUILT_IN) or "package.module:function"
     tools: tuple[str, ...] = ()  # built-in tool names or "module:function" specs (mrl.agent.tools.load_tool)
     max_turns: int = 4
     max_tokens: int = 4096
@@ -59,16 +61,17 @@ class EpisodeRunner:
         from mrl.agent.tools import Toolbox, load_tool
 
         self.engine, self.settings = engine, settings
+        self.plain = settings.loop == "none"  # samples as the engine returns them: no chat, no episode stats
         # a tokenizer of its own: vLLM detokenises with the engine's on its stepping thread, and a Rust
         # tokenizer used from two threads at once raises "Already borrowed"
-        tokenizer = copy.deepcopy(engine.llm.get_tokenizer())
-        self.chat = ChatRenderer(tokenizer, template_kwargs=settings.chat_template_kwargs)
+        self.tokenizer = copy.deepcopy(engine.llm.get_tokenizer())
+        self.chat = None if self.plain else ChatRenderer(self.tokenizer, template_kwargs=settings.chat_template_kwargs)
         if settings.loop == "openai":  # an OpenAI-client agent: this engine behind an endpoint of its own
             from mrl.agent.openai_loop import OpenAILoop
 
             self.loop = OpenAILoop(settings.openai_agent, self._generate, self.chat, settings.episode_timeout_s)
         else:
-            self.loop = load_loop(settings.loop)
+            self.loop = single_turn if self.plain else load_loop(settings.loop)
         self.tools = Toolbox([load_tool(t) for t in settings.tools], settings.max_tool_response_chars,
                              settings.tool_timeout_s) if settings.tools else None
         self.limits = AgentLimits(settings.max_turns, settings.max_tokens)
@@ -80,27 +83,33 @@ class EpisodeRunner:
 
     def generate(self, prompts: Sequence[list[int]],
                  sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[list[Generation]]:
-        """Per prompt, its n episodes as Generations (the engine's generate contract)."""
+        """Per prompt, its n episodes as Generations (the engine's generate contract, token ids only)."""
+        if any(isinstance(p, str) for p in prompts):
+            raise TypeError("rollout prompts are token ids (episodes extend them token by token): tokenise the text")
         return asyncio.run(self._all(prompts, per_prompt(sampling, len(prompts))))
 
     async def _all(self, prompts: Sequence[list[int]], settings: list[SamplingSettings]) -> list[list[Generation]]:
-        # a thread for every episode's turn: asyncio's default pool (CPUs + 4) would let only a few
-        # turns at a time into the engine's running batch
-        threads = min(sum(s.n for s in settings), MAX_TURN_THREADS) + 4  # (+4: tokenising, environments)
+        # a thread for every turn in flight and tool call: asyncio's default pool (CPUs + 4) would let
+        # only a few of a streaming engine's turns into its running batch
+        episodes = sum(s.n for s in settings)
+        threads = min(episodes, MAX_TURN_THREADS) + 4  # (+4: tokenising, environments)
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(threads, "mrl-episode"))
-        episodes = [[self._episode(list(p), replace(s, n=1, seed=None if s.seed is None else s.seed + i), s.seed)
-                     for i in range(s.n)] for p, s in zip(prompts, settings)]
-        done = await asyncio.gather(*(e for group in episodes for e in group))
+        turns = TurnBatcher(self.engine, episodes)
+        coros = [[self._episode(list(p), replace(s, n=1, seed=None if s.seed is None else s.seed + i), s.seed, turns)
+                  for i in range(s.n)] for p, s in zip(prompts, settings)]
+        done = await asyncio.gather(*(e for group in coros for e in group))
         it = iter(done)
-        return [[next(it) for _ in group] for group in episodes]
+        return [[next(it) for _ in group] for group in coros]
 
-    async def _episode(self, prompt_ids: list[int], sampling: SamplingSettings, task_seed: int | None) -> Generation:
-        ctx = EpisodeContext(self._generate, sampling, self.chat, self.tools, self.limits, self.environment)
+    async def _episode(self, prompt_ids: list[int], sampling: SamplingSettings, task_seed: int | None,
+                       turns: TurnBatcher) -> Generation:
+        ctx = EpisodeContext(turns.turn, sampling, self.chat, self.tools, self.limits, self.environment)
         try:
             # the sample: the prompt, and the prompt's seed of this step (an environment draws its task
             # from it: every episode of a GRPO group gets the same task, another each step and run)
-            sample = {"prompt_ids": prompt_ids, "prompt": await asyncio.to_thread(self.chat._decode, prompt_ids),
-                      "seed": task_seed}
+            sample = {"prompt_ids": prompt_ids, "seed": task_seed}
+            if not self.plain:
+                sample["prompt"] = await asyncio.to_thread(self.chat._decode, prompt_ids)
             trajectory = await _within(self.loop(sample, ctx), self.settings.episode_timeout_s)
         except Exception as err:  # noqa: BLE001 - one episode's failure, never the run's
             log.warning("agent episode failed: %s: %s", type(err).__name__, err)
@@ -108,7 +117,10 @@ class EpisodeRunner:
             generation = failed.to_generation()
             generation.agent = {**failed.stats(), "error": f"{type(err).__name__}: {err}"}
             return generation
-        return trajectory.to_generation()
+        finally:
+            turns.ended()
+        generation = trajectory.to_generation()
+        return replace(generation, loss_mask=None, agent=None) if self.plain else generation
 
     def close(self) -> None:
         """The tools' threads (and an openai loop's endpoint) stop; the engine is its owner's."""
@@ -117,8 +129,59 @@ class EpisodeRunner:
         getattr(self.loop, "close", lambda: None)()
 
     async def _generate(self, prompt_ids: list[int], sampling: SamplingSettings) -> Generation:
+        """One turn as an engine call of its own (the openai loop's endpoint, on its own event loop)."""
         groups = await asyncio.to_thread(self.engine.generate, [prompt_ids], sampling)
         return groups[0][0]
+
+
+class TurnBatcher:
+    """One generate call's episodes ask for turns here; turns asked for together go to the engine as
+    one call. A streaming engine takes calls at once: each event-loop tick's turns go as they come.
+    Any other runs one call at a time: a call goes once every live episode waits for its turn."""
+
+    def __init__(self, engine: Any, episodes: int):
+        self.engine, self.live = engine, episodes
+        self.streaming = bool(getattr(engine, "streaming", False))
+        self.waiting: list[tuple[list[int], SamplingSettings, asyncio.Future]] = []
+        self._flush_soon = False
+        self._calls: set[asyncio.Future] = set()  # engine calls in flight (the loop holds tasks weakly)
+
+    async def turn(self, prompt_ids: list[int], sampling: SamplingSettings) -> Generation:
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((prompt_ids, sampling, future))
+        self._consider()
+        return await future
+
+    def ended(self) -> None:
+        """An episode is over: it will ask for no more turns."""
+        self.live -= 1
+        self._consider()
+
+    def _consider(self) -> None:
+        self.waiting = [w for w in self.waiting if not w[2].done()]  # (a timed-out episode's turn: cancelled)
+        if self.streaming and self.waiting and not self._flush_soon:
+            self._flush_soon = True
+            asyncio.get_running_loop().call_soon(self._flush)
+        elif not self.streaming and self.waiting and len(self.waiting) >= self.live:
+            self._flush()
+
+    def _flush(self) -> None:
+        self._flush_soon = False
+        batch, self.waiting = [w for w in self.waiting if not w[2].done()], []
+        if batch:
+            task = asyncio.ensure_future(asyncio.to_thread(self.engine.generate, [b[0] for b in batch],
+                                                           [b[1] for b in batch]))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+            task.add_done_callback(lambda done: _hand_out(done, [b[2] for b in batch]))
+
+
+def _hand_out(call: asyncio.Future, futures: list[asyncio.Future]) -> None:
+    """A call's samples (one a turn) to the episodes that asked, or its error to each of them."""
+    error = call.exception()
+    for i, future in enumerate(futures):
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(call.result()[i][0])
 
 
 async def _within(episode: Any, timeout_s: float) -> Trajectory:

@@ -155,8 +155,8 @@ class RolloutConfig:
 
 @dataclass
 class AgentConfig:
-    """Multi-turn episodes with tools (docs/agents.md). loop "none": one answer per sample, the
-    engine's plain generate; otherwise every sample is an episode of this loop (mrl/agent/loop.py)."""
+    """Multi-turn episodes with tools (docs/agents.md). Every sample is an episode of `loop`
+    (mrl/agent/loop.py); "none" runs single_turn and keeps the engine's samples as they are."""
 
     loop: str = "none"  # none | single_turn | tool_calling | environment | openai | "package.module:function"
     environment: str | None = None  # loop environment's: guess_number or "package.module:Factory" (mrl/agent/env.py)

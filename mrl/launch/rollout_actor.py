@@ -32,10 +32,11 @@ class RolloutServer:
         from mrl.rollout.vllm_engine import VLLMEngine
         from mrl.sync.receiver import WeightReceiver
 
-        agent = engine_options.get("agent")  # an agent's episodes take turns concurrently: a streaming engine
-        options = {k: v for k, v in engine_options.items() if k != "agent"} | ({"streaming": True} if agent else {})
-        self.engine = VLLMEngine(model, **options)
-        self.episodes = None if agent is None else EpisodeRunner(self.engine, AgentSettings(**agent))
+        agent = AgentSettings(**engine_options.get("agent", {}))  # every rollout runs as episodes (none: plain)
+        # multi-turn episodes take turns whenever their tools answer: a streaming engine batches them as they come
+        streaming = {"streaming": True} if agent.loop not in ("none", "single_turn") else {}
+        self.engine = VLLMEngine(model, **{k: v for k, v in engine_options.items() if k != "agent"} | streaming)
+        self.episodes = EpisodeRunner(self.engine, agent)
         self.receiver = WeightReceiver(self.engine, host=ray.util.get_node_ip_address(), timeout_s=sync_timeout_s)
 
     def endpoint(self):
@@ -76,16 +77,16 @@ class RolloutServer:
         its generations carry the versions theirs do (mrl/launch/restarts.py)."""
         self.engine.weight_version = version
 
-    def generate(self, prompts: Sequence[str | list[int]],
+    def generate(self, prompts: Sequence[list[int]],
                  sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[list[Generation]]:
-        """Per prompt its samples: the engine's, or with an agent its episodes (mrl.agent.runner)."""
-        return (self.episodes or self.engine).generate(prompts, sampling)
+        """Per prompt its samples: its episodes (mrl.agent.runner; plain samples without an agent)."""
+        return self.episodes.generate(prompts, sampling)
 
     @ray.method(concurrency_group="generate")
-    def generate_streaming(self, prompts: Sequence[str | list[int]],
+    def generate_streaming(self, prompts: Sequence[list[int]],
                            sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[list[Generation]]:
         """generate, beside the other generate_streaming calls in flight (async.streaming)."""
-        return (self.episodes or self.engine).generate(prompts, sampling)
+        return self.episodes.generate(prompts, sampling)
 
     @ray.method(concurrency_group="control")
     def interrupt(self) -> None:
@@ -104,8 +105,7 @@ class RolloutServer:
     def shutdown(self) -> None:
         """Stop the engine's workers before the actor is killed: a killed actor whose engine has worker
         processes (TP > 1) leaves vLLM's message queues behind in /dev/shm (two files an engine, never freed)."""
-        if self.episodes is not None:  # the agent's tool threads and endpoint first: they call the engine
-            self.episodes.close()
+        self.episodes.close()  # the agent's tool threads and endpoint first: they call the engine
         self.engine.shutdown()
 
 

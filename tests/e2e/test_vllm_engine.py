@@ -9,7 +9,7 @@ from mrl.rollout.engine import SamplingSettings, seeded_per_prompt
 # 1024: a long generation to interrupt; interruptible: generate steps vLLM itself (partial rollout's path),
 # which test_one_request_per_sample... compares with LLM.generate (every other engine's path)
 ENGINE = dict(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20, interruptible=True)
-PROMPTS = ["12+7=", "3*4="]
+PROMPTS = [[22, 23, 16, 28, 34], [24, 15, 25, 34]]  # "12+7=", "3*4=" (rollout prompts are token ids)
 
 
 @pytest.fixture(scope="module")

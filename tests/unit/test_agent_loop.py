@@ -35,14 +35,17 @@ class ScriptedEngine:
         self.llm = SimpleNamespace(get_tokenizer=tokenizer)
 
     def generate(self, prompts, sampling):
-        (prompt,) = prompts
+        settings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        return [[self._answer(p, s)] for p, s in zip(prompts, settings)]
+
+    def _answer(self, prompt, sampling):
         self.calls.append((list(prompt), sampling))
         turn = tokenizer().decode(prompt).count("<|im_start|>assistant") - 1
         text = self.script[min(turn, len(self.script) - 1)]
         ids = tokenizer().encode(text, add_special_tokens=False)[: sampling.max_tokens - 1]
         text = tokenizer().decode(ids)
         ids += tokenizer().encode("<|im_end|>", add_special_tokens=False)
-        return [[Generation(list(prompt), ids, text, [-0.5] * len(ids), "stop", 3, [3] * len(ids))]]
+        return Generation(list(prompt), ids, text, [-0.5] * len(ids), "stop", 3, [3] * len(ids))
 
 
 def run_episode(engine: ScriptedEngine, limits: AgentLimits = AgentLimits()):
@@ -128,18 +131,25 @@ def test_the_runner_runs_n_episodes_a_prompt_and_a_crash_fails_only_its_episode(
     assert failed.finish_reason == "error"  # None would be a sample to continue after a push: a stalled step
 
 
-def test_episodes_turn_concurrently_and_an_environment_task_follows_the_prompts_seed():
-    """Every episode's turn is in the engine at once (not asyncio's CPUs + 4 threads), and the task
-    seed is the prompt's seed of the step: the same for a GRPO group, another for another step."""
+@pytest.mark.parametrize("streaming", [False, True])
+def test_episodes_turn_together_and_an_environment_task_follows_the_prompts_seed(streaming):
+    """Every episode's turn is in the engine at once: in one call on a plain engine, in calls that run
+    at once on a streaming one (not asyncio's CPUs + 4 threads). The task seed is the prompt's seed of
+    the step: the same for a GRPO group, another for another step."""
     import threading
 
     class Gathering(ScriptedEngine):
         def __init__(self, script, expected):
             super().__init__(script)
-            self.barrier = threading.Barrier(expected, timeout=20)
+            self.streaming, self.expected, self.in_flight, self.sizes = streaming, expected, 0, []
+            self.changed = threading.Condition()
 
         def generate(self, prompts, sampling):
-            self.barrier.wait()  # breaks (an error per episode) unless all of them are in at once
+            with self.changed:  # returns only once every episode's turn is in (an error per episode otherwise)
+                self.in_flight += len(prompts)
+                self.sizes.append(len(prompts))
+                self.changed.notify_all()
+                assert self.changed.wait_for(lambda: self.in_flight >= self.expected, timeout=20)
             return super().generate(prompts, sampling)
 
     seeds = []
@@ -155,6 +165,21 @@ def test_episodes_turn_concurrently_and_an_environment_task_follows_the_prompts_
     groups = runner.generate([[1, 2], [3, 4], [5, 6]], [SamplingSettings(n=8, seed=s) for s in (10, 10, 20)])
     assert all(g.agent.get("error") is None and g.agent["turns"] == 1 for group in groups for g in group)
     assert sorted(seeds) == [10] * 16 + [20] * 8
+    assert streaming or runner.engine.sizes == [24]
+
+
+def test_without_an_agent_a_rollout_is_one_engine_call_of_plain_samples():
+    """agent.loop none: the single_turn loop, the engine's samples unchanged (no mask, no episode stats),
+    every sample in one call with the seeds vLLM gives an n-request's (seed + i)."""
+    engine = ScriptedEngine([ANSWER])
+    runner = EpisodeRunner(engine, AgentSettings())
+    groups = runner.generate([[1, 2], [3, 4]], SamplingSettings(n=3, seed=5, max_tokens=64))
+    assert [len(g) for g in groups] == [3, 3] and len(engine.calls) == 6 and runner.chat is None
+    assert [s.seed for _, s in engine.calls] == [5, 6, 7, 5, 6, 7] and all(s.n == 1 for _, s in engine.calls)
+    assert groups[1][0] == engine._answer([3, 4], engine.calls[3][1])  # the engine's own sample, unchanged
+    assert all(g.loss_mask is None and g.agent is None for group in groups for g in group)
+    with pytest.raises(TypeError, match="rollout prompts are token ids"):
+        runner.generate(["12+7="], SamplingSettings())
 
 
 def test_the_reward_sits_on_the_last_token_the_policy_generated():
