@@ -167,6 +167,11 @@ class ChatRenderer:
         with TOKENIZER_LOCK:
             return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def turn_text(self, token_ids: list[int]) -> str:
+        """A generated turn's text as the engine writes it (vLLM skips special tokens)."""
+        with TOKENIZER_LOCK:
+            return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
     def _decode(self, token_ids: list[int]) -> str:
         with TOKENIZER_LOCK:
             return self.tokenizer.decode(list(token_ids), skip_special_tokens=False,

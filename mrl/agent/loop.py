@@ -55,13 +55,26 @@ class Trajectory:
     truncated: bool = False
     nonlinear: bool = False  # an openai-loop episode of which only the last linked calls train (openai_loop.py)
     messages: list[dict] = field(default_factory=list)  # the conversation by role, for traces
+    # async.partial_rollout: the last turn's tokens when a weight push cut it (None: not cut); the
+    # episode comes back unfinished and goes on from here on the new weights (resume)
+    interrupted: int | None = None
     last_turn: Generation | None = field(default=None, repr=False)
+
+    @classmethod
+    def resume(cls, unfinished: Generation) -> Trajectory:
+        """The episode an interrupted sample was cut from, to go on with its last turn."""
+        a = unfinished.agent
+        return cls(list(unfinished.prompt_ids), list(unfinished.token_ids), list(unfinished.loss_mask),
+                   list(unfinished.logprobs), unfinished.versions(), unfinished.text, None,
+                   unfinished.routed_experts, a["reward"], a["turns"], a["tool_calls"], a["tool_errors"], a["tool_s"],
+                   a["gen_s"], a["truncated"], a["nonlinear"], [dict(m) for m in a["messages"]], a["interrupted"])
 
     def context(self) -> list[int]:
         return self.prompt_ids + self.token_ids
 
     def add_turn(self, turn: Generation) -> None:
-        """A generated turn whose prompt was this trajectory's context."""
+        """A generated turn whose prompt was this trajectory's context (finish_reason None: cut by
+        a weight push, to go on after it)."""
         if turn.prompt_ids != self.context():
             raise ValueError(f"turn {self.turns + 1}'s prompt ({len(turn.prompt_ids)} tokens) is not the episode's "
                              f"context ({len(self.context())} tokens): generate from trajectory.context()")
@@ -74,6 +87,21 @@ class Trajectory:
         # the last turn forwarded the whole context: its routes cover every earlier position too
         self.routed_experts = turn.routed_experts
         self.messages.append({"role": "assistant", "content": turn.text})
+        self.interrupted = len(turn.token_ids) if turn.finish_reason is None else None
+
+    def go_on(self, rest: Generation, text: str) -> Generation:
+        """The interrupted last turn, gone on with `rest` (generated from this context): the whole
+        turn as one Generation, its `text` decoded from all its tokens."""
+        cut = len(self.token_ids) - self.interrupted
+        versions = self.token_versions[cut:] + rest.versions()
+        turn = Generation(self.context()[:len(self.prompt_ids) + cut], self.token_ids[cut:] + rest.token_ids, text,
+                          self.logprobs[cut:] + list(rest.logprobs), rest.finish_reason, min(versions, default=None),
+                          versions, rest.routed_experts)
+        del self.token_ids[cut:], self.loss_mask[cut:], self.logprobs[cut:], self.token_versions[cut:]
+        self.turns -= 1
+        self.messages.pop()
+        self.add_turn(turn)
+        return turn
 
     def add_appended(self, ids: list[int], messages: list[dict]) -> None:
         version = self.token_versions[-1] if self.token_versions else 0
@@ -91,6 +119,10 @@ class Trajectory:
         episode is not continued after a push."""
         if self.turns == 1 and all(self.loss_mask):
             return replace(self.last_turn, loss_mask=list(self.loss_mask), agent=self.stats())
+        if self.interrupted is not None:  # every token kept: the episode goes on from all of them
+            return Generation(list(self.prompt_ids), list(self.token_ids), self.text, list(self.logprobs), None,
+                              min(self.token_versions, default=None), list(self.token_versions), self.routed_experts,
+                              loss_mask=list(self.loss_mask), agent=self.stats())
         end = max((i + 1 for i, m in enumerate(self.loss_mask) if m), default=0)
         versions = self.token_versions[:end]
         routes = self.routed_experts
@@ -105,7 +137,8 @@ class Trajectory:
         """Per-episode numbers for the agent/* metrics and the trace."""
         return {"turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
                 "tool_s": self.tool_s, "gen_s": self.gen_s, "truncated": self.truncated,
-                "nonlinear": self.nonlinear, "reward": self.reward, "messages": self.messages}
+                "nonlinear": self.nonlinear, "reward": self.reward, "messages": self.messages,
+                "interrupted": self.interrupted}
 
 
 @dataclass
@@ -122,23 +155,30 @@ class EpisodeContext:
 
     async def turn(self, trajectory: Trajectory) -> Generation | None:
         """The model's next turn, appended to `trajectory`; None (and `truncated`) when the episode
-        is out of turns or context. Each turn draws with a seed of its own; the first with the
-        episode's, so a one-turn episode samples what a plain generate call does."""
+        is out of turns or context, and None when a weight push cut the turn (the episode comes back
+        unfinished; async.partial_rollout resumes it here, where this goes on with the cut turn).
+        Each turn draws with a seed of its own; the first with the episode's, so a one-turn episode
+        samples what a plain generate call does."""
+        cut = trajectory.interrupted or 0
         room = self.limits.max_tokens - len(trajectory.context())
-        if trajectory.turns >= self.limits.max_turns or room <= 0:
+        if trajectory.interrupted is None and (trajectory.turns >= self.limits.max_turns or room <= 0):
             trajectory.truncated = True
             return None
         seed = self.sampling.seed
         if seed is not None and trajectory.turns:
             seed = _mix(seed, trajectory.turns)
         stops = self.sampling.stop_token_ids + (tuple(self.chat.end_of_turn_ids()) if self.chat else ())
-        sampling = replace(self.sampling, n=1, seed=seed, max_tokens=min(self.sampling.max_tokens, room),
+        sampling = replace(self.sampling, n=1, seed=seed, max_tokens=min(self.sampling.max_tokens - cut, room),
                            stop_token_ids=tuple(dict.fromkeys(stops)))
         start = time.perf_counter()
         turn = await self.generate(trajectory.context(), sampling)
         trajectory.gen_s += time.perf_counter() - start
-        trajectory.add_turn(turn)
-        return turn
+        if trajectory.interrupted is None:
+            trajectory.add_turn(turn)
+        else:
+            ids = trajectory.token_ids[len(trajectory.token_ids) - cut:] + turn.token_ids
+            turn = trajectory.go_on(turn, await asyncio.to_thread(self.chat.turn_text, ids))
+        return None if trajectory.interrupted is not None else turn
 
     async def append(self, trajectory: Trajectory, messages: list[dict]) -> bool:
         """Append `messages` (tool results, user or environment turns) and the next generation
@@ -153,17 +193,32 @@ class EpisodeContext:
         return True
 
 
+def trajectory_of(sample: dict) -> Trajectory:
+    """The episode's trajectory: new, or the one a weight push cut. async.partial_rollout goes on
+    with a cut episode by running its loop again on that trajectory: a loop that starts here and
+    keeps all its state in the trajectory says so with `resumable` (single_turn, tool_calling)."""
+    return sample.get("resume") or Trajectory(list(sample["prompt_ids"]))
+
+
+def resumable(loop: Callable) -> Callable:
+    """Mark an agent loop as one async.partial_rollout may cut and run again (trajectory_of)."""
+    loop.resumable = True
+    return loop
+
+
+@resumable
 async def single_turn(sample: dict, ctx: EpisodeContext) -> Trajectory:
     """One answer to the prompt: the plain RL sample as an episode."""
-    trajectory = Trajectory(list(sample["prompt_ids"]))
+    trajectory = trajectory_of(sample)
     await ctx.turn(trajectory)
     return trajectory
 
 
+@resumable
 async def tool_calling(sample: dict, ctx: EpisodeContext) -> Trajectory:
     """Turns until the model calls no tool (or the limits end the episode); every call in a turn is
     answered, malformed ones by an error message the model sees."""
-    trajectory = Trajectory(list(sample["prompt_ids"]))
+    trajectory = trajectory_of(sample)
     while (turn := await ctx.turn(trajectory)) is not None:
         calls, errors = ctx.tools.parse(turn.text, ctx.chat.family, id_prefix=f"call_{trajectory.turns}_")
         if not calls and not errors:

@@ -72,6 +72,10 @@ class EpisodeRunner:
             self.loop = OpenAILoop(settings.openai_agent, self._generate, self.chat, settings.episode_timeout_s)
         else:
             self.loop = single_turn if self.plain else load_loop(settings.loop)
+        if getattr(engine, "interruptible", False) and not getattr(self.loop, "resumable", False):
+            raise ValueError(f"async.partial_rollout cuts turns, and agent.loop {settings.loop} cannot go on from a cut "
+                             "one: mark a loop that starts from trajectory_of(sample) and keeps its state in the "
+                             "trajectory @resumable (mrl.agent.loop), or set async.partial_rollout: false")
         self.tools = Toolbox([load_tool(t) for t in settings.tools], settings.max_tool_response_chars,
                              settings.tool_timeout_s) if settings.tools else None
         self.limits = AgentLimits(settings.max_turns, settings.max_tokens)
@@ -81,10 +85,12 @@ class EpisodeRunner:
 
             self.environment = load_environment(settings.environment)
 
-    def generate(self, prompts: Sequence[list[int]],
+    def generate(self, prompts: Sequence[list[int] | Generation],
                  sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[list[Generation]]:
-        """Per prompt, its n episodes as Generations (the engine's generate contract, token ids only)."""
-        if any(isinstance(p, str) for p in prompts):
+        """Per prompt, its n episodes as Generations (the engine's generate contract, token ids only).
+        A Generation for a prompt is an episode a weight push cut (async.partial_rollout): it goes on
+        from where it was (n=1), and comes back whole."""
+        if any(isinstance(p, str) for p in prompts):  # (a Generation's tokens are its own)
             raise TypeError("rollout prompts are token ids (episodes extend them token by token): tokenise the text")
         return asyncio.run(self._all(prompts, per_prompt(sampling, len(prompts))))
 
@@ -95,19 +101,23 @@ class EpisodeRunner:
         threads = min(episodes, MAX_TURN_THREADS) + 4  # (+4: tokenising, environments)
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(threads, "mrl-episode"))
         turns = TurnBatcher(self.engine, episodes)
-        coros = [[self._episode(list(p), replace(s, n=1, seed=None if s.seed is None else s.seed + i), s.seed, turns)
+        coros = [[self._episode(p, replace(s, n=1, seed=None if s.seed is None else s.seed + i), s.seed, turns)
                   for i in range(s.n)] for p, s in zip(prompts, settings)]
         done = await asyncio.gather(*(e for group in coros for e in group))
         it = iter(done)
         return [[next(it) for _ in group] for group in coros]
 
-    async def _episode(self, prompt_ids: list[int], sampling: SamplingSettings, task_seed: int | None,
+    async def _episode(self, prompt: list[int] | Generation, sampling: SamplingSettings, task_seed: int | None,
                        turns: TurnBatcher) -> Generation:
         ctx = EpisodeContext(turns.turn, sampling, self.chat, self.tools, self.limits, self.environment)
+        cut = prompt if isinstance(prompt, Generation) else None
+        prompt_ids = list(prompt.prompt_ids if cut else prompt)
         try:
             # the sample: the prompt, and the prompt's seed of this step (an environment draws its task
             # from it: every episode of a GRPO group gets the same task, another each step and run)
             sample = {"prompt_ids": prompt_ids, "seed": task_seed}
+            if cut is not None:
+                sample["resume"] = Trajectory.resume(cut)
             if not self.plain:
                 sample["prompt"] = await asyncio.to_thread(self.chat._decode, prompt_ids)
             trajectory = await _within(self.loop(sample, ctx), self.settings.episode_timeout_s)

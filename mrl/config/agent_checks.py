@@ -8,6 +8,7 @@ from mrl.config.schema import RunConfig
 
 LOOPS = ("none", "single_turn", "tool_calling", "environment", "openai")
 TOOLS = ("calculator", "python")
+NOT_RESUMABLE = ("environment", "openai")  # state outside the trajectory: an environment's, an agent's
 
 
 def check_agent(cfg: RunConfig) -> list[str]:
@@ -43,6 +44,7 @@ def check_agent(cfg: RunConfig) -> list[str]:
     specs = [a.loop, *a.tools] + [s for s in (a.environment, a.openai_agent) if s]
     errors += [f"agent: file {spec.rpartition(':')[0]} not found (from {spec!r}): check the path"
                for spec in specs if spec.rpartition(":")[0].endswith(".py") and not Path(spec.rpartition(":")[0]).is_file()]
-    if cfg.async_.partial_rollout:
-        errors.append("agent episodes cannot be interrupted mid-turn yet: set async.partial_rollout: false")
+    if cfg.async_.partial_rollout and a.loop in NOT_RESUMABLE:  # (a user loop says so itself: mrl.agent.loop.resumable)
+        errors.append(f"agent.loop {a.loop} cannot go on after a weight push cuts a turn (built-ins that can: "
+                      "single_turn, tool_calling): set async.partial_rollout: false")
     return errors

@@ -45,8 +45,13 @@ def assign_by_load(costs: Sequence[float], engines: int, loads: Sequence[float] 
 
 def prompt_costs(prompt_ids: Sequence[list[int]],
                  sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[float]:
-    """Estimated work per prompt: its tokens and the most it may generate, for each of its n samples."""
-    return [float((len(p) + s.max_tokens) * s.n) for p, s in zip(prompt_ids, per_prompt(sampling, len(prompt_ids)))]
+    """Estimated work per prompt: its tokens and the most it may generate, for each of its n samples
+    (an agent's episode a push cut, a Generation, goes on from all its tokens)."""
+    return [float((_length(p) + s.max_tokens) * s.n) for p, s in zip(prompt_ids, per_prompt(sampling, len(prompt_ids)))]
+
+
+def _length(prompt: list[int] | Generation) -> int:
+    return len(prompt.prompt_ids) + len(prompt.token_ids) if isinstance(prompt, Generation) else len(prompt)
 
 
 class EngineFleet:

@@ -31,7 +31,13 @@ def continue_generation(prefix: Generation, rest: Generation, detokenize: Detoke
     oldest token's (the staleness of the sample is that of its stalest token). Its text and stop are
     those of one uninterrupted request (`detokenize`): the engine saw the continuation alone, so a
     stop string that began before the cut ends the sample here, and tokens after the one completing
-    it are dropped, as vLLM drops them."""
+    it are dropped, as vLLM drops them. An agent's episode (`agent` set) came back whole: `rest`
+    is the episode gone on from all of `prefix` (mrl.agent.runner)."""
+    if prefix.agent is not None:
+        if rest.prompt_ids != prefix.prompt_ids or rest.token_ids[:len(prefix.token_ids)] != prefix.token_ids:
+            raise RuntimeError("a continued episode does not begin with the interrupted one's tokens: it continues "
+                               "another episode")
+        return rest
     if rest.prompt_ids != prefix.prompt_ids + prefix.token_ids:
         raise RuntimeError(f"a continuation's prompt ({len(rest.prompt_ids)} tokens) is not the interrupted sample's "
                            f"prompt and tokens ({len(prefix.prompt_ids)} + {len(prefix.token_ids)}): it continues "
@@ -95,15 +101,18 @@ def async_plan(cfg: RunConfig, engines: Engines, prompts: Prompts, generate: Gen
 
 def continuation(engines: Engines, prompts: Prompts, detokenize: Detokenizer) -> Resume:
     """async.partial_rollout: each interrupted sample goes on from its prompt and tokens so far,
-    for the rest of its token budget, with a seed of its own per continuation."""
+    for the rest of its token budget, with a seed of its own per continuation; an agent's episode
+    goes on as itself (the Generation for a prompt: mrl.agent.runner), each turn's budget its own."""
 
     def resume(step: int, partials: list[Generation], keys: list[tuple[int, int]]) -> PendingBatch:
         base = prompts.sampling(step)
-        settings = [replace(base, n=1, max_tokens=base.max_tokens - len(g.token_ids),
+        settings = [replace(base, n=1, seed=continuation_seed(base.seed, sample, count)) if g.agent is not None else
+                    replace(base, n=1, max_tokens=base.max_tokens - len(g.token_ids),
                             seed=continuation_seed(base.seed, sample, count),
                             stop=detokenize.continuation_stop(g.prompt_ids + g.token_ids))
                     for g, (sample, count) in zip(partials, keys)]
-        pending = engines.generate([g.prompt_ids + g.token_ids for g in partials], settings)
+        pending = engines.generate([g if g.agent is not None else g.prompt_ids + g.token_ids for g in partials],
+                                   settings)
         return PendingBatch(step, [], pending, prompts.start_step)
 
     return resume

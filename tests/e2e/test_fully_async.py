@@ -7,7 +7,8 @@
      steps 2-4 are exactly one; each prompt trained once; every step reports routing agreement.
   3. Resumed from that run's step-2 checkpoint (which drained and saved steps 3 and 4, generated
      with weights a resume cannot recreate, with their routes), it reproduces steps 3 and 4 exactly.
-  4. async.partial_rollout (η = 2): pushes interrupt and continue samples; the bound still holds.
+  4. async.partial_rollout (η = 2): pushes interrupt and continue samples, or agent episodes of
+     several turns; the bound still holds.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from mrl.agent.loop import resumable, trajectory_of
 from mrl.config import load_config
 
 pytest.importorskip("ray")
@@ -137,19 +139,35 @@ def test_fully_async_resume_continues_the_sample_stream_exactly(async_run, tmp_p
 
 
 
-def test_partial_rollout_continues_samples_across_pushes_within_the_staleness_bound(tmp_path, tiny_model_dir,
+@resumable
+async def go_on(sample, ctx):
+    """An agent loop of three turns, "Go on." between them; its state is its trajectory, so a push
+    may cut any turn and async.partial_rollout goes on with it (mrl.agent.loop.trajectory_of)."""
+    trajectory = trajectory_of(sample)
+    while await ctx.turn(trajectory) is not None and trajectory.turns < 3:
+        if not await ctx.append(trajectory, [{"role": "user", "content": "Go on."}]):
+            break
+    return trajectory
+
+
+@pytest.mark.parametrize("agent", [False, True], ids=["samples", "episodes"])
+def test_partial_rollout_continues_samples_across_pushes_within_the_staleness_bound(agent, tmp_path, tiny_model_dir,
                                                                                      ray_local):
     """η = 2, one prompt per chunk, longer responses: each push interrupts the engine and continues
     the samples it cut (or never started) on the new weights. The run trains every prompt once,
     no sample's oldest token more than η versions behind (tests/e2e/test_vllm_engine.py checks
-    a continued sample's versions and log-probs token by token)."""
+    a continued sample's versions and log-probs token by token). With an agent, the samples are
+    episodes of three turns (go_on): a push cuts them in any turn, and they go on from there."""
     from mrl.rollout_trace import read_traces
 
     model = tiny_model_dir("qwen3")
+    length = ["rollout.max_new_tokens=48", "rollout.max_model_len=96"]
+    if agent:
+        length = [f"agent.loop={__file__}:go_on", "agent.max_turns=3", "data.chat_template=true",
+                  "rollout.max_new_tokens=24", "rollout.max_model_len=160"]
     run = _train(tmp_path, "partial", model, "trainer.total_steps=3", "checkpoint.save_every=0",
                  "trainer.mode=fully_async", "async.max_staleness=2", "async.chunk_prompts=1",
-                 "async.partial_rollout=true", "rollout.max_new_tokens=48", "rollout.max_model_len=96",
-                 "logging.trace_every=1")
+                 "async.partial_rollout=true", "logging.trace_every=1", *length)
     metrics = _metrics(run)
     assert sorted(metrics) == [1, 2, 3]
     continued = [metrics[s]["async/continued_samples"] for s in (1, 2, 3)]
@@ -165,6 +183,9 @@ def test_partial_rollout_continues_samples_across_pushes_within_the_staleness_bo
         assert len(traced) == 16 and ratios[step - 1] == sum(len(r["weight_versions"]) > 1 for r in traced) / 16
     prompts = [r["prompt"] for r in records if r["sample"] % 4 == 0]
     assert len(prompts) == len(set(prompts)) == 12
+    if agent:  # episodes cut and gone on: several turns, tokens of several versions, none failed
+        assert all(metrics[s]["agent/failed"] == 0 for s in metrics)
+        assert any(r["agent"]["turns"] > 1 and len(r["weight_versions"]) > 1 for r in records)
 
 
 def test_streaming_trains_every_prompt_once_within_the_bound_across_a_resume(tmp_path, tiny_model_dir, ray_local):

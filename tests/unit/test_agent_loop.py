@@ -218,8 +218,15 @@ def test_the_agent_section_is_checked_before_anything_starts():
     assert errors("agent.loop=environment", "agent.environment=guess_number") == ""
     assert "agent.loop tool_calling needs agent.tools" in errors("agent.loop=tool_calling")
     assert "agent.tools: 'shell' is neither a built-in" in errors("agent.loop=tool_calling", "agent.tools=[shell]")
-    assert "set async.partial_rollout: false" in errors("agent.loop=single_turn", "async.partial_rollout=true",
-                                                        "trainer.mode=fully_async")
+    assert "agent.loop environment cannot go on after a weight push" in errors(
+        "agent.loop=environment", "agent.environment=guess_number", "async.partial_rollout=true", "trainer.mode=fully_async")
+    assert errors("agent.loop=tool_calling", "agent.tools=[calculator]", "data.chat_template=true",
+                  "async.partial_rollout=true", "trainer.mode=fully_async") == ""
+    from mrl.agent.loop import BUILT_IN
+    from mrl.config.agent_checks import NOT_RESUMABLE
+
+    assert [name for name, loop in BUILT_IN.items() if not getattr(loop, "resumable", False)] == ["environment"]
+    assert "openai" in NOT_RESUMABLE and "environment" in NOT_RESUMABLE
 
 
 def test_an_environment_sets_the_task_answers_each_turn_and_gives_the_reward():
@@ -247,3 +254,63 @@ class _Fixed:
 
     def step(self, text):
         return self.game.step(text)
+
+
+class CuttingEngine(ScriptedEngine):
+    """ScriptedEngine whose turns a weight push may cut: with `cut`, each call generates half of
+    what its turn still lacks (finish None, version 3); without, the rest (version 4). A call's
+    prompt may end inside a turn (a cut one going on): its answer is the turn's remaining tokens."""
+
+    cut = False
+
+    def _answer(self, prompt, sampling):
+        from dataclasses import replace
+
+        header = tokenizer().encode("<|im_start|>assistant\n", add_special_tokens=False)
+        start = max(i + len(header) for i in range(len(prompt)) if prompt[i:i + len(header)] == header)
+        begun = prompt[start:]
+        whole = super()._answer(prompt[:start], replace(sampling, max_tokens=sampling.max_tokens + len(begun)))
+        assert whole.token_ids[:len(begun)] == begun, "the cut turn went on from another turn's tokens"
+        rest = whole.token_ids[len(begun):]
+        rest, finish, version = (rest[:len(rest) // 2], None, 3) if self.cut else (rest, "stop", 4)
+        return Generation(list(prompt), rest, tokenizer().decode(rest, skip_special_tokens=True),
+                          [-0.5] * len(rest), finish, version, [version] * len(rest))
+
+
+def test_a_tool_episode_cut_by_a_weight_push_goes_on_as_if_never_cut():
+    """async.partial_rollout across turns: an episode cut mid-turn comes back unfinished with every
+    token; given back as the prompt it goes on from there (twice here), and ends as the uncut
+    episode: the same tokens, the tool called from the whole first turn, each token its version."""
+    from mrl.agent.chat import ChatRenderer
+    from mrl.modes.fully_async import continue_generation
+
+    chat = ChatRenderer(tokenizer())
+    prompt = chat.prompt_ids([{"role": "user", "content": "What is 123456789*987654321?"}])
+    engine = CuttingEngine([CALL, ANSWER])
+    runner = EpisodeRunner(engine, AgentSettings("tool_calling", ("calculator",)))
+    engine.cut = True
+    (first,) = runner.generate([prompt], SamplingSettings(max_tokens=128, seed=5))[0]
+    assert first.finish_reason is None and first.agent["turns"] == 1 and first.agent["interrupted"] == len(first.token_ids)
+    (second,) = runner.generate([first], SamplingSettings(max_tokens=128, seed=9))[0]  # cut again, same turn
+    assert second.finish_reason is None and second.token_ids[:len(first.token_ids)] == first.token_ids
+    engine.cut = False
+    (whole,) = runner.generate([second], SamplingSettings(max_tokens=128, seed=9))[0]
+    assert whole.finish_reason == "stop" and whole.agent["interrupted"] is None
+    assert whole.agent["turns"] == 2 and whole.agent["tool_calls"] == 1 and whole.agent["tool_errors"] == 0
+    assert [m["content"] for m in whole.agent["messages"]] == [CALL, ANSWER, ANSWER]
+    conversation = [{"role": "user", "content": "What is 123456789*987654321?"}, *whole.agent["messages"]]
+    chat.check(conversation, whole.prompt_ids + whole.token_ids)
+    fresh = EpisodeRunner(ScriptedEngine([CALL, ANSWER]), AgentSettings("tool_calling", ("calculator",)))
+    (uncut,) = fresh.generate([prompt], SamplingSettings(max_tokens=128, seed=5))[0]
+    assert whole.token_ids == uncut.token_ids and whole.loss_mask == uncut.loss_mask
+    cut = len(second.token_ids)
+    assert whole.token_versions[:cut] == [3] * cut and set(whole.token_versions[cut:]) == {4}
+    assert continue_generation(first, whole, None) is whole  # the mode's merge: the episode came back whole
+
+
+def test_partial_rollout_refuses_a_loop_that_cannot_go_on_from_a_cut_turn():
+    engine = ScriptedEngine([ANSWER])
+    engine.interruptible = True  # the engine option async.partial_rollout sets
+    with pytest.raises(ValueError, match="agent.loop environment cannot go on from a cut one: mark a loop"):
+        EpisodeRunner(engine, AgentSettings("environment", environment="guess_number"))
+    assert EpisodeRunner(engine, AgentSettings("tool_calling", ("calculator",))).loop.resumable
