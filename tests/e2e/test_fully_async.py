@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from mrl.agent.loop import resumable, trajectory_of
 from mrl.config import load_config
 
 pytest.importorskip("ray")
@@ -139,17 +138,6 @@ def test_fully_async_resume_continues_the_sample_stream_exactly(async_run, tmp_p
 
 
 
-@resumable
-async def go_on(sample, ctx):
-    """An agent loop of three turns, "Go on." between them; its state is its trajectory, so a push
-    may cut any turn and async.partial_rollout goes on with it (mrl.agent.loop.trajectory_of)."""
-    trajectory = trajectory_of(sample)
-    while await ctx.turn(trajectory) is not None and trajectory.turns < 3:
-        if not await ctx.append(trajectory, [{"role": "user", "content": "Go on."}]):
-            break
-    return trajectory
-
-
 @pytest.mark.parametrize("agent", [False, True], ids=["samples", "episodes"])
 def test_partial_rollout_continues_samples_across_pushes_within_the_staleness_bound(agent, tmp_path, tiny_model_dir,
                                                                                      ray_local):
@@ -157,13 +145,13 @@ def test_partial_rollout_continues_samples_across_pushes_within_the_staleness_bo
     the samples it cut (or never started) on the new weights. The run trains every prompt once,
     no sample's oldest token more than η versions behind (tests/e2e/test_vllm_engine.py checks
     a continued sample's versions and log-probs token by token). With an agent, the samples are
-    episodes of three turns (go_on): a push cuts them in any turn, and they go on from there."""
+    episodes of three turns (agent_loops.go_on): a push cuts them in any turn, and they go on from there."""
     from mrl.rollout_trace import read_traces
 
     model = tiny_model_dir("qwen3")
     length = ["rollout.max_new_tokens=48", "rollout.max_model_len=96"]
     if agent:
-        length = [f"agent.loop={__file__}:go_on", "agent.max_turns=3", "data.chat_template=true",
+        length = [f"agent.loop={Path(__file__).parent / 'agent_loops.py'}:go_on", "agent.max_turns=3", "data.chat_template=true",
                   "rollout.max_new_tokens=24", "rollout.max_model_len=160"]
     run = _train(tmp_path, "partial", model, "trainer.total_steps=3", "checkpoint.save_every=0",
                  "trainer.mode=fully_async", "async.max_staleness=2", "async.chunk_prompts=1",

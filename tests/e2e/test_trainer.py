@@ -12,9 +12,10 @@ Three runs share one local Ray instance:
   4. PPO with a Megatron critic (GAE) on a tiny dense model in TP2.
   5. GRPO started from a checkpoint written the way Megatron-LM writes one (PP2, torch_dist), in TP2.
   6. GRPO on the demo's DeepSeek-V3 with context parallelism (TP2 × CP2), merged to HF.
-  7. trainer.mode one_step_off on one rank: every batch after the first a weight version behind;
-     run again and stopped by SIGTERM after step 2 or 3, its checkpoint (which holds the batch
-     generated for the next step) resumed by the same command reproduces the steps after exactly.
+  7. trainer.mode one_step_off on one rank, its samples agent episodes of two turns (a user turn
+     appended between them: tests/e2e/agent_loops.py): every batch after the first a weight version
+     behind; run again and stopped by SIGTERM after step 2 or 3, its checkpoint (which holds the
+     episodes generated for the next step) resumed by the same command reproduces the steps after exactly.
 A reward model, truncated IS, actor offload and two engines share one run: test_trainer_features.py.
 """
 
@@ -448,7 +449,9 @@ def one_step_off_run(tmp_path_factory, tiny_model_dir, ray_local):
     reward = tmp / "length_reward.py"
     reward.write_text(textwrap.dedent(LENGTH_REWARD))
     overrides = ["model.tiny=null", "parallel.tp=1", "parallel.pp=1", "parallel.ep=1", f"reward.name={reward}:score",
-                 "trainer.mode=one_step_off", "logging.trace_every=1", f"model.path={tiny_model_dir('qwen3')}"]
+                 "trainer.mode=one_step_off", "logging.trace_every=1", f"model.path={tiny_model_dir('qwen3')}",
+                 f"agent.loop={Path(__file__).parent / 'agent_loops.py'}:go_on", "agent.max_turns=2",
+                 "data.chat_template=true", "rollout.max_model_len=160"]
     started = time.perf_counter()
     train(load_config(RECIPE, SMALL + [f"trainer.output_dir={tmp / 'run'}", f"checkpoint.dir={tmp / 'ckpt'}",
                                        *overrides]))
@@ -484,6 +487,7 @@ def test_one_step_off_trains_each_batch_after_the_first_a_weight_version_behind(
         assert (r["weight_version"], r["policy_step"]) == (max(1, r["step"] - 1), max(0, r["step"] - 2)), r
     prompts = [r["prompt"] for r in records if r["sample"] % 4 == 0]
     assert len(prompts) == len(set(prompts)) == 16  # 4 steps × 4 prompts, none trained twice
+    assert all(metrics[s]["agent/turns_mean"] > 1 and metrics[s]["agent/failed"] == 0 for s in metrics)
 
 
 def _sigterm_after_step(metrics: Path, step: int):
