@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
+import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -101,15 +103,17 @@ class EpisodeRunner:
         threads = min(episodes, MAX_TURN_THREADS) + 4  # (+4: tokenising, environments)
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(threads, "mrl-episode"))
         turns = TurnBatcher(self.engine, episodes)
-        coros = [[self._episode(p, replace(s, n=1, seed=None if s.seed is None else s.seed + i), s.seed, turns)
-                  for i in range(s.n)] for p, s in zip(prompts, settings)]
+        order = itertools.count()
+        coros = [[self._episode(p, replace(s, n=1, seed=None if s.seed is None else s.seed + i), s.seed, turns,
+                                next(order)) for i in range(s.n)] for p, s in zip(prompts, settings)]
         done = await asyncio.gather(*(e for group in coros for e in group))
         it = iter(done)
         return [[next(it) for _ in group] for group in coros]
 
     async def _episode(self, prompt: list[int] | Generation, sampling: SamplingSettings, task_seed: int | None,
-                       turns: TurnBatcher) -> Generation:
-        ctx = EpisodeContext(turns.turn, sampling, self.chat, self.tools, self.limits, self.environment)
+                       turns: TurnBatcher, index: int) -> Generation:
+        ctx = EpisodeContext(functools.partial(turns.turn, index), sampling, self.chat, self.tools, self.limits,
+                             self.environment)
         cut = prompt if isinstance(prompt, Generation) else None
         prompt_ids = list(prompt.prompt_ids if cut else prompt)
         try:
@@ -146,19 +150,20 @@ class EpisodeRunner:
 
 class TurnBatcher:
     """One generate call's episodes ask for turns here; turns asked for together go to the engine as
-    one call. A streaming engine takes calls at once: each event-loop tick's turns go as they come.
-    Any other runs one call at a time: a call goes once every live episode waits for its turn."""
+    one call, in the episodes' order (the same batch whatever order they asked in). A streaming
+    engine takes calls at once: each event-loop tick's turns go as they come. Any other runs one
+    call at a time: a call goes once every live episode waits for its turn."""
 
     def __init__(self, engine: Any, episodes: int):
         self.engine, self.live = engine, episodes
         self.streaming = bool(getattr(engine, "streaming", False))
-        self.waiting: list[tuple[list[int], SamplingSettings, asyncio.Future]] = []
+        self.waiting: list[tuple[int, list[int], SamplingSettings, asyncio.Future]] = []  # (episode, ...)
         self._flush_soon = False
         self._calls: set[asyncio.Future] = set()  # engine calls in flight (the loop holds tasks weakly)
 
-    async def turn(self, prompt_ids: list[int], sampling: SamplingSettings) -> Generation:
+    async def turn(self, episode: int, prompt_ids: list[int], sampling: SamplingSettings) -> Generation:
         future = asyncio.get_running_loop().create_future()
-        self.waiting.append((prompt_ids, sampling, future))
+        self.waiting.append((episode, prompt_ids, sampling, future))
         self._consider()
         return await future
 
@@ -168,7 +173,7 @@ class TurnBatcher:
         self._consider()
 
     def _consider(self) -> None:
-        self.waiting = [w for w in self.waiting if not w[2].done()]  # (a timed-out episode's turn: cancelled)
+        self.waiting = [w for w in self.waiting if not w[3].done()]  # (a timed-out episode's turn: cancelled)
         if self.streaming and self.waiting and not self._flush_soon:
             self._flush_soon = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -177,13 +182,13 @@ class TurnBatcher:
 
     def _flush(self) -> None:
         self._flush_soon = False
-        batch, self.waiting = [w for w in self.waiting if not w[2].done()], []
+        batch, self.waiting = sorted(w for w in self.waiting if not w[3].done()), []
         if batch:
-            task = asyncio.ensure_future(asyncio.to_thread(self.engine.generate, [b[0] for b in batch],
-                                                           [b[1] for b in batch]))
+            task = asyncio.ensure_future(asyncio.to_thread(self.engine.generate, [b[1] for b in batch],
+                                                           [b[2] for b in batch]))
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
-            task.add_done_callback(lambda done: _hand_out(done, [b[2] for b in batch]))
+            task.add_done_callback(lambda done: _hand_out(done, [b[3] for b in batch]))
 
 
 def _hand_out(call: asyncio.Future, futures: list[asyncio.Future]) -> None:
