@@ -122,9 +122,13 @@ class EpisodeRunner:
             sample = {"prompt_ids": prompt_ids, "seed": task_seed}
             if cut is not None:
                 sample["resume"] = Trajectory.resume(cut)
-            if not self.plain:
+            if self.plain:  # a plain sample is the engine's, whose call the fleet times (EngineHandle)
+                trajectory = await self.loop(sample, ctx)
+            else:
                 sample["prompt"] = await asyncio.to_thread(self.chat._decode, prompt_ids)
-            trajectory = await _within(self.loop(sample, ctx), self.settings.episode_timeout_s)
+                trajectory = await _within(self.loop(sample, ctx), self.settings.episode_timeout_s)
+        except EngineCallError as err:  # the engine's failure is the run's: its caller names the engine
+            raise err.__cause__ from None
         except Exception as err:  # noqa: BLE001 - one episode's failure, never the run's
             log.warning("agent episode failed: %s: %s", type(err).__name__, err)
             failed = Trajectory(prompt_ids, finish_reason="error")
@@ -191,12 +195,19 @@ class TurnBatcher:
             task.add_done_callback(lambda done: _hand_out(done, [b[3] for b in batch]))
 
 
+class EngineCallError(RuntimeError):
+    """The engine failed a turn: not the episode's failure but the run's (raised out of generate)."""
+
+
 def _hand_out(call: asyncio.Future, futures: list[asyncio.Future]) -> None:
     """A call's samples (one a turn) to the episodes that asked, or its error to each of them."""
     error = call.exception()
+    if error is not None:
+        failed = EngineCallError(f"the engine failed a turn: {type(error).__name__}: {error}")
+        failed.__cause__ = error
     for i, future in enumerate(futures):
         if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(call.result()[i][0])
+            future.set_exception(failed) if error is not None else future.set_result(call.result()[i][0])
 
 
 async def _within(episode: Any, timeout_s: float) -> Trajectory:

@@ -182,6 +182,17 @@ def test_without_an_agent_a_rollout_is_one_engine_call_of_plain_samples():
         runner.generate(["12+7="], SamplingSettings())
 
 
+@pytest.mark.parametrize("loop", ["none", "tool_calling"])
+def test_an_engine_that_fails_fails_the_generate_call_not_an_episode(loop):
+    class Failing(ScriptedEngine):
+        def generate(self, prompts, sampling):
+            raise RuntimeError("engine core died")
+
+    runner = EpisodeRunner(Failing([ANSWER]), AgentSettings(loop, ("calculator",) if loop != "none" else ()))
+    with pytest.raises(RuntimeError, match="engine core died"):
+        runner.generate([[1, 2]], SamplingSettings(n=2))
+
+
 def test_the_reward_sits_on_the_last_token_the_policy_generated():
     from mrl.experience import rollout_batch
 
