@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
-from demo_seeds import run_seeds
+from demo_seeds import gain_lines, run_seeds
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "tiny_cpu_agent.yaml"
@@ -56,11 +55,7 @@ def table(seeds: list[int], workdir: Path) -> str:
         merged = "-" if r["merged"] is None else f"{r['merged']:.3f}"
         lines.append(f"| {seed} | " + " | ".join(cells) + f" | {merged} | {r['turns'][0]:.2f} → {r['turns'][1]:.2f} "
                      f"| {r['errors'][0]:.2f} → {r['errors'][1]:.2f} | {r['seconds']} |")
-    for name, values in gains.items():
-        spread = statistics.stdev(values) if len(values) > 1 else 0.0
-        lines.append(f"\n{name}: {statistics.mean(values):+.1f} ± {spread:.1f} points (mean ± sd over "
-                     f"{len(values)} seeds), smallest {min(values):+.1f}")
-    return "\n".join(lines)
+    return "\n".join(lines + gain_lines(gains))
 
 
 def main() -> None:

@@ -63,11 +63,17 @@ def table(seeds: list[int], workdir: Path) -> str:
         gains["sampled"].append(100 * (s1 - s0))
         lines.append(f"| {seed} | {r['initial']:.3f} → {g0:.3f} → {g1:.3f} | {100 * (g1 - g0):+.1f} | {s0:.3f} → "
                      f"{s1:.3f} | {100 * (s1 - s0):+.1f} | {r['merged']:.3f} | {r['curve']} | {r['seconds']} |")
+    return "\n".join(lines + gain_lines(gains))
+
+
+def gain_lines(gains: dict[str, list[float]]) -> list[str]:
+    """Per measure, its gains' mean, standard deviation and smallest over the seeds."""
+    lines = []
     for name, values in gains.items():
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         lines.append(f"\n{name}: {statistics.mean(values):+.1f} ± {spread:.1f} points (mean ± sd over "
                      f"{len(values)} seeds), smallest {min(values):+.1f}")
-    return "\n".join(lines)
+    return lines
 
 
 def main() -> None:
