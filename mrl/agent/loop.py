@@ -117,7 +117,7 @@ class Trajectory:
         interrupted it: async.partial_rollout continues it). Otherwise an episode finishes by its
         last turn's reason, or by "length" or "error" without a turn, never None: a multi-turn
         episode is not continued after a push."""
-        if self.turns == 1 and all(self.loss_mask):
+        if self.turns == 1 and all(self.loss_mask) and self.last_turn is not None:
             return replace(self.last_turn, loss_mask=list(self.loss_mask), agent=self.stats())
         if self.interrupted is not None:  # every token kept: the episode goes on from all of them
             return Generation(list(self.prompt_ids), list(self.token_ids), self.text, list(self.logprobs), None,
