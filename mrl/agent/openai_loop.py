@@ -2,7 +2,7 @@
 
 `agent.loop: openai` with `agent.openai_agent: "package.module:function"` (or "path/file.py:function")
 names `agent(base_url: str, sample: dict) -> None`, sync (run on a thread of its own) or async; it
-makes any number of chat/completions calls at base_url. Each rollout actor serves one OpenAIEndpoint
+makes any number of chat/completions calls at base_url. "command: ..." runs a program instead. Each rollout actor serves one OpenAIEndpoint
 (openai_server.py) on 127.0.0.1, started with its first episode, in front of its engine. An episode
 is opened there under an id of its own with the episode's sampling settings (its seed stream) and
 limits (agent.max_turns calls, the agent.max_tokens context budget), and its recorded calls become
@@ -18,7 +18,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
+import json
 import logging
+import os
+import shlex
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,18 +36,52 @@ from mrl.agent.openai_server import EpisodeSettings, LocalServer, OpenAIEndpoint
 log = logging.getLogger(__name__)
 
 
-def load_agent(spec: str | None) -> Any:
-    """The user's agent function a spec names, imported here; a one-line ValueError naming the fix."""
+COMMAND = "command:"  # agent.openai_agent "command: python my_agent.py": the agent as a program of its own
+
+
+def load_agent(spec: str | None, workdir: str | None = None) -> Any:
+    """The user's agent function a spec names, imported here, or a program's ("command: ..."); a
+    one-line ValueError naming the fix."""
     from mrl.rewards.base import RewardLoadError
     from mrl.rewards.sandbox import import_function
 
     if not spec:
         raise ValueError("agent.loop openai needs agent.openai_agent: 'package.module:function' naming "
-                         "agent(base_url, sample)")
+                         "agent(base_url, sample), or 'command: ...' running an agent program")
+    if spec.startswith(COMMAND):
+        return command_agent(shlex.split(spec[len(COMMAND):]), workdir)
     try:
         return import_function(spec, kind="agent.openai_agent")
     except RewardLoadError as err:
         raise ValueError(str(err)) from None
+
+
+def command_agent(argv: list[str], workdir: str | None) -> Any:
+    """An agent that is a program: run once per episode in `workdir` with OPENAI_BASE_URL set to the
+    episode's endpoint (where an OpenAI client looks by default) and the sample as JSON on stdin
+    ("python" is the run's interpreter);
+    killed with its episode (agent.episode_timeout_s); a non-zero exit fails the episode, quoting
+    the end of its stderr."""
+    if not argv:
+        raise ValueError("agent.openai_agent 'command:' names no program: write e.g. 'command: python my_agent.py'")
+    if argv[0] in ("python", "python3"):  # the run's own Python (the one with openai installed), not PATH's
+        argv = [sys.executable, *argv[1:]]
+
+    async def agent(base_url: str, sample: dict) -> None:
+        env = os.environ | {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "mrl")}
+        process = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, cwd=workdir, env=env,
+                                                       stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        try:
+            _, err = await process.communicate(json.dumps(sample).encode())
+        finally:  # cancelled by the episode's timeout: the program goes with it
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+        if process.returncode:
+            tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["(no stderr)"]
+            raise RuntimeError(f"agent command {shlex.join(argv)} exited with {process.returncode}: {tail[0]}")
+
+    return agent
 
 
 class OpenAILoop:
@@ -52,8 +90,8 @@ class OpenAILoop:
     a copy of the runner's sample: "prompt_ids", "prompt" (their text) and "seed"."""
 
     def __init__(self, agent_spec: str | None, generate: Generate, chat: Any, generate_timeout_s: float = 600.0,
-                 agent_threads: int = 256):
-        self.spec, self.agent = agent_spec, load_agent(agent_spec)
+                 agent_threads: int = 256, workdir: str | None = None):
+        self.spec, self.agent = agent_spec, load_agent(agent_spec, workdir)
         self.generate, self.chat, self.generate_timeout_s = generate, chat, generate_timeout_s
         self.endpoint: OpenAIEndpoint | None = None
         self.server: LocalServer | None = None

@@ -43,6 +43,7 @@ class AgentSettings:
     openai_agent: str | None = None  # the openai loop's agent(base_url, sample): "module:function" (openai_loop.py)
     episode_timeout_s: float = 600.0
     chat_template_kwargs: dict = field(default_factory=dict)
+    workdir: str | None = None  # where the run was started: an agent command runs there
 
 
 def load_loop(spec: str) -> Any:
@@ -71,7 +72,8 @@ class EpisodeRunner:
         if settings.loop == "openai":  # an OpenAI-client agent: this engine behind an endpoint of its own
             from mrl.agent.openai_loop import OpenAILoop
 
-            self.loop = OpenAILoop(settings.openai_agent, self._generate, self.chat, settings.episode_timeout_s)
+            self.loop = OpenAILoop(settings.openai_agent, self._generate, self.chat, settings.episode_timeout_s,
+                                   workdir=settings.workdir)
         else:
             self.loop = single_turn if self.plain else load_loop(settings.loop)
         if getattr(engine, "interruptible", False) and not getattr(self.loop, "resumable", False):

@@ -33,8 +33,8 @@ def check_agent(cfg: RunConfig) -> list[str]:
         errors.append("agent.loop openai and agent.openai_agent go together (e.g. loop: openai, "
                       "openai_agent: examples/openai_agent.py:agent)")
     elif a.openai_agent is not None and ":" not in a.openai_agent:
-        errors.append(f"agent.openai_agent {a.openai_agent!r} is neither 'package.module:function' nor "
-                      "'path/file.py:function'")
+        errors.append(f"agent.openai_agent {a.openai_agent!r} is neither 'package.module:function', "
+                      "'path/file.py:function' nor 'command: program args'")
     if a.episode_timeout_s <= 0:
         errors.append(f"agent.episode_timeout_s {a.episode_timeout_s} must be > 0")
     if a.max_turns < 1 or a.tool_timeout_s <= 0 or a.max_tool_response_chars < 1:

@@ -116,7 +116,8 @@ def agent_settings(cfg: RunConfig) -> dict[str, Any]:
     return dict(loop=_absolute(a.loop), tools=tuple(_absolute(t) for t in a.tools), max_turns=a.max_turns,
                 max_tokens=a.max_tokens or cfg.rollout.max_model_len, max_tool_response_chars=a.max_tool_response_chars,
                 tool_timeout_s=a.tool_timeout_s, environment=a.environment and _absolute(a.environment),
-                openai_agent=a.openai_agent and _absolute(a.openai_agent), episode_timeout_s=a.episode_timeout_s)
+                openai_agent=a.openai_agent and _absolute(a.openai_agent), episode_timeout_s=a.episode_timeout_s,
+                workdir=str(Path.cwd()))
 
 
 def _absolute(spec: str) -> str:

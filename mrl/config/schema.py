@@ -165,7 +165,8 @@ class AgentConfig:
     max_tokens: int | None = None  # an episode's context budget (prompt + all its tokens); null: rollout.max_model_len
     max_tool_response_chars: int = 1024  # a longer tool answer is cut, and says so
     tool_timeout_s: float = 10.0
-    # loop openai's agent(base_url, sample), any OpenAI-client code: "package.module:function" (mrl/agent/openai_loop.py)
+    # loop openai's agent(base_url, sample), any OpenAI-client code: "package.module:function", or a program
+    # that reads OPENAI_BASE_URL: "command: python my_agent.py" (mrl/agent/openai_loop.py)
     openai_agent: str | None = None
     episode_timeout_s: float = 600.0  # an episode running longer fails
 

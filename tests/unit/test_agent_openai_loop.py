@@ -257,3 +257,22 @@ def test_the_example_agent_runs(runner):
     (sample,) = r.generate([prompt(5, 6)], SAMPLING)[0]
     assert "error" not in sample.agent and sample.agent["turns"] == 2 and not sample.agent["nonlinear"]
     assert [m["role"] for m in sample.agent["messages"]] == ["user", "assistant", "user", "assistant"]
+
+
+AGENT_PROGRAM = """
+import json, sys, openai
+sample = json.load(sys.stdin)  # OPENAI_BASE_URL is the episode's endpoint: the client finds it alone
+openai.OpenAI(max_retries=0).chat.completions.create(model="any", messages=[{"role": "user", "content": sample["prompt"]}])
+sys.stderr.write(f"asked {sample['prompt']!r}\\n")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_an_agent_program_is_an_episode_and_its_failure_fails_only_that_episode(runner, tmp_path):
+    program = tmp_path / "agent.py"
+    program.write_text(AGENT_PROGRAM)
+    (sample,) = runner(f"command: python {program} 0").generate([prompt(12, 30)], SAMPLING)[0]
+    assert "error" not in sample.agent, sample.agent
+    assert sample.agent["turns"] == 1 and '"name": "add"' in sample.text  # the scripted engine's tool call
+    (failed,) = runner(f"command: python {program} 3").generate([prompt(1, 2)], SAMPLING)[0]
+    assert failed.token_ids == [] and failed.agent["error"].endswith("exited with 3: asked 'what is 1 plus 2?'")
