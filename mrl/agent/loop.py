@@ -7,9 +7,11 @@ rendered with the model's chat template, never re-tokenising a generated token) 
 trajectory: the first prompt, then every later token with a loss mask (1: the policy generated it).
 Built-ins: `single_turn` (one answer), `tool_calling` (turns until the model calls no tool, each
 call answered by the Toolbox) and `environment` (a gym-like environment, mrl/agent/env.py, sets the
-task, answers every turn and gives the reward). The episode ends at its last generated token, so what the model
-never answered is not trained on. Limits: max turns, and a context budget (prompt + every token)
-that caps each turn's max_tokens; an episode that reaches either is marked `truncated`.
+task, answers every turn and gives the reward). The episode ends at its last generated token, so
+what the model never answered is not trained on. Limits: max turns, and a context budget (prompt +
+every token) that caps each turn's max_tokens; an episode that reaches either is `truncated`. A
+weight push may cut a turn (async.partial_rollout): a `resumable` loop then runs again on the cut
+trajectory (`trajectory_of`), and its next `ctx.turn` goes on with the cut turn.
 """
 
 from __future__ import annotations
@@ -112,11 +114,10 @@ class Trajectory:
         self.messages += messages
 
     def to_generation(self) -> Generation:
-        """The episode as one sample, cut after its last generated token. One turn and nothing
-        appended: that turn's sample as the engine returned it (finish_reason None if a weight push
-        interrupted it: async.partial_rollout continues it). Otherwise an episode finishes by its
-        last turn's reason, or by "length" or "error" without a turn, never None: a multi-turn
-        episode is not continued after a push."""
+        """The episode as one sample. One turn and nothing appended: that turn's sample as the engine
+        returned it. Cut by a weight push: every token, finish_reason None (async.partial_rollout
+        goes on with it, `resume`). Otherwise cut after its last generated token, finishing by its
+        last turn's reason, or by "length" or "error" without a turn."""
         if self.turns == 1 and all(self.loss_mask) and self.last_turn is not None:
             return replace(self.last_turn, loss_mask=list(self.loss_mask), agent=self.stats())
         if self.interrupted is not None:  # every token kept: the episode goes on from all of them
