@@ -221,7 +221,7 @@ class EngineHandle:
     def _call(self, method: Callable, *args: Any, timeout_s: float | None = None) -> Any:
         return engine_wait(self.submit(method, *args), timeout_s or self.timeout_s, method.__name__, self.name)
 
-    def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
+    def generate(self, prompts: Sequence[list[int]], sampling: SamplingSettings) -> list[list[Generation]]:
         """Samples per prompt; a sleeping engine wakes first (the engine does it, see VLLMEngine)."""
         return self._call(RolloutServer.generate, prompts, sampling,
                           timeout_s=self.timeout_s * self.GENERATE_TIMEOUT_FACTOR)
