@@ -7,7 +7,8 @@ One vLLM engine (one per process), three ways to generate the same batch, each b
   - mrl stepping: the same engine as started for partial rollout (`interruptible`): one request a
     sample, and mrl steps vLLM itself so that a weight push can interrupt it;
   - mrl via Ray: the same call on the engine in its Ray actor (what the trainer uses), which adds
-    the actor round trip and the serialisation of the results (a second engine, in the actor).
+    the actor round trip, the serialisation of the results and the episode runner every rollout
+    goes through (one-turn episodes, mrl/agent/runner.py) (a second engine, in the actor).
 Generated tokens per second; the overhead is 1 − (mrl tokens/s ÷ direct tokens/s).
 
     .venv/bin/python benchmarks/rollout_overhead.py [--model DIR] [--prompts 64] [--tokens 64]
@@ -55,13 +56,14 @@ def main() -> None:
     from mrl.rollout.vllm_engine import VLLMEngine
 
     model = args.model or str(write_tiny_model("qwen3", tempfile.mkdtemp(prefix="mrl-bench-") + "/qwen3"))
-    prompts = [f"{i}+{2 * i + 1}=" for i in range(args.prompts)]
     settings = SamplingSettings(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, seed=0)
     params = SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, seed=0, logprobs=0)
     engine = VLLMEngine(model, **ENGINE)
+    tokenizer = engine.llm.get_tokenizer()  # token ids, as mrl's rollouts send them
+    prompts = [tokenizer(f"{i}+{2 * i + 1}=").input_ids for i in range(args.prompts)]
 
     def direct() -> int:
-        outputs = engine.llm.generate(prompts, params, use_tqdm=False)
+        outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
     def through_mrl() -> int:

