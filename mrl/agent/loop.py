@@ -65,11 +65,10 @@ class Trajectory:
     @classmethod
     def resume(cls, unfinished: Generation) -> Trajectory:
         """The episode an interrupted sample was cut from, to go on with its last turn."""
-        a = unfinished.agent
+        kept = {k: v for k, v in unfinished.agent.items() if k in cls.__dataclass_fields__}  # stats(): by name
         return cls(list(unfinished.prompt_ids), list(unfinished.token_ids), list(unfinished.loss_mask),
-                   list(unfinished.logprobs), unfinished.versions(), unfinished.text, None,
-                   unfinished.routed_experts, a["reward"], a["turns"], a["tool_calls"], a["tool_errors"], a["tool_s"],
-                   a["gen_s"], a["truncated"], a["nonlinear"], [dict(m) for m in a["messages"]], a["interrupted"])
+                   list(unfinished.logprobs), unfinished.versions(), unfinished.text,
+                   routed_experts=unfinished.routed_experts, **kept | {"messages": [dict(m) for m in kept["messages"]]})
 
     def context(self) -> list[int]:
         return self.prompt_ids + self.token_ids

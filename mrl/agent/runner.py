@@ -66,9 +66,9 @@ class EpisodeRunner:
         self.engine, self.settings = engine, settings
         self.plain = settings.loop == "none"  # samples as the engine returns them: no chat, no episode stats
         # a tokenizer of its own: vLLM detokenises with the engine's on its stepping thread, and a Rust
-        # tokenizer used from two threads at once raises "Already borrowed"
-        self.tokenizer = copy.deepcopy(engine.llm.get_tokenizer())
-        self.chat = None if self.plain else ChatRenderer(self.tokenizer, template_kwargs=settings.chat_template_kwargs)
+        # tokenizer used from two threads at once raises "Already borrowed" (plain samples need none)
+        self.chat = None if self.plain else ChatRenderer(copy.deepcopy(engine.llm.get_tokenizer()),
+                                                         template_kwargs=settings.chat_template_kwargs)
         if settings.loop == "openai":  # an OpenAI-client agent: this engine behind an endpoint of its own
             from mrl.agent.openai_loop import OpenAILoop
 
