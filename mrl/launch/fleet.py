@@ -90,11 +90,16 @@ class EngineFleet:
         fleet = cls([launch() for _ in range(count)], ["not known: starting"] * count,
                     bool(engine_options.get("streaming")),
                     EngineRestarts(restarts, launch, start_timeout_s) if restarts else None)
+        answers = {i: h.submit(RolloutServer.node_ip) for i, h in enumerate(fleet.handles)}
         try:
-            nodes = fleet._gather({i: h.submit(RolloutServer.node_ip) for i, h in enumerate(fleet.handles)},
-                                  f"start (model {model}; its log is in the Ray session's worker logs)",
+            nodes = fleet._gather(answers, f"start (model {model}; its log is in the Ray session's worker logs)",
                                   start_timeout_s, "rollout.start_timeout_s")
         except BaseException:
+            # An engine still starting runs no call until it is up (a shutdown would wait SHUTDOWN_S
+            # for nothing): it is killed at once, before the others are closed.
+            _, starting = ray.wait(list(answers.values()), num_returns=len(answers), timeout=0)
+            for i in (i for i, ref in answers.items() if ref in starting):
+                ray.kill(fleet.handles[i].actor)
             fleet.close()
             raise
         fleet.nodes = [nodes[i] for i in range(count)]
