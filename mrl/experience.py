@@ -4,7 +4,8 @@ Layout (B sequences, every row right-padded with PAD_ID to the longest one, L + 
   tokens              long  [B, L+1]  prompt ids then response ids
   response_mask       float [B, L]    1 where labels = tokens[:, 1:] is a response token the policy generated
                                       (an agent's appended tool / environment tokens are 0: Generation.loss_mask)
-  token_level_rewards float [B, L]    the sequence score on its last response label, 0 elsewhere
+  token_level_rewards float [B, L]    the sequence score on its last response label, 0 elsewhere (turn_rewards:
+                                      an episode's per-turn parts on their turns' last labels, the rest on its last)
   rollout_logprobs    float [B, L]    the engine's log-prob of each sampled response token
   group_ids           long  [B]       index of the prompt a sample answers (GRPO, RLOO groups)
   sample_ids          long  [B]       the row's place in the step's sample order (kept through select_rows,
@@ -48,9 +49,10 @@ def _rows(prompts: Sequence[list[int]], responses: Sequence[list[int]],
 
 
 def rollout_batch(groups: Sequence[Sequence[Generation]], scores: Sequence[float],
-                  route_shape: RouteShape | None = None) -> dict[str, torch.Tensor]:
+                  route_shape: RouteShape | None = None, turn_rewards: bool = False) -> dict[str, torch.Tensor]:
     """The batch of `groups` (one list of samples per prompt) with `scores` in sample order; with
-    `route_shape` (the model's: MoE routes captured by the engine) every sample's routes, checked."""
+    `route_shape` (the model's: MoE routes captured by the engine) every sample's routes, checked;
+    with `turn_rewards` (agent.turn_rewards) each episode's score split where its turns earned it."""
     samples = [g for group in groups for g in group]
     if len(samples) != len(scores):
         raise ValueError(f"{len(scores)} scores for {len(samples)} samples")
@@ -61,7 +63,11 @@ def rollout_batch(groups: Sequence[Sequence[Generation]], scores: Sequence[float
     for index, sample in enumerate(samples):
         start = len(sample.prompt_ids) - 1
         if sample.token_ids:  # on the last token the policy generated (an episode ends with one)
-            rewards[index, start + _last_policy_token(sample)] = scores[index]
+            last = _last_policy_token(sample)
+            parts = (sample.agent or {}).get("turn_rewards", []) if turn_rewards else []
+            rewards[index, start + last] = scores[index] - sum(reward for _, reward in parts)
+            for at, reward in parts:
+                rewards[index, start + min(max(at, 0), last)] += reward
             logprobs[index, start : start + len(sample.logprobs)] = torch.tensor(sample.logprobs)
     group_ids = torch.tensor([g for g, group in enumerate(groups) for _ in group])
     batch = {"tokens": tokens, "response_mask": mask, "token_level_rewards": rewards,

@@ -162,7 +162,8 @@ def collect(run: Run, generated: GeneratedBatch, metrics: dict) -> Rollout:
     rewards = [r if (g.agent or {}).get("reward") is None else RewardResult(g.agent["reward"], {"from": "environment"})
                for r, g in zip(rewards, samples)]  # an environment's episode brings its own reward
     scores = torch.tensor([r.score for r in rewards], dtype=torch.float32)
-    batch = rollout_batch(groups, scores.tolist(), route_shape=run.route_shape if returns_routes(cfg) else None)
+    batch = rollout_batch(groups, scores.tolist(), route_shape=run.route_shape if returns_routes(cfg) else None,
+                          turn_rewards=cfg.agent.turn_rewards)
     metrics.update(rollout_metrics(batch, groups, scores))
     return Rollout(generated, prompts, rewards, shape_rewards(batch, scores, cfg, metrics))
 
@@ -288,7 +289,7 @@ def advantages(batch: dict, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]
     rewards = batch["token_level_rewards"]
     if a.kl_coef > 0 and a.kl_in_reward:
         kl = algo.KL_ESTIMATORS.get(a.kl_estimator)(batch["old_logprobs"], batch["ref_logprobs"])
-        rewards = algo.kl_penalized_rewards(rewards.sum(-1), mask, kl, a.kl_coef)
+        rewards = algo.kl_penalized_rewards(rewards, mask, kl, a.kl_coef)
     return algo.compute_advantages(a.advantage_estimator, token_level_rewards=rewards, response_mask=mask,
                                    group_ids=batch["group_ids"], values=batch.get("values"),
                                    norm_by_std=a.norm_adv_by_std, gamma=a.gamma, lam=a.lam)

@@ -49,6 +49,8 @@ class Trajectory:
     finish_reason: str | None = None
     routed_experts: np.ndarray | None = None
     reward: float | None = None  # an environment's; None: the run's reward function scores `text`
+    # (index in token_ids, reward): where parts of `reward` were earned (reward_turn; agent.turn_rewards)
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0  # malformed calls and calls that failed
@@ -104,6 +106,13 @@ class Trajectory:
         self.add_turn(turn)
         return turn
 
+    def reward_turn(self, reward: float) -> None:
+        """Add `reward` to the episode's, earned by the turn just generated: with agent.turn_rewards
+        the trainer puts it on that turn's last token (its other tokens and earlier turns do not get
+        the credit under GAE or reinforce); otherwise the episode's sum is on its last token."""
+        self.reward = (self.reward or 0.0) + reward
+        self.turn_rewards.append((len(self.token_ids) - 1, reward))
+
     def add_appended(self, ids: list[int], messages: list[dict]) -> None:
         version = self.token_versions[-1] if self.token_versions else 0
         self.token_ids += ids
@@ -137,7 +146,8 @@ class Trajectory:
         """Per-episode numbers for the agent/* metrics and the trace."""
         return {"turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
                 "tool_s": self.tool_s, "gen_s": self.gen_s, "truncated": self.truncated,
-                "nonlinear": self.nonlinear, "reward": self.reward, "messages": self.messages,
+                "nonlinear": self.nonlinear, "reward": self.reward, "turn_rewards": self.turn_rewards,
+                "messages": self.messages,
                 "interrupted": self.interrupted}
 
 
@@ -237,7 +247,8 @@ async def tool_calling(sample: dict, ctx: EpisodeContext) -> Trajectory:
 async def environment(sample: dict, ctx: EpisodeContext) -> Trajectory:
     """A fresh environment per episode: its first observation is the prompt (reset gets the
     sample), each turn's text goes to its step, whose observation is appended until it says done;
-    the episode's reward is the sum of the steps' (it replaces the run's reward function's score)."""
+    the episode's reward is the sum of the steps' (it replaces the run's reward function's score),
+    each step's kept with the turn it answered (Trajectory.reward_turn)."""
     from mrl.agent.env import make_env, reset_env, step_env
 
     env = make_env(ctx.environment)
@@ -249,7 +260,7 @@ async def environment(sample: dict, ctx: EpisodeContext) -> Trajectory:
             start = time.perf_counter()
             observation, reward, done = await step_env(env, turn.text)
             trajectory.tool_s += time.perf_counter() - start
-            trajectory.reward += reward
+            trajectory.reward_turn(reward)
             if done or not await ctx.append(trajectory, observation):
                 break
         return trajectory

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from mrl.algo.aggregation import SequenceParts, aggregate
-from mrl.algo.masked import add_on_last_token
 from mrl.registry import Registry
 
 KL_ESTIMATORS: Registry = Registry("KL estimator")
@@ -61,11 +60,11 @@ def kl_loss(
 
 
 def kl_penalized_rewards(
-    scores: torch.Tensor, response_mask: torch.Tensor, kl: torch.Tensor, kl_coef: float
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, kl: torch.Tensor, kl_coef: float
 ) -> torch.Tensor:
-    """Token-level rewards with the KL in the reward: -kl_coef·kl on every response token, plus the
-    sequence score on its last response token.
+    """Token-level rewards with the KL in the reward: -kl_coef·kl added on every response token.
 
-    scores: [B]; response_mask, kl: [B, T]; returns [B, T]. A row with no response token gets 0.
+    token_level_rewards, response_mask, kl: [B, T]; returns [B, T]. Rewards stay where they were
+    earned (an episode's per-turn rewards too), outside the mask they are kept as they are.
     """
-    return add_on_last_token(-kl_coef * kl * response_mask.to(kl.dtype), response_mask, scores)
+    return token_level_rewards - kl_coef * kl * response_mask.to(kl.dtype)

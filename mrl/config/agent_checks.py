@@ -9,6 +9,7 @@ from mrl.config.schema import RunConfig
 LOOPS = ("none", "single_turn", "tool_calling", "environment", "openai")
 TOOLS = ("calculator", "python")
 NOT_RESUMABLE = ("environment", "openai")  # state outside the trajectory: an environment's, an agent's
+NO_TURN_REWARDS = ("single_turn", "tool_calling", "openai")  # (a plain run's "none" is refused above)
 
 
 def check_agent(cfg: RunConfig) -> list[str]:
@@ -16,6 +17,7 @@ def check_agent(cfg: RunConfig) -> list[str]:
     if a.loop == "none":
         unused = [("tools", "tool_calling")] * bool(a.tools) + [("environment", "environment")] * bool(a.environment)
         unused += [("openai_agent", "openai")] * bool(a.openai_agent)
+        unused += [("turn_rewards", "environment")] * a.turn_rewards
         return [f"agent.{key} is set but agent.loop is none: set agent.loop: {loop}" for key, loop in unused]
     errors = []
     if a.loop not in LOOPS and ":" not in a.loop:
@@ -44,6 +46,9 @@ def check_agent(cfg: RunConfig) -> list[str]:
     specs = [a.loop, *a.tools] + [s for s in (a.environment, a.openai_agent) if s]
     errors += [f"agent: file {spec.rpartition(':')[0]} not found (from {spec!r}): check the path"
                for spec in specs if spec.rpartition(":")[0].endswith(".py") and not Path(spec.rpartition(":")[0]).is_file()]
+    if a.turn_rewards and a.loop in NO_TURN_REWARDS:
+        errors.append(f"agent.turn_rewards: loop {a.loop} gives no per-turn rewards (loop environment does, "
+                      "as does a loop that calls Trajectory.reward_turn): set agent.turn_rewards: false")
     if cfg.async_.partial_rollout and a.loop in NOT_RESUMABLE:  # (a user loop says so itself: mrl.agent.loop.resumable)
         errors.append(f"agent.loop {a.loop} cannot go on after a weight push cuts a turn (built-ins that can: "
                       "single_turn, tool_calling): set async.partial_rollout: false")

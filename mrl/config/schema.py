@@ -169,6 +169,9 @@ class AgentConfig:
     # that reads OPENAI_BASE_URL: "command: python my_agent.py" (mrl/agent/openai_loop.py)
     openai_agent: str | None = None
     episode_timeout_s: float = 600.0  # an episode running longer fails
+    # each environment step's reward on the last token of the turn it answered (GAE and reinforce credit
+    # it there; grpo and rloo score the sum either way); false: the episode's sum on its last token
+    turn_rewards: bool = False
 
 
 @dataclass

@@ -226,7 +226,9 @@ def test_the_agent_section_is_checked_before_anything_starts():
     assert "set data.chat_template: true" in errors("agent.loop=tool_calling", "agent.tools=[calculator]")
     assert "agent.tools is set but agent.loop is none: set agent.loop: tool_calling" in errors("agent.tools=[calculator]")
     assert "agent.loop environment and agent.environment go together" in errors("agent.loop=environment")
-    assert errors("agent.loop=environment", "agent.environment=guess_number") == ""
+    assert errors("agent.loop=environment", "agent.environment=guess_number", "agent.turn_rewards=true") == ""
+    assert "agent.turn_rewards: loop tool_calling gives no per-turn rewards" in errors(
+        "agent.loop=tool_calling", "agent.tools=[calculator]", "data.chat_template=true", "agent.turn_rewards=true")
     assert "agent.loop tool_calling needs agent.tools" in errors("agent.loop=tool_calling")
     assert "agent.tools: 'shell' is neither a built-in" in errors("agent.loop=tool_calling", "agent.tools=[shell]")
     assert "agent.loop environment cannot go on after a weight push" in errors(
@@ -253,18 +255,37 @@ def test_an_environment_sets_the_task_answers_each_turn_and_gives_the_reward():
     assert sum(sample.loss_mask) < len(sample.token_ids)  # the hint between the guesses is not trained
 
 
+def test_an_environments_rewards_stay_with_the_turns_that_earned_them():
+    """A shaped guess_number: 0.25 for the first (wrong) guess, 1.0 for the right one; with
+    agent.turn_rewards each sits on its turn's last token, otherwise their sum on the episode's."""
+    from mrl.experience import rollout_batch
+
+    engine = ScriptedEngine(["My guess is 50.", "75"])
+    runner = EpisodeRunner(engine, AgentSettings("environment", environment="guess_number"))
+    runner.environment = lambda: _Fixed(75, hint_reward=0.25)
+    (sample,) = runner.generate([[1, 2, 3]], SamplingSettings(max_tokens=16))[0]
+    first, last = sample.loss_mask.index(0) - 1, len(sample.token_ids) - 1  # the turns' last tokens
+    assert sample.agent["reward"] == 1.25 and sample.agent["turn_rewards"] == [(first, 0.25), (last, 1.0)]
+    start = len(sample.prompt_ids) - 1
+    placed = rollout_batch([[sample]], [1.25], turn_rewards=True)["token_level_rewards"][0]
+    assert placed[start + first] == 0.25 and placed[start + last] == 1.0 and placed.sum() == 1.25
+    summed = rollout_batch([[sample]], [1.25])["token_level_rewards"][0]
+    assert summed[start + last] == 1.25 and summed.sum() == 1.25
+
+
 class _Fixed:
-    def __init__(self, secret):
+    def __init__(self, secret, hint_reward=0.0):
         from mrl.agent.env import GuessNumber
 
         self.game = GuessNumber()
-        self.secret = secret
+        self.secret, self.hint_reward = secret, hint_reward
 
     def reset(self, sample):
         return self.game.reset({"secret": self.secret})
 
     def step(self, text):
-        return self.game.step(text)
+        observation, reward, done = self.game.step(text)
+        return observation, reward if done else self.hint_reward, done
 
 
 class CuttingEngine(ScriptedEngine):

@@ -169,10 +169,12 @@ def test_kl_in_loss():
 
 
 def test_kl_in_reward():
-    scores = t([1.0, 2.0])
+    rewards = t([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # a score on its last response token
     mask = t([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # second row has no response token
     kl = t([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
-    close(kl_penalized_rewards(scores, mask, kl, kl_coef=0.5), [[-0.05, -0.1 + 1.0, 0.0], [0.0, 0.0, 0.0]])
+    close(kl_penalized_rewards(rewards, mask, kl, kl_coef=0.5), [[-0.05, -0.1 + 1.0, 0.0], [0.0, 0.0, 0.0]])
+    turns = t([[0.25, 0.75, 0.0], [0.0, 0.0, 0.0]])  # an episode's per-turn rewards stay where they were earned
+    close(kl_penalized_rewards(turns, mask, kl, kl_coef=0.5), [[0.25 - 0.05, 0.75 - 0.1, 0.0], [0.0, 0.0, 0.0]])
 
 
 def test_aggregations_by_hand():
