@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from typing import Any, Callable, Sequence
 
 from mrl.rewards import RewardInput, RewardResult
-from mrl.rollout.engine import Generation, SamplingSettings, seeded_per_prompt
+from mrl.rollout.engine import Generation, SamplingSettings, Task, seeded_per_prompt
 
 Generate = Callable[[list[list[int]], "SamplingSettings | list[SamplingSettings]"], list[list[Generation]]]
 ScoreBatch = Callable[[list[RewardInput]], list[RewardResult]]
@@ -32,12 +32,19 @@ def rollout_settings(rollout: Any, seed: int) -> SamplingSettings:
                             stop=tuple(rollout.stop), seed=seed)
 
 
+def rollout_prompt(sample: dict, rows: bool) -> list[int] | Task:
+    """A tokenized dataset sample as the rollout takes it: its token ids, or (`rows`: a run with an
+    agent loop) a Task, whose episodes get the sample's row."""
+    return Task.of(sample) if rows else sample["prompt_ids"]
+
+
 def evaluate(generate: Generate, score_batch: ScoreBatch, samples: list[dict], greedy: SamplingSettings,
-             sampled: SamplingSettings | None = None) -> dict:
+             sampled: SamplingSettings | None = None, rows: bool = False) -> dict:
     """{"prompts", "greedy": {"accuracy"}, "sampled": {"k", "pass@1", "pass@k", "maj@k"} (with
     `sampled`, its n = k), "by_source": {source: the same}, "agent": {"greedy", "sampled": episodes(...)}
-    (agent episodes only)} of `samples` ({"prompt_ids", "prompt", "ground_truth", "metadata"})."""
-    prompt_ids = [s["prompt_ids"] for s in samples]
+    (agent episodes only)} of `samples` ({"prompt_ids", "prompt", "ground_truth", "metadata"});
+    `rows`: each episode gets its sample's row (rollout_prompt)."""
+    prompt_ids = [rollout_prompt(s, rows) for s in samples]
     greedy_groups = generate(prompt_ids, greedy)
     greedy_ok = correct(score_batch, samples, greedy_groups)
     sampled_ok = answers = None

@@ -25,7 +25,7 @@ from mrl.atomic import atomic_write
 from mrl.checkpoint_dir import iter_name
 from mrl.config import RunConfig, config_to_dict
 from mrl.config.schema import AlgoConfig
-from mrl.config.derived import data_parallel_size, epochs_of, mini_batches, returns_routes
+from mrl.config.derived import agent_rows, data_parallel_size, epochs_of, mini_batches, returns_routes
 from mrl.experience import actor_inputs, critic_inputs, rollout_batch, select_rows, split_rows
 from mrl.launch.cluster import one_off_engine
 from mrl.launch.proxies import EngineHandle
@@ -207,7 +207,7 @@ def batch_source(run: Run) -> BatchSource:
     engines = Engines(generate=cluster.generate_async, push=cluster.sync_weights, release=cluster.release_engines,
                       interrupt=cluster.interrupt_engines,
                       generate_timeout_s=cfg.sync.timeout_s * EngineHandle.GENERATE_TIMEOUT_FACTOR)
-    prompts = Prompts(next_batch=run.sampler.next_batch, prompt_ids=lambda i: run.train_set[i]["prompt_ids"],
+    prompts = Prompts(next_batch=run.sampler.next_batch, prompt=lambda i: evaluation.rollout_prompt(run.train_set[i], agent_rows(cfg)),
                       sampling=lambda step: sampling_for(cfg, step), start_step=run.start, tokenizer=run.tokenizer)
     return make_source(cfg, engines, prompts, GeneratedBatch.list_from_state(run.in_flight))
 
@@ -345,7 +345,7 @@ def evaluate(run: Run, sampled: bool = True) -> dict[str, float | None]:
     n = run.cfg.trainer.eval_samples if sampled else 0
     summary = evaluation.evaluate(lambda ids, sampling: run.cluster.generate(ids, sampling)[0],
                                   run.reward.score_batch, run.heldout, greedy_settings(run.cfg),
-                                  replace(sampling_for(run.cfg, step=0), n=n) if n else None)
+                                  replace(sampling_for(run.cfg, step=0), n=n) if n else None, agent_rows(run.cfg))
     metrics = {"eval/accuracy": summary["greedy"]["accuracy"]}
     if n:
         metrics["eval/accuracy_sampled"] = summary["sampled"]["pass@1"]

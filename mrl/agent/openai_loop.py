@@ -72,7 +72,7 @@ def command_agent(argv: list[str], workdir: str | None) -> Any:
         process = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, cwd=workdir, env=env,
                                                        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         try:
-            _, err = await process.communicate(json.dumps(sample).encode())
+            _, err = await process.communicate(json.dumps(sample, default=str).encode())
         finally:  # cancelled by the episode's timeout: the program goes with it
             if process.returncode is None:
                 process.kill()

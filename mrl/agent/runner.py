@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from mrl.agent.loop import BUILT_IN, AgentLimits, EpisodeContext, Trajectory, single_turn
-from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
+from mrl.rollout.engine import Generation, SamplingSettings, Task, per_prompt
 
 log = logging.getLogger(__name__)
 MAX_TURN_THREADS = 512  # turns of one engine call in flight at once (each waits in a thread)
@@ -89,11 +89,11 @@ class EpisodeRunner:
 
             self.environment = load_environment(settings.environment)
 
-    def generate(self, prompts: Sequence[list[int] | Generation],
+    def generate(self, prompts: Sequence[list[int] | Task | Generation],
                  sampling: SamplingSettings | Sequence[SamplingSettings]) -> list[list[Generation]]:
         """Per prompt, its n episodes as Generations (the engine's generate contract, token ids only).
-        A Generation for a prompt is an episode a weight push cut (async.partial_rollout): it goes on
-        from where it was (n=1), and comes back whole."""
+        A Task's episodes get its dataset row. A Generation for a prompt is an episode a weight push
+        cut (async.partial_rollout): it goes on from where it was (n=1), and comes back whole."""
         if any(isinstance(p, str) for p in prompts):  # (a Generation's tokens are its own)
             raise TypeError("rollout prompts are token ids (episodes extend them token by token): tokenise the text")
         return asyncio.run(self._all(prompts, per_prompt(sampling, len(prompts))))
@@ -112,16 +112,17 @@ class EpisodeRunner:
         it = iter(done)
         return [[next(it) for _ in group] for group in coros]
 
-    async def _episode(self, prompt: list[int] | Generation, sampling: SamplingSettings, task_seed: int | None,
-                       turns: TurnBatcher, index: int) -> Generation:
+    async def _episode(self, prompt: list[int] | Task | Generation, sampling: SamplingSettings,
+                       task_seed: int | None, turns: TurnBatcher, index: int) -> Generation:
         ctx = EpisodeContext(functools.partial(turns.turn, index), sampling, self.chat, self.tools, self.limits,
                              self.environment)
         cut = prompt if isinstance(prompt, Generation) else None
-        prompt_ids = list(prompt.prompt_ids if cut else prompt)
+        row = prompt.row if isinstance(prompt, Task) else (cut.agent or {}).get("row") if cut else None
+        prompt_ids = list(prompt.prompt_ids if isinstance(prompt, (Task, Generation)) else prompt)
         try:
-            # the sample: the prompt, and the prompt's seed of this step (an environment draws its task
-            # from it: every episode of a GRPO group gets the same task, another each step and run)
-            sample = {"prompt_ids": prompt_ids, "seed": task_seed}
+            # the sample: the prompt, its dataset row, and the prompt's seed of this step (an environment
+            # may draw its task from it: every episode of a GRPO group the same, another each step and run)
+            sample = {"prompt_ids": prompt_ids, "seed": task_seed, "row": row}
             if cut is not None:
                 sample["resume"] = Trajectory.resume(cut)
             if self.plain:  # a plain sample is the engine's, whose call the fleet times (EngineHandle)
@@ -140,7 +141,11 @@ class EpisodeRunner:
         finally:
             turns.ended()
         generation = trajectory.to_generation()
-        return replace(generation, loss_mask=None, agent=None) if self.plain else generation
+        if self.plain:
+            return replace(generation, loss_mask=None, agent=None)
+        if generation.finish_reason is None and row is not None:  # cut: its row goes on with it
+            generation.agent["row"] = row
+        return generation
 
     def close(self) -> None:
         """The tools' threads (and an openai loop's endpoint) stop; the engine is its owner's."""

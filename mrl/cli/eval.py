@@ -85,6 +85,7 @@ def run_eval(cfg, hf_dir: str, samples: int) -> dict:
 
     from mrl import evaluation
     from mrl.config import ConfigError
+    from mrl.config.derived import agent_rows
     from mrl.data import load_splits
     from mrl.inputs import tokenize_samples
     from mrl.launch.cluster import local_ray, one_off_engine
@@ -102,7 +103,8 @@ def run_eval(cfg, hf_dir: str, samples: int) -> dict:
     try:
         with local_ray(cfg.launch.cpus_per_node), one_off_engine(cfg, hf_dir) as engine:
             summary = evaluation.evaluate(engine.generate, reward.score_batch, heldout,
-                                          evaluation.greedy_settings(cfg.rollout), sampled)
+                                          evaluation.greedy_settings(cfg.rollout), sampled,
+                                          agent_rows(cfg))
     finally:
         reward.close()
     return summary | {"seconds": round(time.perf_counter() - start, 1)}

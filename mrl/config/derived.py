@@ -87,6 +87,11 @@ def recompute_of(cfg: RunConfig) -> Recompute:
     return Recompute(m.recompute, modules, m.recompute_num_layers)
 
 
+def agent_rows(cfg: RunConfig) -> bool:
+    """Whether the rollout's prompts carry their dataset rows (mrl.rollout.engine.Task): episodes get them."""
+    return cfg.agent.loop != "none"
+
+
 def returns_routes(cfg: RunConfig) -> bool:
     """Whether samples carry the engine's MoE routes: rollout.return_routes, or algo.router_replay R3,
     which replays them and means nothing without them (so it turns the capture on, not refuses)."""

@@ -25,7 +25,7 @@ import ray
 from mrl.launch.proxies import EngineError, EngineHandle, close_engines, engine_died, engine_silent
 from mrl.launch.restarts import EngineRestarts, Piece
 from mrl.launch.rollout_actor import RolloutServer, launch_rollout_actor
-from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
+from mrl.rollout.engine import Generation, SamplingSettings, Task, per_prompt
 
 
 def assign_by_load(costs: Sequence[float], engines: int, loads: Sequence[float] | None = None) -> list[list[int]]:
@@ -50,8 +50,10 @@ def prompt_costs(prompt_ids: Sequence[list[int]],
     return [float((_length(p) + s.max_tokens) * s.n) for p, s in zip(prompt_ids, per_prompt(sampling, len(prompt_ids)))]
 
 
-def _length(prompt: list[int] | Generation) -> int:
-    return len(prompt.prompt_ids) + len(prompt.token_ids) if isinstance(prompt, Generation) else len(prompt)
+def _length(prompt: list[int] | Generation | Task) -> int:
+    if isinstance(prompt, Generation):
+        return len(prompt.prompt_ids) + len(prompt.token_ids)
+    return len(prompt.prompt_ids if isinstance(prompt, Task) else prompt)
 
 
 class EngineFleet:

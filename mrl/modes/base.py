@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from mrl.metrics import timer
 from mrl.modes.batch import Generate, GeneratedBatch, Launch, PendingBatch, PendingResult, Push, Restored
-from mrl.rollout.engine import SamplingSettings, seeded_per_prompt
+from mrl.rollout.engine import SamplingSettings, Task, seeded_per_prompt
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Prompts:
     """The run's prompts as a batch source draws them, and where the run starts."""
 
     next_batch: Callable[[], list[int]]  # the sampler's next batch: indices into the training set
-    prompt_ids: Callable[[int], list[int]]  # a training prompt's token ids
+    prompt: Callable[[int], list[int] | Task]  # a training prompt: its token ids, or a Task (agent runs)
     sampling: Callable[[int], SamplingSettings]  # a step's sampling settings (seeded per step)
     start_step: int  # the trainer step whose weights the engines hold as the source starts
     tokenizer: Any = None  # async.partial_rollout: a continued sample's text and stop (mrl.rollout.detokenize)
@@ -43,7 +43,7 @@ def generator(engines: Engines, prompts: Prompts) -> Generate:
     with a seed of its own (seeded_per_prompt: the same samples whichever engine or chunk)."""
 
     def generate(step: int, indices: list[int]) -> PendingBatch:
-        pending = engines.generate([prompts.prompt_ids(i) for i in indices],
+        pending = engines.generate([prompts.prompt(i) for i in indices],
                                    seeded_per_prompt(prompts.sampling(step), indices))
         return PendingBatch(step, indices, pending, prompts.start_step)
 

@@ -110,6 +110,23 @@ class Generation:
         return [] if self.weight_version is None else [self.weight_version] * len(self.token_ids)
 
 
+ROW_KEYS = ("prompt", "ground_truth", "metadata")  # what an episode gets of its dataset sample
+
+
+@dataclass(frozen=True)
+class Task:
+    """A prompt with its dataset row: a run with an agent loop sends these to the rollout, and
+    each episode gets the row as sample["row"] (mrl.agent.loop); the engine sees `prompt_ids`."""
+
+    prompt_ids: list[int]
+    row: dict
+
+    @classmethod
+    def of(cls, sample: dict) -> Task:
+        """A tokenized dataset sample (mrl.inputs.tokenize_samples) as a Task."""
+        return cls(sample["prompt_ids"], {key: sample.get(key) for key in ROW_KEYS})
+
+
 def join_routes(prefix: Generation, rest: Generation, tokens: int) -> np.ndarray | None:
     """The routes of an interrupted sample (`prefix`) continued by `rest` (whose prompt is prefix's
     prompt and tokens), cut to the merged sample's first `tokens` tokens: each segment's rows from the

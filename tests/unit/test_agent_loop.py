@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from mrl.agent.loop import AgentLimits, EpisodeContext, Trajectory, tool_calling
+from mrl.agent.loop import AgentLimits, EpisodeContext, Trajectory, single_turn, tool_calling
 from mrl.agent.runner import AgentSettings, EpisodeRunner
-from mrl.rollout.engine import Generation, SamplingSettings
+from mrl.rollout.engine import Generation, SamplingSettings, Task
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123456789*987654321"}}\n</tool_call>'
 ANSWER = "121932631112635269"
@@ -321,10 +321,12 @@ def test_a_tool_episode_cut_by_a_weight_push_goes_on_as_if_never_cut():
     engine = CuttingEngine([CALL, ANSWER])
     runner = EpisodeRunner(engine, AgentSettings("tool_calling", ("calculator",)))
     engine.cut = True
-    (first,) = runner.generate([prompt], SamplingSettings(max_tokens=128, seed=5))[0]
+    row = {"prompt": "What is 123456789*987654321?", "ground_truth": "121932631112635269", "metadata": {"id": 7}}
+    (first,) = runner.generate([Task(prompt, row)], SamplingSettings(max_tokens=128, seed=5))[0]
     assert first.finish_reason is None and first.agent["turns"] == 1 and first.agent["interrupted"] == len(first.token_ids)
     (second,) = runner.generate([first], SamplingSettings(max_tokens=128, seed=9))[0]  # cut again, same turn
     assert second.finish_reason is None and second.token_ids[:len(first.token_ids)] == first.token_ids
+    assert first.agent["row"] == second.agent["row"] == row  # the dataset row goes on with the episode
     engine.cut = False
     (whole,) = runner.generate([second], SamplingSettings(max_tokens=128, seed=9))[0]
     assert whole.finish_reason == "stop" and whole.agent["interrupted"] is None
@@ -338,6 +340,22 @@ def test_a_tool_episode_cut_by_a_weight_push_goes_on_as_if_never_cut():
     cut = len(second.token_ids)
     assert whole.token_versions[:cut] == [3] * cut and set(whole.token_versions[cut:]) == {4}
     assert continue_generation(first, whole, None) is whole  # the mode's merge: the episode came back whole
+
+
+def test_an_episode_gets_its_dataset_row():
+    seen = []
+
+    async def loop(sample, ctx):
+        seen.append(sample["row"])
+        return await single_turn(sample, ctx)
+
+    runner = EpisodeRunner(ScriptedEngine([ANSWER]), AgentSettings("single_turn"))
+    runner.loop = loop
+    row = {"prompt": "Hi", "ground_truth": "42", "metadata": {"source": "test"}}
+    runner.generate([Task([1, 2, 3], row), [1, 2, 3]], SamplingSettings(max_tokens=8))
+    assert seen == [row, None]  # a Task's episodes get its row; bare token ids come without one
+    assert Task.of({"prompt_ids": [1], "prompt": "Hi", "ground_truth": "42", "metadata": {"source": "test"},
+                    "sft_targets": [[5]]}) == Task([1], row)
 
 
 def test_partial_rollout_refuses_a_loop_that_cannot_go_on_from_a_cut_turn():

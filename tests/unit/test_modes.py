@@ -395,7 +395,7 @@ def test_make_source_wires_a_mode_from_the_runs_settings_engines_and_prompts(mod
     engines = Engines(generate=generate, push=lambda: events.append("push") or {},
                       release=lambda: events.append("release"), interrupt=lambda: events.append("interrupt"),
                       generate_timeout_s=7.0)
-    prompts = Prompts(next_batch=lambda: [3, 5], prompt_ids=lambda i: [i, i],
+    prompts = Prompts(next_batch=lambda: [3, 5], prompt=lambda i: [i, i],
                       sampling=lambda step: SamplingSettings(n=1, seed=step), start_step=2)
     source = make_source(cfg, engines, prompts)
     assert type(source) is kind
