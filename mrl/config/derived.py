@@ -64,13 +64,14 @@ def epochs_of(cfg: RunConfig, role: Literal["actor", "critic"]) -> int:
 
 def optim_for(cfg: RunConfig, phase: Literal["rl", "sft", "critic"] = "rl") -> OptimConfig:
     """optim with the schedule of a phase: RL over trainer.total_steps; the SFT warm start at
-    trainer.sft_lr, constant after the warmup, over trainer.sft_steps; the critic as RL at critic.lr.
+    trainer.sft_lr after the warmup, by trainer.sft_schedule over trainer.sft_steps (to 0); the
+    critic as RL at critic.lr.
 
     The scheduler counts optimizer steps; an RL step takes epochs × mini-batches of them, so RL's
     warmup and length (given in RL steps) are scaled by that: a schedule then ends with the run."""
     o = cfg.optim
     if phase == "sft":
-        return replace(o, lr=cfg.trainer.sft_lr or o.lr, min_lr=0.0, schedule="constant",
+        return replace(o, lr=cfg.trainer.sft_lr or o.lr, min_lr=0.0, schedule=cfg.trainer.sft_schedule,
                        total_steps=cfg.trainer.sft_steps)
     per_step = epochs_of(cfg, "critic" if phase == "critic" else "actor") * mini_batches(cfg)
     rl = replace(o, total_steps=(o.total_steps or cfg.trainer.total_steps) * per_step,

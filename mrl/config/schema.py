@@ -24,6 +24,7 @@ class TrainerConfig:
     total_steps: int = 100
     sft_steps: int = 0  # supervised warm-start steps before RL (0: none)
     sft_lr: float | None = None  # the warm start's learning rate (None: optim.lr); RL then starts its own schedule
+    sft_schedule: Literal["constant", "linear", "cosine"] = "constant"  # sft_lr over sft_steps, after optim's warmup
     sft_pack_tokens: int | None = None  # SFT packs several sequences into rows of this many tokens (None: one per row)
     ppo_epochs: int = 1  # passes over each rollout batch
     # prompts (each with its n samples) per optimizer step, as verl's ppo_mini_batch_size: each pass

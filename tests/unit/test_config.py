@@ -509,7 +509,8 @@ def test_the_rl_schedule_counts_every_optimizer_step_of_a_run():
     actor, critic, sft = optim_for(cfg), optim_for(cfg, "critic"), optim_for(cfg, "sft")
     assert (actor.total_steps, actor.warmup_steps) == (10 * 2 * 4, 2 * 2 * 4)  # 8 prompts / 2 = 4 mini-batches
     assert (critic.total_steps, critic.warmup_steps, critic.lr) == (10 * 3 * 4, 2 * 3 * 4, 0.01)
-    assert sft.total_steps == cfg.trainer.sft_steps  # SFT's steps are optimizer steps already
+    assert sft.total_steps == cfg.trainer.sft_steps and sft.schedule == "constant"  # SFT's steps are optimizer steps
+    assert optim_for(load_config(TINY, ["trainer.sft_schedule=cosine"]), "sft").schedule == "cosine"
     plain = optim_for(load_config(TINY, ["trainer.total_steps=10", "optim.warmup_steps=2"]))
     assert (plain.total_steps, plain.warmup_steps) == (10, 2)
 
