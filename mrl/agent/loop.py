@@ -8,10 +8,11 @@ trajectory: the first prompt, then every later token with a loss mask (1: the po
 Built-ins: `single_turn` (one answer), `tool_calling` (turns until the model calls no tool, each
 call answered by the Toolbox) and `environment` (a gym-like environment, mrl/agent/env.py, sets the
 task, answers every turn and gives the reward). The episode ends at its last generated token, so
-what the model never answered is not trained on. Limits: max turns, and a context budget (prompt +
-every token) that caps each turn's max_tokens; an episode that reaches either is `truncated`. A
-weight push may cut a turn (async.partial_rollout): a `resumable` loop then runs again on the cut
-trajectory (`trajectory_of`), and its next `ctx.turn` goes on with the cut turn.
+what the model never answered is not trained on. Limits: max turns and a context budget (prompt +
+every token, capping each turn's max_tokens); an episode reaching either is `truncated`. A weight
+push may cut a turn (async.partial_rollout): a `resumable` loop runs again on the cut trajectory
+(`trajectory_of`; `environment` replays its finished turns into a fresh environment), and its next
+`ctx.turn` goes on with the cut turn.
 """
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ class EpisodeContext:
 def trajectory_of(sample: dict) -> Trajectory:
     """The episode's trajectory: new, or the one a weight push cut. async.partial_rollout goes on
     with a cut episode by running its loop again on that trajectory: a loop that starts here and
-    keeps all its state in the trajectory says so with `resumable` (single_turn, tool_calling)."""
+    keeps all its state in the trajectory says so with `resumable` (single_turn, tool_calling,
+    environment)."""
     return sample.get("resume") or Trajectory(list(sample["prompt_ids"]))
 
 
@@ -244,18 +246,23 @@ async def tool_calling(sample: dict, ctx: EpisodeContext) -> Trajectory:
     return trajectory
 
 
+@resumable
 async def environment(sample: dict, ctx: EpisodeContext) -> Trajectory:
     """A fresh environment per episode: its first observation is the prompt (reset gets the
     sample), each turn's text goes to its step, whose observation is appended until it says done;
     the episode's reward is the sum of the steps' (it replaces the run's reward function's score),
-    each step's kept with the turn it answered (Trajectory.reward_turn)."""
+    each step's kept with the turn it answered (Trajectory.reward_turn). A cut episode goes on in
+    a fresh environment that its finished turns are replayed into (replay_env)."""
     from mrl.agent.env import make_env, reset_env, step_env
 
     env = make_env(ctx.environment)
     try:
         first = await reset_env(env, sample)
-        trajectory = Trajectory(await ctx.chat.prompt_ids_async(first, ctx.tools.schemas() if ctx.tools else None))
-        trajectory.messages, trajectory.reward = list(first), 0.0
+        if "resume" in sample:
+            trajectory = await replay_env(env, sample["resume"], first)
+        else:
+            trajectory = Trajectory(await ctx.chat.prompt_ids_async(first, ctx.tools.schemas() if ctx.tools else None))
+            trajectory.messages, trajectory.reward = list(first), 0.0
         while (turn := await ctx.turn(trajectory)) is not None:
             start = time.perf_counter()
             observation, reward, done = await step_env(env, turn.text)
@@ -266,6 +273,27 @@ async def environment(sample: dict, ctx: EpisodeContext) -> Trajectory:
         return trajectory
     finally:  # an environment holding processes or sockets lets them go with its episode
         await asyncio.to_thread(getattr(env, "close", lambda: None))
+
+
+async def replay_env(env: Any, cut: Trajectory, first: list[dict]) -> Trajectory:
+    """`cut` (an episode a weight push cut), its finished turns' texts stepped again through `env`
+    (just reset) so that it stands where the episode was. The environment must answer as it did
+    (deterministic given the sample, as guess_number is): its observations and rewards are checked,
+    and one that answers otherwise fails the episode, naming the turn."""
+    from mrl.agent.env import EnvFailure, step_env
+
+    name = type(env).__name__
+    fix = "a cut episode goes on only in an environment that answers alike (or set async.partial_rollout: false)"
+    if cut.messages[:len(first)] != first:
+        raise EnvFailure(f"{name}.reset answered otherwise on replay: {fix}")
+    at = len(first)  # the conversation: the first observation, then each turn's answer and observation
+    for turn, (_, earned) in enumerate(cut.turn_rewards, 1):
+        observation, reward, _ = await step_env(env, cut.messages[at]["content"])
+        at += 1
+        if cut.messages[at:at + len(observation)] != observation or reward != earned:
+            raise EnvFailure(f"{name}.step answered turn {turn} otherwise on replay: {fix}")
+        at += len(observation)
+    return cut
 
 
 BUILT_IN = {"single_turn": single_turn, "tool_calling": tool_calling, "environment": environment}

@@ -8,7 +8,7 @@ from mrl.config.schema import RunConfig
 
 LOOPS = ("none", "single_turn", "tool_calling", "environment", "openai")
 TOOLS = ("calculator", "python")
-NOT_RESUMABLE = ("environment", "openai")  # state outside the trajectory: an environment's, an agent's
+NOT_RESUMABLE = ("openai",)  # state outside the trajectory: the agent program's
 NO_TURN_REWARDS = ("single_turn", "tool_calling", "openai")  # (a plain run's "none" is refused above)
 
 
@@ -51,5 +51,5 @@ def check_agent(cfg: RunConfig) -> list[str]:
                       "as does a loop that calls Trajectory.reward_turn): set agent.turn_rewards: false")
     if cfg.async_.partial_rollout and a.loop in NOT_RESUMABLE:  # (a user loop says so itself: mrl.agent.loop.resumable)
         errors.append(f"agent.loop {a.loop} cannot go on after a weight push cuts a turn (built-ins that can: "
-                      "single_turn, tool_calling): set async.partial_rollout: false")
+                      "single_turn, tool_calling, environment): set async.partial_rollout: false")
     return errors

@@ -231,15 +231,17 @@ def test_the_agent_section_is_checked_before_anything_starts():
         "agent.loop=tool_calling", "agent.tools=[calculator]", "data.chat_template=true", "agent.turn_rewards=true")
     assert "agent.loop tool_calling needs agent.tools" in errors("agent.loop=tool_calling")
     assert "agent.tools: 'shell' is neither a built-in" in errors("agent.loop=tool_calling", "agent.tools=[shell]")
-    assert "agent.loop environment cannot go on after a weight push" in errors(
-        "agent.loop=environment", "agent.environment=guess_number", "async.partial_rollout=true", "trainer.mode=fully_async")
+    assert "agent.loop openai cannot go on after a weight push" in errors(
+        "agent.loop=openai", "agent.openai_agent=examples/openai_agent.py:agent", "async.partial_rollout=true",
+        "trainer.mode=fully_async")
+    assert errors("agent.loop=environment", "agent.environment=guess_number", "async.partial_rollout=true",
+                  "trainer.mode=fully_async") == ""
     assert errors("agent.loop=tool_calling", "agent.tools=[calculator]", "data.chat_template=true",
                   "async.partial_rollout=true", "trainer.mode=fully_async") == ""
     from mrl.agent.loop import BUILT_IN
     from mrl.config.agent_checks import NOT_RESUMABLE
 
-    assert [name for name, loop in BUILT_IN.items() if not getattr(loop, "resumable", False)] == ["environment"]
-    assert "openai" in NOT_RESUMABLE and "environment" in NOT_RESUMABLE
+    assert all(getattr(loop, "resumable", False) for loop in BUILT_IN.values()) and NOT_RESUMABLE == ("openai",)
 
 
 def test_an_environment_sets_the_task_answers_each_turn_and_gives_the_reward():
@@ -342,6 +344,41 @@ def test_a_tool_episode_cut_by_a_weight_push_goes_on_as_if_never_cut():
     assert continue_generation(first, whole, None) is whole  # the mode's merge: the episode came back whole
 
 
+class CutLaterTurns(CuttingEngine):
+    """CuttingEngine that cuts turns after the first, `cuts` times in all."""
+
+    cuts = 2
+
+    def _answer(self, prompt, sampling):
+        self.cut = tokenizer().decode(prompt).count("<|im_start|>assistant") > 1 and self.cuts > 0
+        self.cuts -= self.cut
+        return super()._answer(prompt, sampling)
+
+
+def test_a_cut_environment_episode_goes_on_by_replaying_its_turns():
+    """guess_number (secret 75, 0.25 a hint), its second guess cut twice: it goes on in a fresh environment
+    its first turn is replayed into, and ends as the uncut episode; an environment that answers the
+    replay otherwise fails the episode."""
+    def runner(engine, secret=75):
+        runner = EpisodeRunner(engine, AgentSettings("environment", environment="guess_number"))
+        runner.environment = lambda: _Fixed(secret, hint_reward=0.25)
+        return runner
+
+    script, sampling = ["My guess is 50.", "75"], SamplingSettings(max_tokens=16)
+    (uncut,) = runner(ScriptedEngine(script)).generate([[1, 2, 3]], sampling)[0]
+    cutting = runner(CutLaterTurns(script))
+    (first,) = cutting.generate([[1, 2, 3]], sampling)[0]
+    assert first.finish_reason is None and first.agent["turns"] == 2 and first.agent["turn_rewards"][0][1] == 0.25
+    (second,) = cutting.generate([first], sampling)[0]
+    (whole,) = cutting.generate([second], sampling)[0]
+    assert second.finish_reason is None and whole.finish_reason == "stop"
+    assert (whole.token_ids, whole.loss_mask) == (uncut.token_ids, uncut.loss_mask)
+    assert (whole.agent["messages"], whole.agent["turn_rewards"]) == (uncut.agent["messages"], uncut.agent["turn_rewards"])
+    assert whole.agent["reward"] == 1.25
+    (failed,) = runner(CutLaterTurns(script), secret=40).generate([first], sampling)[0]
+    assert failed.finish_reason == "error" and "_Fixed.step answered turn 1 otherwise" in failed.agent["error"]
+
+
 def test_an_episode_gets_its_dataset_row():
     seen = []
 
@@ -361,6 +398,6 @@ def test_an_episode_gets_its_dataset_row():
 def test_partial_rollout_refuses_a_loop_that_cannot_go_on_from_a_cut_turn():
     engine = ScriptedEngine([ANSWER])
     engine.interruptible = True  # the engine option async.partial_rollout sets
-    with pytest.raises(ValueError, match="agent.loop environment cannot go on from a cut one: mark a loop"):
-        EpisodeRunner(engine, AgentSettings("environment", environment="guess_number"))
+    with pytest.raises(ValueError, match="agent.loop examples/self_check.py:episode cannot go on from a cut one"):
+        EpisodeRunner(engine, AgentSettings("examples/self_check.py:episode"))
     assert EpisodeRunner(engine, AgentSettings("tool_calling", ("calculator",))).loop.resumable
