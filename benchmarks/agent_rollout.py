@@ -5,10 +5,13 @@ One engine (the tiny zoo's Qwen3, fp32), taking turns within each round (best of
   - episodes: the same prompts and samples as agent episodes (mrl/agent/runner.py) of `turns`
     turns of `tokens` tokens, a short user turn appended between turns as chat-template tokens.
 Both ignore EOS, so both generate the same number of tokens; the episodes also prefill each
-appended turn and tokenise it, and run every turn as its own engine call. Reported: generated
-tokens/s of each and their ratio (issue 40's target: episodes ≥ 0.8 × single).
+appended turn and tokenise it. --engine streaming (what an agent run's engine is): each turn joins
+the running batch as it comes; rounds: the engine takes one call when every live episode waits
+(the TurnBatcher's plain mode). Reported: generated tokens/s of each and their ratio (issue 40's
+target: episodes ≥ 0.8 × single).
 
     .venv/bin/python benchmarks/agent_rollout.py [--prompts 8] [--n 4] [--turns 3] [--tokens 32] [--repeats 3]
+                                                 [--engine streaming|rounds]
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20, enforce_eager=True, streaming=True)
+ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20, enforce_eager=True)
 
 
 def turns_loop(turns: int):
@@ -45,6 +48,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engine", choices=("streaming", "rounds"), default="streaming")
     args = parser.parse_args()
 
     from mrl.agent.runner import AgentSettings, EpisodeRunner
@@ -53,7 +57,7 @@ def main() -> None:
     from mrl.rollout.vllm_engine import VLLMEngine
 
     model = write_tiny_model("qwen3", tempfile.mkdtemp() + "/qwen3")
-    engine = VLLMEngine(str(model), **ENGINE)
+    engine = VLLMEngine(str(model), **ENGINE, streaming=args.engine == "streaming")
     runner = EpisodeRunner(engine, AgentSettings("single_turn", max_turns=args.turns, max_tokens=512))
     runner.loop = turns_loop(args.turns)
     prompts = [runner.chat.prompt_ids([{"role": "user", "content": f"Tell me story number {p}."}])
@@ -80,7 +84,7 @@ def main() -> None:
             print(f"{name}: {tokens} generated tokens, {rate:.0f} tokens/s")
     print(f"best of {args.repeats}: single {best['single']:.0f} tokens/s, episodes {best['episodes']:.0f} tokens/s, "
           f"ratio {best['episodes'] / best['single']:.2f} ({args.prompts} prompts x {args.n} samples, {args.turns} "
-          f"turns x {args.tokens} tokens)")
+          f"turns x {args.tokens} tokens, {args.engine} engine)")
 
 
 if __name__ == "__main__":

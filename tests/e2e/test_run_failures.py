@@ -168,6 +168,7 @@ def test_a_killed_engine_stops_a_fully_async_run_naming_it(tmp_path, tiny_model_
     assert not _mrl_actors_alive(), _mrl_actors_alive(0)
 
 
+@pytest.mark.matrix  # a dead rank named: test_worker_group_failures.py; a run stopped by a dead actor: above
 def test_a_killed_trainer_rank_stops_a_one_step_off_run_naming_it(tmp_path, tiny_model_dir, ray_local, capfd,
                                                                    caplog):
     error, took, pid = _train_and_kill(tmp_path, tiny_model_dir("qwen3"), capfd, caplog, "MegatronActor", 2,
@@ -219,7 +220,8 @@ def _saved_and_said_so(err: str, tmp: Path, signal_name: str) -> None:
 
 # driver_killed runs no mrl code (Ray's fate sharing stops the rest) and waits 60 s for Ray's agents:
 # `make test-matrix`.
-@pytest.mark.parametrize("how", ["sigterm", pytest.param("driver_killed", marks=pytest.mark.matrix)])
+@pytest.mark.matrix  # the driver's stop: the joined cluster's Ctrl-C below, and test_trainer.py's SIGTERM resume
+@pytest.mark.parametrize("how", ["sigterm", "driver_killed"])
 def test_mrl_train_stopped_mid_run_leaves_no_ray_process(tmp_path, tiny_model_dir, how):
     """sigterm: SIGTERM to `mrl train`'s driver (Kubernetes, Slurm's --signal=B:TERM) → a checkpoint
     after the step in progress, exit 143 within a bound, one line on stderr naming it and the

@@ -274,8 +274,7 @@ def test_resume_reproduces_the_uninterrupted_run(dense_run, tmp_path):
             assert again[step][key] == original[step][key], (step, key)
 
 
-def test_sft_then_grpo_on_moe_with_expert_parallelism(tmp_path, ray_local, capsys):
-    from mrl.cli.train import sft as sft_command
+def test_sft_then_grpo_on_moe_with_expert_parallelism(tmp_path, ray_local):
     from mrl.trainer import train
 
     model = tmp_path / "run" / "model"  # the zoo model, written inside the run's output dir; the later runs train it
@@ -298,7 +297,26 @@ def test_sft_then_grpo_on_moe_with_expert_parallelism(tmp_path, ray_local, capsy
     gated = [row for row in steps.values() if "rollout/probe_routing_agreement" in row]
     assert gated and all(row["rollout/probe_routing_agreement"] > 0.99 for row in gated), steps
     assert (tmp_path / "ckpt" / "sft" / "latest").read_text().strip() == "iter_0000003"
-    # `mrl sft` alone (no engine) writes an SFT checkpoint that RL starts from in a run of its own.
+    _merged_is_the_trained_model(summary, model)
+    assert (Path(summary["hf_model"]) / "model.safetensors.index.json").exists()
+    # `mrl eval` of the merged model: the trainer's own evaluation code, so the same greedy accuracy
+    from mrl.cli.eval import main as eval_main
+
+    assert eval_main([str(RECIPE), *overrides, "--model", summary["hf_model"], "--samples", "2",
+                      "--out", str(tmp_path / "eval.json")]) == 0
+    evaluated = json.loads((tmp_path / "eval.json").read_text())
+    assert evaluated["prompts"] == 8 and evaluated["greedy"]["accuracy"] == summary["accuracy_merged_hf"], evaluated
+    assert evaluated["sampled"]["k"] == 2 and 0.0 <= evaluated["sampled"]["maj@2"] <= evaluated["sampled"]["pass@2"]
+
+
+@pytest.mark.matrix  # SFT and RL run on these workers in test_sft_then_grpo_on_moe_with_expert_parallelism
+def test_rl_starts_from_the_checkpoint_mrl_sft_wrote(tmp_path, tiny_model_dir, ray_local, capsys):
+    """`mrl sft` alone (no engine) writes an SFT checkpoint that RL starts from in a run of its own:
+    its KL reference is that checkpoint (kl_loss 0 at the first step) and its RL schedule starts anew."""
+    from mrl.cli.train import sft as sft_command
+    from mrl.trainer import train
+
+    model = tiny_model_dir("qwen3_moe")
     sft_only = _overrides(tmp_path / "sft_only", model, "model.tiny=null", "parallel.tp=1",
                           "parallel.ep=2", "trainer.sft_steps=3", "trainer.sft_pack_tokens=24")
     assert sft_command([str(RECIPE), *sft_only]) == 0
@@ -312,17 +330,8 @@ def test_sft_then_grpo_on_moe_with_expert_parallelism(tmp_path, ray_local, capsy
                                            "algo.kl_coef=0.1", f"checkpoint.resume={sft_root}"))
     assert train(again)["resumed_from"] == 0
     restarted = _metrics(tmp_path / "again" / "run")[1]
-    assert restarted["actor/kl_loss"] == 0.0 and restarted["actor/lr"] == first["actor/lr"], restarted
-    _merged_is_the_trained_model(summary, model)
-    assert (Path(summary["hf_model"]) / "model.safetensors.index.json").exists()
-    # `mrl eval` of the merged model: the trainer's own evaluation code, so the same greedy accuracy
-    from mrl.cli.eval import main as eval_main
-
-    assert eval_main([str(RECIPE), *overrides, "--model", summary["hf_model"], "--samples", "2",
-                      "--out", str(tmp_path / "eval.json")]) == 0
-    evaluated = json.loads((tmp_path / "eval.json").read_text())
-    assert evaluated["prompts"] == 8 and evaluated["greedy"]["accuracy"] == summary["accuracy_merged_hf"], evaluated
-    assert evaluated["sampled"]["k"] == 2 and 0.0 <= evaluated["sampled"]["maj@2"] <= evaluated["sampled"]["pass@2"]
+    # the RL schedule starts anew, at its warmup's first step (after the 3 SFT steps it would be past its 2)
+    assert restarted["actor/kl_loss"] == 0.0 and restarted["actor/lr"] == 0.0, restarted
 
 
 LENGTH_REWARD = """
@@ -331,6 +340,7 @@ def score(prompt, response, ground_truth, metadata):
 """
 
 
+@pytest.mark.matrix  # CP's numerics: tests/distributed/test_context_parallel.py; a CP2 sync: test_verify_rollout.py
 def test_grpo_with_context_parallelism_on_mla_and_moe(tmp_path, ray_local):
     """The demo's DeepSeek-V3 (MLA + MoE) in TP2 × CP2 (experts ETP2 × EP2): each sequence split
     over two CP ranks, the engine synced from them and the run merged."""
@@ -409,6 +419,7 @@ def _write_megatron_lm(rank: int, world: int, hf_dir: str, root: str) -> int:
     return 0
 
 
+@pytest.mark.matrix  # its reading and checks: tests/distributed/test_megatron_lm_checkpoints.py
 def test_rl_starts_from_a_megatron_lm_checkpoint(tmp_path, tiny_model_dir, ray_local):
     """checkpoint.resume names a Megatron-LM checkpoint whose weights are not model.path's: the
     policy and the KL reference start from the checkpoint's weights (model.path gives config and

