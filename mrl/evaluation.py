@@ -44,13 +44,13 @@ def evaluate(generate: Generate, score_batch: ScoreBatch, samples: list[dict], g
     `sampled`, its n = k), "by_source": {source: the same}, "agent": {"greedy", "sampled": episodes(...)}
     (agent episodes only)} of `samples` ({"prompt_ids", "prompt", "ground_truth", "metadata"});
     `rows`: each episode gets its sample's row (rollout_prompt)."""
-    prompt_ids = [rollout_prompt(s, rows) for s in samples]
-    greedy_groups = generate(prompt_ids, greedy)
+    prompts = [rollout_prompt(s, rows) for s in samples]
+    greedy_groups = generate(prompts, greedy)
     greedy_ok = correct(score_batch, samples, greedy_groups)
     sampled_ok = answers = None
     agent = {"greedy": episodes(greedy_groups)}
     if sampled is not None:
-        groups = generate(prompt_ids, seeded_per_prompt(sampled, range(len(samples))))
+        groups = generate(prompts, seeded_per_prompt(sampled, range(len(samples))))
         sampled_ok, answers = correct(score_batch, samples, groups, with_answers=True)
         agent["sampled"] = episodes(groups)
     sources = [str((s["metadata"] or {}).get("data_source", "")) for s in samples]

@@ -148,8 +148,7 @@ class Trajectory:
         return {"turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
                 "tool_s": self.tool_s, "gen_s": self.gen_s, "truncated": self.truncated,
                 "nonlinear": self.nonlinear, "reward": self.reward, "turn_rewards": self.turn_rewards,
-                "messages": self.messages,
-                "interrupted": self.interrupted}
+                "messages": self.messages, "interrupted": self.interrupted}
 
 
 @dataclass
