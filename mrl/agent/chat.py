@@ -172,6 +172,26 @@ class ChatRenderer:
         with TOKENIZER_LOCK:
             return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    def whole_turn(self, before: list[int], token_ids: list[int], stop: tuple[str, ...],
+                   stop_terminated: bool) -> Any:
+        """A turn cut by a weight push and gone on, as vLLM would have made it uncut: its text and
+        the stop string (`stop`: the sampling's) that ends it, even one spanning the cut, with the
+        tokens kept (mrl.rollout.detokenize.SampleText). `before`: the context before the turn."""
+        from mrl.rollout.detokenize import Detokenizer, SampleText
+
+        if not stop:  # (no stop string to find: the fast tokenizer's plain decode)
+            return SampleText(self.turn_text(token_ids), len(token_ids), None)
+        with TOKENIZER_LOCK:
+            return Detokenizer(self.tokenizer, stop)(before, token_ids, stop_terminated)
+
+    def continuation_stop(self, context: list[int], stop: tuple[str, ...]) -> tuple[str, ...]:
+        """The stop strings to give the engine for a cut turn going on from `context` (none when the
+        cut split a character: Detokenizer.continuation_stop)."""
+        from mrl.rollout.detokenize import Detokenizer
+
+        with TOKENIZER_LOCK:
+            return Detokenizer(self.tokenizer, stop).continuation_stop(context) if stop else ()
+
     def _decode(self, token_ids: list[int]) -> str:
         with TOKENIZER_LOCK:
             return self.tokenizer.decode(list(token_ids), skip_special_tokens=False,

@@ -93,9 +93,12 @@ class Trajectory:
         self.messages.append({"role": "assistant", "content": turn.text})
         self.interrupted = len(turn.token_ids) if turn.finish_reason is None else None
 
-    def go_on(self, rest: Generation, text: str) -> Generation:
+    def go_on(self, rest: Generation, text: str, kept: int | None = None) -> Generation:
         """The interrupted last turn, gone on with `rest` (generated from this context): the whole
-        turn as one Generation, its `text` decoded from all its tokens."""
+        turn as one Generation, its `text` decoded from all its tokens; `kept`: its tokens up to
+        the one completing a stop string that spans the cut (the engine saw only `rest`'s text)."""
+        if kept is not None and kept < self.interrupted + len(rest.token_ids):
+            rest = _stopped(rest, max(kept - self.interrupted, 0))
         cut = len(self.token_ids) - self.interrupted
         versions = self.token_versions[cut:] + rest.versions()
         turn = Generation(self.context()[:len(self.prompt_ids) + cut], self.token_ids[cut:] + rest.token_ids, text,
@@ -180,14 +183,20 @@ class EpisodeContext:
         stops = self.sampling.stop_token_ids + (tuple(self.chat.end_of_turn_ids()) if self.chat else ())
         sampling = replace(self.sampling, n=1, seed=seed, max_tokens=min(self.sampling.max_tokens - cut, room),
                            stop_token_ids=tuple(dict.fromkeys(stops)))
+        if cut and sampling.stop:  # the engine checks stop strings in a continuation's own text only
+            sampling = replace(sampling, stop=await asyncio.to_thread(
+                self.chat.continuation_stop, trajectory.context(), sampling.stop))
         start = time.perf_counter()
         turn = await self.generate(trajectory.context(), sampling)
         trajectory.gen_s += time.perf_counter() - start
         if trajectory.interrupted is None:
             trajectory.add_turn(turn)
-        else:
-            ids = trajectory.token_ids[len(trajectory.token_ids) - cut:] + turn.token_ids
-            turn = trajectory.go_on(turn, await asyncio.to_thread(self.chat.turn_text, ids))
+        else:  # the whole turn's text and stop string, as one uncut request would have them
+            before = len(trajectory.context()) - cut
+            whole = await asyncio.to_thread(self.chat.whole_turn, trajectory.context()[:before],
+                                            trajectory.context()[before:] + turn.token_ids, self.sampling.stop,
+                                            turn.finish_reason == "stop")
+            turn = trajectory.go_on(turn, whole.text, whole.kept)
         return None if trajectory.interrupted is not None else turn
 
     async def append(self, trajectory: Trajectory, messages: list[dict]) -> bool:
@@ -201,6 +210,14 @@ class EpisodeContext:
             return False
         trajectory.add_appended(ids, messages)
         return True
+
+
+def _stopped(rest: Generation, tokens: int) -> Generation:
+    """`rest` ended by a stop string after its first `tokens` tokens."""
+    routes = rest.routed_experts
+    return replace(rest, token_ids=rest.token_ids[:tokens], logprobs=list(rest.logprobs)[:tokens],
+                   token_versions=rest.versions()[:tokens], finish_reason="stop",
+                   routed_experts=None if routes is None else routes[:len(rest.prompt_ids) + tokens - 1])
 
 
 def trajectory_of(sample: dict) -> Trajectory:

@@ -379,6 +379,26 @@ def test_a_cut_environment_episode_goes_on_by_replaying_its_turns():
     assert failed.finish_reason == "error" and "_Fixed.step answered turn 1 otherwise" in failed.agent["error"]
 
 
+def test_a_stop_string_spanning_a_cut_ends_the_turn_where_an_uncut_one_would():
+    """The engine checks a continuation's stop strings in its own text only; the whole turn is checked."""
+    from mrl.agent.chat import ChatRenderer
+
+    text = "one two three four five six seven eight nine ten"
+    engine = CuttingEngine([text])
+    runner = EpisodeRunner(engine, AgentSettings("single_turn"))
+    engine.cut = True
+    prompt = ChatRenderer(tokenizer()).prompt_ids([{"role": "user", "content": "Count."}])
+    (first,) = runner.generate([prompt], SamplingSettings(max_tokens=64, seed=1))[0]
+    seen = tokenizer().decode(first.token_ids)
+    stop = seen[-3:] + text[len(seen):len(seen) + 3]  # three characters either side of the cut
+    assert text.startswith(seen) and text.count(stop) == 1
+    engine.cut = False
+    (whole,) = runner.generate([first], SamplingSettings(max_tokens=64, seed=1, stop=(stop,)))[0]
+    assert whole.finish_reason == "stop" and whole.text == text[:text.index(stop)]
+    assert stop in tokenizer().decode(whole.token_ids) and stop not in tokenizer().decode(whole.token_ids[:-1])
+    assert len(whole.logprobs) == len(whole.token_versions) == len(whole.token_ids)
+
+
 def test_an_episode_gets_its_dataset_row():
     seen = []
 
