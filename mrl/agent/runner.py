@@ -42,6 +42,7 @@ class AgentSettings:
     environment: str | None = None  # the environment loop's: a built-in (mrl.agent.env) or "module:Factory"
     openai_agent: str | None = None  # the openai loop's agent(base_url, sample): "module:function" (openai_loop.py)
     episode_timeout_s: float = 600.0
+    turn_batching: str = "streaming"  # streaming | rounds (TurnBatcher; the engine's mode follows it)
     chat_template_kwargs: dict = field(default_factory=dict)
     workdir: str | None = None  # where the run was started: an agent command runs there
 

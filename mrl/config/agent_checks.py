@@ -49,6 +49,10 @@ def check_agent(cfg: RunConfig) -> list[str]:
     if a.turn_rewards and a.loop in NO_TURN_REWARDS:
         errors.append(f"agent.turn_rewards: loop {a.loop} gives no per-turn rewards (loop environment does, "
                       "as does a loop that calls Trajectory.reward_turn): set agent.turn_rewards: false")
+    if a.turn_batching == "rounds" and (a.loop == "openai" or cfg.async_.streaming):
+        errors.append("agent.turn_batching rounds gives the engine one call at a time, and "
+                      + ("the openai loop's endpoint makes calls at once" if a.loop == "openai" else
+                         "async.streaming's engine takes calls at once") + ": set agent.turn_batching: streaming")
     if cfg.async_.partial_rollout and a.loop in NOT_RESUMABLE:  # (a user loop says so itself: mrl.agent.loop.resumable)
         errors.append(f"agent.loop {a.loop} cannot go on after a weight push cuts a turn (built-ins that can: "
                       "single_turn, tool_calling, environment): set async.partial_rollout: false")

@@ -123,7 +123,7 @@ def agent_settings(cfg: RunConfig) -> dict[str, Any]:
                 max_tokens=a.max_tokens or cfg.rollout.max_model_len, max_tool_response_chars=a.max_tool_response_chars,
                 tool_timeout_s=a.tool_timeout_s, environment=a.environment and _absolute(a.environment),
                 openai_agent=a.openai_agent and _absolute(a.openai_agent), episode_timeout_s=a.episode_timeout_s,
-                workdir=str(Path.cwd()))
+                turn_batching=a.turn_batching, workdir=str(Path.cwd()))
 
 
 def _absolute(spec: str) -> str:

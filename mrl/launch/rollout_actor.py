@@ -33,8 +33,10 @@ class RolloutServer:
         from mrl.sync.receiver import WeightReceiver
 
         agent = AgentSettings(**engine_options.get("agent", {}))  # every rollout runs as episodes (none: plain)
-        # multi-turn episodes take turns whenever their tools answer: a streaming engine batches them as they come
-        streaming = {"streaming": True} if agent.loop not in ("none", "single_turn") else {}
+        # multi-turn episodes take turns whenever their tools answer: a streaming engine batches them as they
+        # come (agent.turn_batching rounds: a plain engine, one call a round)
+        multi_turn = agent.loop not in ("none", "single_turn")
+        streaming = {"streaming": True} if multi_turn and agent.turn_batching == "streaming" else {}
         self.engine = VLLMEngine(model, **{k: v for k, v in engine_options.items() if k != "agent"} | streaming)
         self.episodes = EpisodeRunner(self.engine, agent)
         self.receiver = WeightReceiver(self.engine, host=ray.util.get_node_ip_address(), timeout_s=sync_timeout_s)

@@ -227,6 +227,11 @@ def test_the_agent_section_is_checked_before_anything_starts():
     assert "agent.tools is set but agent.loop is none: set agent.loop: tool_calling" in errors("agent.tools=[calculator]")
     assert "agent.loop environment and agent.environment go together" in errors("agent.loop=environment")
     assert errors("agent.loop=environment", "agent.environment=guess_number", "agent.turn_rewards=true") == ""
+    assert errors("agent.loop=tool_calling", "agent.tools=[calculator]", "data.chat_template=true",
+                  "agent.turn_batching=rounds") == ""
+    assert "agent.turn_batching rounds gives the engine one call at a time, and async.streaming's" in errors(
+        "agent.loop=tool_calling", "agent.tools=[calculator]", "data.chat_template=true", "agent.turn_batching=rounds",
+        "trainer.mode=fully_async", "async.streaming=true")
     assert "agent.turn_rewards: loop tool_calling gives no per-turn rewards" in errors(
         "agent.loop=tool_calling", "agent.tools=[calculator]", "data.chat_template=true", "agent.turn_rewards=true")
     assert "agent.loop tool_calling needs agent.tools" in errors("agent.loop=tool_calling")
