@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 from pathlib import Path
 
 import openai
@@ -114,9 +115,12 @@ def run_tool_episode(api: openai.OpenAI, messages: list[dict], **sampling) -> li
     return [first, second]
 
 
-def test_models_lists_the_policy(serve):
+def test_models_lists_the_policy_over_connections_without_nagle(serve):
     _, _, server = serve(model_name="policy-x")
     assert [m.id for m in client(server, "e0").models.list().data] == ["policy-x"]
+    # accepted connections get TCP_NODELAY from asyncio only from a listener of proto IPPROTO_TCP
+    # (socket.create_server's is 0: every reply on a kept-alive connection then waited ~44 ms)
+    assert server._socket.proto == socket.IPPROTO_TCP
 
 
 def test_tool_episode_is_token_in_token_out_and_linear(serve, renderer):
