@@ -365,9 +365,9 @@ def test_a_cut_environment_episode_goes_on_by_replaying_its_turns():
     its first turn is replayed into, and ends as the uncut episode; an environment that answers the
     replay otherwise fails the episode."""
     def runner(engine, secret=75):
-        runner = EpisodeRunner(engine, AgentSettings("environment", environment="guess_number"))
-        runner.environment = lambda: _Fixed(secret, hint_reward=0.25)
-        return runner
+        made = EpisodeRunner(engine, AgentSettings("environment", environment="guess_number"))
+        made.environment = lambda: _Fixed(secret, hint_reward=0.25)
+        return made
 
     script, sampling = ["My guess is 50.", "75"], SamplingSettings(max_tokens=16)
     (uncut,) = runner(ScriptedEngine(script)).generate([[1, 2, 3]], sampling)[0]
