@@ -207,7 +207,9 @@ def batch_source(run: Run) -> BatchSource:
     engines = Engines(generate=cluster.generate_async, push=cluster.sync_weights, release=cluster.release_engines,
                       interrupt=cluster.interrupt_engines,
                       generate_timeout_s=cfg.sync.timeout_s * EngineHandle.GENERATE_TIMEOUT_FACTOR)
-    prompts = Prompts(next_batch=run.sampler.next_batch, prompt=lambda i: evaluation.rollout_prompt(run.train_set[i], agent_rows(cfg)),
+    rows = agent_rows(cfg)
+    prompts = Prompts(next_batch=run.sampler.next_batch,
+                      prompt=lambda i: evaluation.rollout_prompt(run.train_set[i], rows),
                       sampling=lambda step: sampling_for(cfg, step), start_step=run.start, tokenizer=run.tokenizer)
     return make_source(cfg, engines, prompts, GeneratedBatch.list_from_state(run.in_flight))
 

@@ -172,8 +172,8 @@ class EpisodeContext:
         unfinished; async.partial_rollout resumes it here, where this goes on with the cut turn).
         Each turn draws with a seed of its own; the first with the episode's, so a one-turn episode
         samples what a plain generate call does."""
-        cut = trajectory.interrupted or 0
-        room = self.limits.max_tokens - len(trajectory.context())
+        cut, context = trajectory.interrupted or 0, trajectory.context()
+        room = self.limits.max_tokens - len(context)
         if trajectory.interrupted is None and (trajectory.turns >= self.limits.max_turns or room <= 0):
             trajectory.truncated = True
             return None
@@ -185,17 +185,16 @@ class EpisodeContext:
                            stop_token_ids=tuple(dict.fromkeys(stops)))
         if cut and sampling.stop:  # the engine checks stop strings in a continuation's own text only
             sampling = replace(sampling, stop=await asyncio.to_thread(
-                self.chat.continuation_stop, trajectory.context(), sampling.stop))
+                self.chat.continuation_stop, context, sampling.stop))
         start = time.perf_counter()
-        turn = await self.generate(trajectory.context(), sampling)
+        turn = await self.generate(context, sampling)
         trajectory.gen_s += time.perf_counter() - start
         if trajectory.interrupted is None:
             trajectory.add_turn(turn)
         else:  # the whole turn's text and stop string, as one uncut request would have them
-            before = len(trajectory.context()) - cut
-            whole = await asyncio.to_thread(self.chat.whole_turn, trajectory.context()[:before],
-                                            trajectory.context()[before:] + turn.token_ids, self.sampling.stop,
-                                            turn.finish_reason == "stop")
+            before = len(context) - cut
+            whole = await asyncio.to_thread(self.chat.whole_turn, context[:before], context[before:] + turn.token_ids,
+                                            self.sampling.stop, turn.finish_reason == "stop")
             turn = trajectory.go_on(turn, whole.text, whole.kept)
         return None if trajectory.interrupted is not None else turn
 

@@ -92,16 +92,10 @@ class EngineFleet:
         fleet = cls([launch() for _ in range(count)], ["not known: starting"] * count,
                     bool(engine_options.get("streaming")),
                     EngineRestarts(restarts, launch, start_timeout_s) if restarts else None)
-        answers = {i: h.submit(RolloutServer.node_ip) for i, h in enumerate(fleet.handles)}
         try:
-            nodes = fleet._gather(answers, f"start (model {model}; its log is in the Ray session's worker logs)",
-                                  start_timeout_s, "rollout.start_timeout_s")
+            nodes = fleet.await_nodes(range(count), f"start (model {model}; its log is in the Ray session's "
+                                                    "worker logs)", start_timeout_s)
         except BaseException:
-            # An engine still starting runs no call until it is up (a shutdown would wait SHUTDOWN_S
-            # for nothing): it is killed at once, before the others are closed.
-            _, starting = ray.wait(list(answers.values()), num_returns=len(answers), timeout=0)
-            for i in (i for i, ref in answers.items() if ref in starting):
-                ray.kill(fleet.handles[i].actor)
             fleet.close()
             raise
         fleet.nodes = [nodes[i] for i in range(count)]
@@ -110,6 +104,19 @@ class EngineFleet:
 
     def __len__(self) -> int:
         return len(self.handles)
+
+    def await_nodes(self, engines: Sequence[int], what: str, timeout_s: float) -> dict[int, str]:
+        """The node of each of these engines once it is up, within rollout.start_timeout_s. One not up
+        by then is killed on the way out: an engine still starting runs no call, so closing it with
+        a shutdown would wait SHUTDOWN_S for nothing."""
+        answers = {i: self.handles[i].submit(RolloutServer.node_ip) for i in engines}
+        try:
+            return self._gather(answers, what, timeout_s, "rollout.start_timeout_s")
+        except BaseException:
+            _, starting = ray.wait(list(answers.values()), num_returns=len(answers), timeout=0)
+            for i in (i for i, ref in answers.items() if ref in starting):
+                ray.kill(self.handles[i].actor)
+            raise
 
     def name(self, i: int) -> str:
         return f"rollout engine {i} of {len(self)} (node {self.nodes[i]})"

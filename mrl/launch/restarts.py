@@ -193,9 +193,8 @@ class EngineRestarts:
         """Wait until these new engines are up (rollout.start_timeout_s); learn their nodes."""
         if not engines:
             return
-        nodes = fleet._gather({i: fleet.handles[i].submit(RolloutServer.node_ip) for i in engines},
-                              "restart (its log is in the Ray session's worker logs)", self.start_timeout_s,
-                              "rollout.start_timeout_s")
+        nodes = fleet.await_nodes(engines, "restart (its log is in the Ray session's worker logs)",
+                                  self.start_timeout_s)
         for i, node in nodes.items():
             fleet.nodes[i] = node
         fleet._name_handles()
