@@ -145,15 +145,19 @@ def shared_devices(places: Sequence[RankPlace]) -> str | None:
             "each rank part of a GPU); the ranks do not each get a GPU of their own")
 
 
-def write_rank_map(out_dir: Path, roles: dict[str, Sequence[RankPlace]]) -> Path:
-    """Print each role's map (rank → node, device) once and write it to <out_dir>/ranks.json."""
+def write_rank_map(out_dir: Path, roles: dict[str, Sequence[RankPlace]], engines: Sequence[Sequence[str]] = ()) -> Path:
+    """Print each role's map (rank → node, device) and the engines' nodes (Ray node ids, an engine
+    spanning nodes: each of them) once, and write them to <out_dir>/ranks.json ("engines")."""
     for role, places in roles.items():
         print(f"{role} ranks:\n  " + "\n  ".join(describe_ranks(places)), flush=True)
         if (warning := shared_devices(places)) is not None:
             print(f"{role} {warning}", flush=True)
+    for i, nodes in enumerate(engines):
+        print(f"rollout engine {i}: node{'s' * (len(nodes) > 1)} {', '.join(nodes)}", flush=True)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / "ranks.json"
-    path.write_text(json.dumps({role: [asdict(p) for p in places] for role, places in roles.items()}, indent=1))
+    layout = {role: [asdict(p) for p in places] for role, places in roles.items()}
+    path.write_text(json.dumps(layout | ({"engines": [list(n) for n in engines]} if engines else {}), indent=1))
     return path
 
 

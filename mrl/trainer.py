@@ -375,8 +375,10 @@ def export_and_evaluate(run: Run, out: Path) -> dict:
     cfg = run.cfg
     merge(cfg.checkpoint.dir, out, dtype=DTYPE_NAMES[getattr(torch, cfg.model.dtype)], force=True, progress=False)
     probe = run.cluster.sync.probe
+    pushed = run.cluster.engines.score(probe)
+    run.cluster.stop_engines()  # the merged model's engine takes their place (their nodes, their GPUs)
     with one_off_engine(cfg, str(out)) as engine:
-        gap = logprob_gap(engine.score(probe), run.cluster.engines.score(probe))["rollout/logprob_abs_diff_max"]
+        gap = logprob_gap(engine.score(probe), pushed)["rollout/logprob_abs_diff_max"]
         summary = {"hf_model": str(out), "merged_hf_logprob_gap": gap}
         if run.heldout:
             merged = evaluation.evaluate(engine.generate, run.reward.score_batch, run.heldout, greedy_settings(cfg))

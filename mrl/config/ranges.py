@@ -23,6 +23,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("model.recompute_modules", lambda v: v is None or set(v) <= set(RECOMPUTE_MODULES),
      f"a list of {', '.join(RECOMPUTE_MODULES)} (or null: core_attn)"),
     ("rollout.tensor_parallel_size", lambda v: v >= 1, ">= 1"),
+    ("rollout.nodes_per_engine", lambda v: v >= 1, ">= 1"),
     ("rollout.max_model_len", lambda v: v >= 2, ">= 2"),
     ("rollout.kv_cache_memory_mb", lambda v: v is None or v >= 1, ">= 1 (or null)"),
     ("rollout.gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),

@@ -129,6 +129,9 @@ class RolloutConfig:
     # failed engines (dead, or hung in a generate) the run replaces before it stops (docs/rollout.md#engine-restarts)
     engine_restarts: int = 0
     tensor_parallel_size: int = 1
+    # nodes each engine spans (its TP workers split evenly over them; vLLM's multi-node mode, one
+    # placement group per engine); > 1 needs sync.transport routed (docs/scale.md#engines-that-span-nodes)
+    nodes_per_engine: int = 1
     # MoE models: each engine's experts split over its TP workers, whole (vLLM's enable_expert_parallel;
     # attention stays TP). On CPU needs enforce_eager (docs/rollout.md#expert-parallel-engines)
     expert_parallel: bool = False

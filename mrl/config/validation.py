@@ -15,7 +15,7 @@ from typing import Any
 from mrl.checkpoint_dir import CheckpointDirError, locate
 from mrl.config.agent_checks import check_agent
 from mrl.config.derived import actor_gpus, actor_world_size, returns_routes
-from mrl.config.ep_checks import check_expert_parallel
+from mrl.config.engine_checks import check_engine_nodes, check_expert_parallel
 from mrl.config.preflight import preflight
 from mrl.config.ranges import out_of_range
 from mrl.config.schema import RunConfig
@@ -36,6 +36,7 @@ def validate(cfg: RunConfig, check_files: bool = True) -> list[str]:
     errors += _check_sync_apply(cfg, check_files)
     errors += _check_rollout_quantization(cfg)
     errors += _check_return_routes(cfg, dims) + check_agent(cfg) + check_expert_parallel(cfg, dims)
+    errors += check_engine_nodes(cfg)
     if check_files:  # preflight reads every data record, imports a custom reward, probes the output dirs
         errors += _check_files(cfg) + _check_port(cfg) + preflight(cfg)
     return errors

@@ -20,7 +20,6 @@ from mrl.config.derived import actor_world_size, engine_options, has_critic, lay
 from mrl.launch.fleet import EngineFleet, FleetGeneration
 from mrl.launch.proxies import ActorGroup, EngineHandle
 from mrl.launch.route_probe import routing_check
-from mrl.launch.rollout_actor import start_rollout_actor
 from mrl.launch.worker_group import WorkerGroup
 from mrl.rank_map import write_rank_map
 from mrl.rollout.engine import Generation, SamplingSettings
@@ -158,6 +157,12 @@ class Cluster:
         """The worker groups that train and checkpoint: the actor, then the critic if any."""
         return [self.actor] + ([self.critic] if self.critic is not None else [])
 
+    def stop_engines(self) -> None:
+        """Stop the engines (the run has no more use for them): their nodes and GPUs are free again."""
+        if self.engines is not None:
+            engines, self.engines, self.sync = self.engines, None, None
+            engines.close()
+
     def close(self) -> None:
         """Stop every group, the engines and an owned Ray, whatever fails on the way (the first
         error is raised at the end)."""
@@ -193,18 +198,16 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
     # Logical CPUs for every process we start, whatever the machine's count.
     owns_ray = init_ray(launch.address, max(launch.cpus_per_node, world * (1 + critic) + engines + 1),
                         launch.gpus_per_node or None)
-    colocated = launch.placement == "colocated"
-    # Processes that share each GPU: actor and critic ranks, and the engine when colocated.
-    share = 0.0 if launch.gpus_per_node == 0 else 1 / (1 + critic + colocated)
-    engine_gpus = 0 if not share else (share if colocated else 1) * cfg.rollout.tensor_parallel_size
+    share = gpu_share(cfg)
     fleet, groups = None, []
     try:
         if with_engine:
             fleet = EngineFleet.start(engine_checkpoint(cfg, hf_dir), engine_options(cfg), engines, num_cpus=1,
-                                      num_gpus=engine_gpus,
+                                      num_gpus=engine_gpus(cfg),
                                       sync_timeout_s=cfg.sync.timeout_s, timeout_s=cfg.sync.timeout_s,
                                       start_timeout_s=cfg.rollout.start_timeout_s,
-                                      restarts=cfg.rollout.engine_restarts)
+                                      restarts=cfg.rollout.engine_restarts,
+                                      nodes_per_engine=cfg.rollout.nodes_per_engine)
         setup = ActorSetup(hf_dir=hf_dir, layout=layout_of(cfg), params_dtype=cfg.model.dtype,
                            transformer_impl=cfg.model.transformer_impl, recompute=recompute_of(cfg), fp8=cfg.model.fp8,
                            seed=cfg.trainer.seed,
@@ -217,7 +220,8 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
                                                  timeout_s=max(600.0, cfg.sync.timeout_s), layout=setup.layout,
                                                  allow_split=launch.allow_cross_node_tp)))
             groups[-1].setup(role_setup)
-        write_rank_map(Path(cfg.trainer.output_dir), dict(zip(("actor", "critic"), (g.group.ranks for g in groups))))
+        write_rank_map(Path(cfg.trainer.output_dir), dict(zip(("actor", "critic"), (g.group.ranks for g in groups))),
+                       fleet.node_ids() if fleet is not None else ())
         probe = probe_sequences(vocab_size)
         sync = None if fleet is None else WeightSync(groups[0], fleet.handles, cfg.sync,
                                                      channel_count(cfg.sync.transport, cfg.parallel.pp), probe,
@@ -231,6 +235,18 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
             ray.shutdown()
         raise
     return Cluster(cfg, groups[0], fleet, owns_ray, critic=groups[1] if critic else None, sync=sync)
+
+
+def gpu_share(cfg: RunConfig) -> float:
+    """The share of a GPU each process on it takes: actor and critic ranks, and the engine when colocated."""
+    colocated = cfg.launch.placement == "colocated"
+    return 0.0 if cfg.launch.gpus_per_node == 0 else 1 / (1 + has_critic(cfg) + colocated)
+
+
+def engine_gpus(cfg: RunConfig) -> float:
+    """One engine's GPUs, as Ray counts them (colocated: its share of each)."""
+    share = gpu_share(cfg)
+    return 0 if not share else (share if cfg.launch.placement == "colocated" else 1) * cfg.rollout.tensor_parallel_size
 
 
 def init_ray(address: str | None, num_cpus: int, num_gpus: int | None = None) -> bool:
@@ -300,12 +316,14 @@ def engine_checkpoint(cfg: RunConfig, hf_dir: str) -> str:
 
 @contextmanager
 def one_off_engine(cfg: RunConfig, hf_dir: str) -> Iterator[EngineHandle]:
-    """A one-off engine on `hf_dir` in its own actor (vLLM runs one engine per process), stopped after the
-    block. It evaluates: no sample of it is trained, so it records no MoE routes."""
+    """A one-off engine on `hf_dir`, laid out as the run's (over rollout.nodes_per_engine nodes, on as many
+    GPUs), stopped after the block. It evaluates: no sample of it is trained, so it records no MoE routes."""
     options = engine_options(cfg) | {"return_routes": False}
-    engine = EngineHandle(start_rollout_actor(engine_checkpoint(cfg, hf_dir), options,
-                                              start_timeout_s=cfg.rollout.start_timeout_s), cfg.sync.timeout_s)
+    fleet = EngineFleet.start(engine_checkpoint(cfg, hf_dir), options, 1, num_gpus=engine_gpus(cfg),
+                              sync_timeout_s=cfg.sync.timeout_s,
+                              timeout_s=cfg.sync.timeout_s, start_timeout_s=cfg.rollout.start_timeout_s,
+                              nodes_per_engine=cfg.rollout.nodes_per_engine)
     try:
-        yield engine
+        yield fleet.handles[0]
     finally:
-        engine.close()
+        fleet.close()

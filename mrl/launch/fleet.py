@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import ray
 
+from mrl.launch.engine_nodes import launch_spanning_engine
 from mrl.launch.proxies import EngineError, EngineHandle, close_engines, engine_died, engine_silent
 from mrl.launch.restarts import EngineRestarts, Piece
 from mrl.launch.rollout_actor import RolloutServer, launch_rollout_actor
@@ -80,17 +81,27 @@ class EngineFleet:
     @classmethod
     def start(cls, model: str, engine_options: dict[str, Any], count: int, *, num_cpus: float = 1,
               num_gpus: float = 0, sync_timeout_s: float = 300.0, timeout_s: float = 300.0,
-              start_timeout_s: float = 600.0, restarts: int = 0) -> "EngineFleet":
+              start_timeout_s: float = 600.0, restarts: int = 0, nodes_per_engine: int = 1) -> "EngineFleet":
         """Start `count` engines at once and wait for all of them together (N engines start in about
         the time of one); one that fails or hangs stops them all and raises EngineError naming it.
-        `restarts`: how many failed engines the run may replace (rollout.engine_restarts)."""
+        `restarts`: how many failed engines the run may replace (rollout.engine_restarts);
+        `nodes_per_engine` > 1: each engine spans that many nodes (mrl.launch.engine_nodes)."""
 
         def launch() -> EngineHandle:  # a restart starts its engine with the same options
-            return EngineHandle(launch_rollout_actor(model, engine_options, num_cpus=num_cpus, num_gpus=num_gpus,
-                                                     sync_timeout_s=sync_timeout_s), timeout_s)
+            if nodes_per_engine == 1:
+                return EngineHandle(launch_rollout_actor(model, engine_options, num_cpus=num_cpus, num_gpus=num_gpus,
+                                                         sync_timeout_s=sync_timeout_s), timeout_s)
+            return launch_spanning_engine(model, engine_options, nodes_per_engine, num_cpus=num_cpus,
+                                          num_gpus=num_gpus, sync_timeout_s=sync_timeout_s, call_timeout_s=timeout_s,
+                                          timeout_s=start_timeout_s)
 
-        fleet = cls([launch() for _ in range(count)], ["not known: starting"] * count,
-                    bool(engine_options.get("streaming")),
+        handles: list[EngineHandle] = []
+        try:
+            handles += [launch() for _ in range(count)]
+        except BaseException:
+            close_engines(handles)
+            raise
+        fleet = cls(handles, ["not known: starting"] * count, bool(engine_options.get("streaming")),
                     EngineRestarts(restarts, launch, start_timeout_s) if restarts else None)
         try:
             nodes = fleet.await_nodes(range(count), f"start (model {model}; its log is in the Ray session's "
@@ -110,15 +121,28 @@ class EngineFleet:
         by then is killed on the way out: an engine still starting runs no call, so closing it with
         a shutdown would wait SHUTDOWN_S for nothing."""
         answers = {i: self.handles[i].submit(RolloutServer.node_ip) for i in engines}
+        # an engine spanning nodes is up once its other nodes' workers are too; one that fails fails it at once
+        answers |= {(i, k): node.node_ip.remote() for i in engines
+                    for k, node in enumerate(self.handles[i].node_actors, start=1)}
         try:
-            return self._gather(answers, what, timeout_s, "rollout.start_timeout_s")
+            return {i: node for i, node in self._gather(answers, what, timeout_s, "rollout.start_timeout_s").items()
+                    if isinstance(i, int)}
         except BaseException:
             _, starting = ray.wait(list(answers.values()), num_returns=len(answers), timeout=0)
-            for i in (i for i, ref in answers.items() if ref in starting):
-                ray.kill(self.handles[i].actor)
+            for i in {key if isinstance(key, int) else key[0] for key, ref in answers.items() if ref in starting}:
+                self.handles[i].kill()
             raise
 
-    def name(self, i: int) -> str:
+    def node_ids(self) -> list[list[str]]:
+        """Per engine, Ray's id of each node it runs on (its leader's first)."""
+        refs = [[h.submit(RolloutServer.node_id)] + [node.node_id.remote() for node in h.node_actors]
+                for h in self.handles]
+        return [ray.get(parts, timeout=self.timeout_s) for parts in refs]
+
+    def name(self, i: int | tuple[int, int]) -> str:
+        """Engine i, or (i, k): node k of engine i when it spans nodes."""
+        if isinstance(i, tuple):
+            return f"node {i[1]} of rollout engine {i[0]} of {len(self)}"
         return f"rollout engine {i} of {len(self)} (node {self.nodes[i]})"
 
     def live(self) -> list[int]:
@@ -191,17 +215,22 @@ class EngineFleet:
 
     # --- waiting ------------------------------------------------------------------------------
 
-    def _gather(self, refs: dict[int, Any], what: str, timeout_s: float,
-                setting: str = "sync.timeout_s") -> dict[int, Any]:
+    def _gather(self, refs: dict[Any, Any], what: str, timeout_s: float,
+                setting: str = "sync.timeout_s") -> dict[Any, Any]:
         """Each engine's answer (by engine index), all within one deadline (`setting`'s). The first
         engine to fail, or the ones still silent at the deadline, raise EngineError naming them and their nodes."""
         deadline = time.perf_counter() + timeout_s
         engine_of = {ref: i for i, ref in refs.items()}
+        watched = {w: i for i in refs if isinstance(i, int) for w in self.handles[i].watchers}  # nodes of spanning engines
         pending, answers = list(engine_of), {}
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.perf_counter(), 0.0))
+            ready, _ = ray.wait(pending + list(watched), num_returns=1,
+                                timeout=max(deadline - time.perf_counter(), 0.0))
             if not ready:
                 raise engine_silent(what, ", ".join(self.name(engine_of[ref]) for ref in pending), timeout_s, setting)
+            if ready[0] in watched:
+                raise engine_died(what, self.name(watched[ready[0]])) from _error_of(ready[0])
+            pending.remove(ready[0])
             i = engine_of[ready[0]]
             try:
                 answers[i] = ray.get(ready[0])
@@ -210,6 +239,15 @@ class EngineFleet:
             except ray.exceptions.RayError as err:
                 raise EngineError(f"{what}: {self.name(i)} failed: {_first_line(err)}") from err
         return answers
+
+
+def _error_of(ref: Any) -> BaseException | None:
+    """What a finished Ray call raised (None: it returned)."""
+    try:
+        ray.get(ref)
+    except Exception as err:  # noqa: BLE001 - returned as the cause of the caller's error
+        return err
+    return None
 
 
 def _first_line(err: Exception) -> str:

@@ -209,9 +209,21 @@ class EngineHandle:
 
     GENERATE_TIMEOUT_FACTOR = 4  # a rollout may take longer than other calls: generate waits this × timeout_s
 
-    def __init__(self, actor: Any, timeout_s: float, name: str = "the rollout engine"):
+    def __init__(self, actor: Any, timeout_s: float, name: str = "the rollout engine", node_actors: Sequence[Any] = (),
+                 placement: Any = None, watchers: Sequence[Any] = ()):
         self.actor, self.timeout_s = actor, timeout_s
         self.name = name  # in errors; a fleet names its engines with their index and node
+        # an engine spanning nodes (mrl.launch.engine_nodes): its other nodes' actors, its placement
+        # group, and a call per node that ends only when that node's workers die (EngineNode.watch)
+        self.node_actors, self.placement, self.watchers = list(node_actors), placement, list(watchers)
+
+    def kill(self) -> None:
+        """Kill the engine's actors at once (no shutdown: for one that is dead, hung or still
+        starting) and free its placement group."""
+        for actor in [self.actor, *self.node_actors]:
+            ray.kill(actor)
+        if self.placement is not None:
+            ray.util.remove_placement_group(self.placement)
 
     def submit(self, method: Callable, *args: Any) -> Any:
         """Start RolloutServer.`method` without waiting: its Ray reference (a fleet waits for all
@@ -265,12 +277,13 @@ def close_engines(handles: Sequence[EngineHandle]) -> None:
     for handle in handles:
         try:
             stopping.append(handle.submit(RolloutServer.shutdown))
+            stopping += [node.shutdown.remote() for node in handle.node_actors]
         except Exception as err:  # noqa: BLE001 - every engine is killed below all the same
             errors.append(err)
     ray.wait(stopping, num_returns=len(stopping), timeout=SHUTDOWN_S)  # what failed to stop is killed anyway
     for handle in handles:
         try:
-            ray.kill(handle.actor)
+            handle.kill()
         except Exception as err:  # noqa: BLE001 - the other engines must stop too; the first error is raised
             errors.append(err)
     if errors:

@@ -90,10 +90,19 @@ class EngineRestarts:
         handed to `lost`, which may add tasks to `waiting`. An engine that raised fails the call."""
         done, deadline = [], time.perf_counter() + timeout_s
         while waiting:
-            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=max(deadline - time.perf_counter(), 0.0))
+            # a node of an engine spanning nodes that dies fails that engine's tasks (EngineNode.watch)
+            watched = {w: t for t in waiting.values() for w in t.handle.watchers}
+            ready, _ = ray.wait(list(waiting) + list(watched), num_returns=1,
+                                timeout=max(deadline - time.perf_counter(), 0.0))
             if not ready:  # every engine still holding a task is silent
                 silent = {id(t.handle): t for t in waiting.values()}.values()
                 self._lose(fleet, waiting, [(t, engine_silent(what, fleet.name(t.engine), timeout_s)) for t in silent],
+                           lost)
+                deadline = time.perf_counter() + timeout_s
+                continue
+            if ready[0] in watched:
+                task = watched[ready[0]]
+                self._lose(fleet, waiting, [(task, engine_died(what, f"{fleet.name(task.engine)}: one of its nodes"))],
                            lost)
                 deadline = time.perf_counter() + timeout_s
                 continue

@@ -48,6 +48,10 @@ class RolloutServer:
         """The node this engine runs on: a fleet names it when the engine fails."""
         return ray.util.get_node_ip_address()
 
+    def node_id(self) -> str:
+        """Ray's id of that node (the run's map of engines to nodes, ranks.json)."""
+        return ray.get_runtime_context().get_node_id()
+
     def receive_weights(self, sync_id: str, channels: int, engines: int = 1, index: int = 0,
                         hub: SyncEndpoint | None = None) -> WeightUpdateReport:
         """This engine's part of an update (engine `index` of `engines`; `hub` is engine 0's endpoint
@@ -111,15 +115,19 @@ class RolloutServer:
         self.engine.shutdown()
 
 
+# The engine core runs in the actor's process (no hidden engine core process).
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+
+
 def launch_rollout_actor(model: str, engine_options: dict[str, Any], *, num_cpus: float = 1,
-                         num_gpus: float = 0, sync_timeout_s: float = 300.0) -> Any:
-    """Start the actor without waiting for its engine (a fleet starts several, then waits once)."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+                         num_gpus: float = 0, sync_timeout_s: float = 300.0, strategy: Any = None) -> Any:
+    """Start the actor without waiting for its engine (a fleet starts several, then waits once);
+    `strategy`: where Ray places it (an engine spanning nodes: its placement group's first bundle)."""
     # interrupt() runs in a group of its own, generate_streaming() in another (a thread per call in
     # flight); every other call in the default group, one at a time
     groups = {"control": 1, "generate": STREAMING_CALLS if engine_options.get("streaming") else 1}
     return ray.remote(concurrency_groups=groups)(RolloutServer).options(
-        num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env}
+        num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": ENGINE_ENV}, scheduling_strategy=strategy,
     ).remote(model, engine_options, sync_timeout_s)
 
 

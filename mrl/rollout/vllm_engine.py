@@ -25,7 +25,8 @@ import torch
 
 from mrl.rollout.engine import Generation, SamplingSettings, per_prompt
 from mrl.rollout.route_capture import EngineRoutes, capture_state
-from mrl.rollout.vllm_cpu import _bind_cpu_workers, _unpack_small_cpu_gemms, cpu_attention
+from mrl.rollout.vllm_args import EngineSpan, local_workers, vllm_arguments
+from mrl.rollout.vllm_cpu import _bind_cpu_workers, _unpack_small_cpu_gemms
 from mrl.rollout.vllm_cpu_ep import map_cpu_experts
 from mrl.rollout.vllm_weights import (_begin_in_place, _begin_reload, _copy_in_place, _finish_in_place, _finish_reload,
                                       _install_plan, _load, _load_shared, _not_planned, _parameter_metadata,
@@ -35,14 +36,6 @@ from mrl.sync.wire import (Bucket, WeightLoadError, WeightUpdateReport, bucket_c
 
 # The engine lives in the caller's process (one engine per process): no hidden engine core process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-
-def _executor_backend(workers: int) -> str:
-    """vLLM's executor: one worker runs in this process ("uni": no worker process to spawn and import
-    vLLM into, measured 7.5 s against 14 s for an engine start on CPU, and a collective_rpc is a
-    call); several are processes ("mp") even inside a Ray actor, where vLLM would otherwise pick
-    its Ray executor and wait for resources the actor already holds (a TP2 engine never started)."""
-    return "uni" if workers == 1 else "mp"
 
 
 def _weights_device() -> str:
@@ -130,34 +123,16 @@ class VLLMEngine:
         streaming: bool = False,
         return_routes: bool = False,
         expert_parallel: bool = False,
+        span: EngineSpan | None = None,
     ):
         from vllm import LLM
 
-        _bind_cpu_workers(tensor_parallel_size)
-        kwargs: dict[str, Any] = dict(
-            model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-            max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
-            distributed_executor_backend=distributed_executor_backend or _executor_backend(tensor_parallel_size),
-        )
-        if not torch.cuda.is_available():
-            # vLLM on CPU cannot split a seeded request's prefill over two steps: rewinding the
-            # request's generator for the discarded partial-prefill sample fails ("CPU Generator
-            # does not use offset"), which a batch of seeded prompts over the step's token budget
-            # hit (e.g. partial rollout's continuations). Whole prompts only; a step holds
-            # at least one full-length sequence. (vLLM does the same itself for MLA on CPU.)
-            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 2048))
-            kwargs.update(cpu_attention(model))
-            if expert_parallel and not enforce_eager:  # vLLM's compile warm-up would run the unmapped kernel
-                raise ValueError("expert_parallel on vLLM-CPU needs enforce_eager=True: its experts kernel is mapped "
-                                 "after start (mrl/rollout/vllm_cpu_ep.py), before any forward pass")
-        if expert_parallel:  # rollout.expert_parallel: the MoE layers' experts split over the TP workers
-            kwargs["enable_expert_parallel"] = True
-        # On CPU gpu_memory_utilization is a fraction of *host* RAM; an explicit byte budget is
-        # the portable way to size the KV cache.
-        if kv_cache_memory_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
-        else:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        _bind_cpu_workers(local_workers(tensor_parallel_size, span))
+        kwargs = vllm_arguments(model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                                max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, seed=seed,
+                                distributed_executor_backend=distributed_executor_backend,
+                                expert_parallel=expert_parallel, span=span)
         if weight_apply not in ("load_weights", "in_place"):
             raise ValueError(f"weight_apply={weight_apply!r}: use 'load_weights' or 'in_place'")
         self.model_path, self.weight_apply = model, weight_apply

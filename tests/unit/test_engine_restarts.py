@@ -17,7 +17,7 @@ from mrl.config.schema import SyncConfig
 from mrl.launch import fleet as fleet_module
 from mrl.launch import proxies, restarts as restarts_module
 from mrl.launch.fleet import EngineFleet
-from mrl.launch.proxies import EngineError
+from mrl.launch.proxies import EngineError, EngineHandle
 from mrl.launch.restarts import EngineRestarts
 from mrl.rollout.engine import Generation, SamplingSettings, seeded_per_prompt
 from mrl.sync.channel import SyncEndpoint
@@ -76,7 +76,9 @@ class FakeEngine:
         FakeEngine.started += 1
         self.number, self.log, self.logprob = FakeEngine.started, log, logprob
         self.state, self.version, self.timeout_s, self.name = "alive", 0, 5.0, "?"
-        self.actor = self
+        self.actor, self.node_actors, self.watchers, self.placement = self, [], [], None
+
+    kill = EngineHandle.kill
 
     def submit(self, method, *args):
         self.log.append((self.number, method.__name__))

@@ -1,0 +1,102 @@
+"""Engines that span nodes (rollout.nodes_per_engine): one placement group per engine, a bundle
+per node (STRICT_SPREAD), the engine itself (RolloutServer, vLLM's leader) in bundle 0 and an
+EngineNode in every other: vLLM's own multi-node mode, each node's workers spawned there and
+joined into one torch.distributed world at the leader's address. The leader's collective_rpc
+reaches every worker (vLLM's message queues over TCP), so the sync's routed transport, whose
+workers receive over TCP, reaches them all; /dev/shm and CUDA IPC do not cross nodes
+(validation refuses other transports). docs/scale.md#engines-that-span-nodes."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from mrl.launch.proxies import EngineHandle
+from mrl.launch.rollout_actor import ENGINE_ENV, launch_rollout_actor
+from mrl.rollout.vllm_args import EngineSpan, local_workers, vllm_arguments
+
+
+class EngineNode:
+    """The workers of one node of an engine that spans nodes (vLLM's headless node: no scheduler,
+    no API; its workers take their orders from the leader's message queue)."""
+
+    def __init__(self, model: str, engine_options: dict[str, Any]):
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+        from mrl.rollout.vllm_cpu import _bind_cpu_workers
+
+        span = engine_options["span"]
+        _bind_cpu_workers(local_workers(engine_options.get("tensor_parallel_size", 1), span))
+        config = EngineArgs(**vllm_arguments(model, **engine_options)).create_engine_config(headless=True)
+        # returns once this node's workers have joined the engine's world (with the leader's)
+        self.executor = MultiprocExecutor(config, monitor_workers=False)
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    @ray.method(concurrency_group="watch")
+    def watch(self) -> None:
+        """Returns (raising) only when one of this node's workers has exited: the fleet waits on it
+        beside every call to the engine, whose leader would otherwise wait for that worker forever."""
+        while True:
+            gone = [w.rank for w in self.executor.workers if not w.proc.is_alive()]
+            if gone:
+                raise RuntimeError(f"the engine's worker(s) {gone} on this node exited")
+            time.sleep(WATCH_S)
+
+    def shutdown(self) -> None:
+        """Stop this node's workers (and free their message queues) before the actor is killed."""
+        self.executor.shutdown()
+
+
+WATCH_S = 1.0  # how often a node looks at its workers
+
+
+def _free_port() -> tuple[str, int]:
+    """This node's address and a port free on it now (the leader's workers bind it next)."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return ray.util.get_node_ip_address(), probe.getsockname()[1]
+
+
+def launch_spanning_engine(model: str, engine_options: dict[str, Any], nodes: int, *, num_cpus: float = 1,
+                           num_gpus: float = 0, sync_timeout_s: float = 300.0, call_timeout_s: float = 300.0,
+                           timeout_s: float = 600.0) -> EngineHandle:
+    """Reserve a bundle on each of `nodes` nodes and start the engine's leader and node actors
+    without waiting for the engine (the fleet waits for all its engines at once). `num_gpus`: the
+    whole engine's, split evenly over its nodes. A node that dies fails the engine's calls at once
+    (its `watch`, EngineHandle.watchers)."""
+    bundle = {"CPU": num_cpus, **({"GPU": num_gpus / nodes} if num_gpus else {})}
+    group = placement_group([bundle] * nodes, strategy="STRICT_SPREAD")
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(group)
+        raise TimeoutError(
+            f"Ray could not place an engine over {nodes} nodes ({bundle} on each) within {timeout_s:.0f}s: the "
+            f"cluster has {ray.cluster_resources()}; rollout.nodes_per_engine needs that many nodes with room") from None
+
+    def on(node: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=node)
+
+    address, port = ray.get(ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=on(0)).remote(),
+                            timeout=timeout_s)
+    span = EngineSpan(nodes, address, port)
+    leader = launch_rollout_actor(model, engine_options | {"span": span}, num_cpus=num_cpus,
+                                  num_gpus=bundle.get("GPU", 0), sync_timeout_s=sync_timeout_s, strategy=on(0))
+    node_actor = ray.remote(concurrency_groups={"watch": 1})(EngineNode)
+    others = [node_actor.options(num_cpus=num_cpus, num_gpus=bundle.get("GPU", 0), scheduling_strategy=on(k),
+                                 runtime_env={"env_vars": ENGINE_ENV}).remote(
+        model, engine_options | {"span": EngineSpan(nodes, address, port, node_rank=k)})
+        for k in range(1, nodes)]
+    return EngineHandle(leader, call_timeout_s, node_actors=others, placement=group,
+                        watchers=[node.watch.remote() for node in others])
