@@ -18,24 +18,16 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mrl.launch.proxies import EngineHandle
 from mrl.launch.rollout_actor import ENGINE_ENV, launch_rollout_actor
-from mrl.rollout.vllm_args import EngineSpan, local_workers, vllm_arguments
+from mrl.rollout.vllm_args import EngineSpan
 
 
 class EngineNode:
-    """The workers of one node of an engine that spans nodes (vLLM's headless node: no scheduler,
-    no API; its workers take their orders from the leader's message queue)."""
+    """The workers of one node of an engine that spans nodes (mrl.rollout.vllm_node)."""
 
     def __init__(self, model: str, engine_options: dict[str, Any]):
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+        from mrl.rollout.vllm_node import NodeWorkers
 
-        from mrl.rollout.vllm_cpu import _bind_cpu_workers
-
-        span = engine_options["span"]
-        _bind_cpu_workers(local_workers(engine_options.get("tensor_parallel_size", 1), span))
-        config = EngineArgs(**vllm_arguments(model, **engine_options)).create_engine_config(headless=True)
-        # returns once this node's workers have joined the engine's world (with the leader's)
-        self.executor = MultiprocExecutor(config, monitor_workers=False)
+        self.workers = NodeWorkers(model, engine_options)
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
@@ -47,15 +39,13 @@ class EngineNode:
     def watch(self) -> None:
         """Returns (raising) only when one of this node's workers has exited: the fleet waits on it
         beside every call to the engine, whose leader would otherwise wait for that worker forever."""
-        while True:
-            gone = [w.rank for w in self.executor.workers if not w.proc.is_alive()]
-            if gone:
-                raise RuntimeError(f"the engine's worker(s) {gone} on this node exited")
+        while not (gone := self.workers.exited()):
             time.sleep(WATCH_S)
+        raise RuntimeError(f"the engine's worker(s) {gone} on this node exited")
 
     def shutdown(self) -> None:
         """Stop this node's workers (and free their message queues) before the actor is killed."""
-        self.executor.shutdown()
+        self.workers.shutdown()
 
 
 WATCH_S = 1.0  # how often a node looks at its workers

@@ -90,7 +90,9 @@ def _split(layers: int, pp: int) -> tuple[bool, int | None]:
 def _with_layout(cfg: RunConfig, layout: ParallelLayout, engine: EngineOption) -> RunConfig:
     parallel = replace(cfg.parallel, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp, vpp=None,
                        first_stage_layers=None, last_stage_layers=layout.last_stage_layers)
-    rollout = replace(cfg.rollout, tensor_parallel_size=engine.engine.tp, num_engines=engine.count)
+    node = cfg.launch.gpus_per_node  # an engine wider than a node spans as many as it needs
+    rollout = replace(cfg.rollout, tensor_parallel_size=engine.engine.tp, num_engines=engine.count,
+                      nodes_per_engine=-(-engine.engine.tp // node) if node else 1)
     return replace(cfg, parallel=parallel, rollout=rollout)
 
 

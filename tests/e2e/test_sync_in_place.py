@@ -4,8 +4,9 @@ Two engines (pooled Ray actors, tests/e2e/conftest.py) on tiny model A, one appl
 place through the sync plan, one through vLLM's load_weights. Both receive model B's tensors (what
 the bridge's export yields: HF names, full tensors) in several buckets; then their greedy tokens
 must be equal and their logprobs within 1e-6 (fp32), and differ from before the update.
-`make test` keeps deepseek_v3 (MLA + MoE; qwen2's biases and replicated K/V head go in place on a
-TP2 engine below); the other architectures run in `make test-matrix`.
+`make test` keeps deepseek_v3 (MLA + MoE, also on a TP2 engine below); the other architectures, and
+qwen2's biases and replicated K/V head on a TP2 engine over routed, run in `make test-matrix` (routed
+into a TP2 engine from a PP2 trainer stays in `make test` as tests/e2e/test_dsv3_replica.py).
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ def test_trainer_push_applies_in_place(arch, layout, transport, tiny_model_dir, 
         _push_in_place(actor, arch, layout, transport, 1, tiny_model_dir, tmp_path, engine_pool.sync_id("in-place"))
 
 
-@pytest.mark.parametrize("arch, layout, transport", [("qwen2", "pp2", "routed"), ("deepseek_v3", "tp2ep2", "colocated")])
+@pytest.mark.parametrize("arch, layout, transport", [pytest.param("qwen2", "pp2", "routed", marks=MATRIX),
+                                                     ("deepseek_v3", "tp2ep2", "colocated")])
 def test_engine_tp2_applies_in_place(arch, layout, transport, tiny_model_dir, tmp_path, engine_pool):
     """A TP2 engine (two workers, each with its own plan); parity against the Megatron that pushed.
     qwen2 over sync.transport routed (each worker receives only its own slices, from both PP

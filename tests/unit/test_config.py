@@ -284,8 +284,13 @@ def test_a_quantised_model_path_is_refused_with_the_conversion_to_run(tmp_path):
         "would load it quantised but rollout.quantization is None, so the weight sync would send unquantised weights. "
         "For DeepSeek-style FP8 on GPUs set rollout.quantization: fp8; otherwise write its dequantised twin with "
         f"`mrl convert fp8-to-hf --hf {model} --out DIR` and set model.path to DIR."]
-    # FP8 engines load it as it is and the sync quantises every bucket (load_weights: no in-place plan for FP8)
-    cfg = load_config(DSV3, [*files, "rollout.quantization=fp8", "sync.apply=load_weights"])
+    # FP8 engines load it as it is and the sync quantises every bucket (load_weights: no in-place plan for FP8),
+    # engines within a node: one spanning nodes takes only the routed transport, which needs in_place
+    fp8 = [*files, "rollout.quantization=fp8", "sync.apply=load_weights"]
+    assert errors_of(DSV3, *fp8) == ["sync.transport 'routed' sends each engine worker the slices its in-place plan "
+                                     "copies; it needs sync.apply: in_place (or use transport 'broadcast')."]
+    cfg = load_config(DSV3, [*fp8, "rollout.tensor_parallel_size=8", "rollout.num_engines=16",
+                             "rollout.nodes_per_engine=1", "sync.transport=colocated"])
     assert cfg.rollout.quantization == "fp8"
 
 
@@ -297,19 +302,21 @@ def test_fp8_engines_need_gpus_load_weights_and_16_bit_activations():
     assert errors_of(TINY, "rollout.quantization=int4", check_files=False)  # the schema's choice: null or fp8
 
 
-TP16_ENGINE = ["rollout.tensor_parallel_size=16", "rollout.num_engines=1"]  # the engine these cases count with
+# the engine these cases count with: two nodes of 8 GPUs, over the recipe's routed transport
+TP16_ENGINE = ["rollout.tensor_parallel_size=16", "rollout.num_engines=1", "rollout.nodes_per_engine=2"]
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
         (["launch.num_nodes=2"], "resources too few: layout TP8×PP4×EP32×ETP1 needs at least 128 actor GPUs but launch gives 16 (num_nodes 2 × gpus_per_node 8)"),
-        (["launch.placement=separate", "sync.transport=broadcast"], "launch.placement separate needs 1 <= launch.rollout_gpus < 128"),
-        (["launch.placement=separate"], "sync.transport 'colocated' needs launch.placement: colocated"),
-        (["launch.num_nodes=20", "launch.placement=separate", "sync.transport=broadcast", "launch.rollout_gpus=24"],
+        (["launch.placement=separate"], "launch.placement separate needs 1 <= launch.rollout_gpus < 128"),
+        (["launch.placement=separate", "sync.transport=colocated"],
+         "sync.transport 'colocated' needs launch.placement: colocated"),
+        (["launch.num_nodes=20", "launch.placement=separate", "launch.rollout_gpus=24"],
          "rollout.num_engines 1 × rollout.tensor_parallel_size 16 = 16 engine GPUs, but launch.rollout_gpus reserves "
          "24: make them equal (choose a tensor_parallel_size that divides it, or launch.rollout_gpus: 16)."),
-        (["launch.num_nodes=20", "launch.placement=separate", "sync.transport=broadcast", "launch.rollout_gpus=32"],
+        (["launch.num_nodes=20", "launch.placement=separate", "launch.rollout_gpus=32"],
          "rollout.num_engines 1 × rollout.tensor_parallel_size 16 = 16 engine GPUs, but launch.rollout_gpus reserves "
          "32: make them equal (set rollout.num_engines: 2, or launch.rollout_gpus: 16)."),
         (["rollout.num_engines=9"], "rollout.num_engines 9 × rollout.tensor_parallel_size 16 = 144 engine GPUs exceed "
@@ -324,7 +331,7 @@ def test_resources(overrides, message):
 
 
 @pytest.mark.parametrize("overrides", [["rollout.num_engines=8"],  # colocated: 8 × TP16 = all 128 GPUs
-                                       ["launch.num_nodes=20", "launch.placement=separate", "sync.transport=broadcast",
+                                       ["launch.num_nodes=20", "launch.placement=separate",
                                         "launch.rollout_gpus=32", "rollout.num_engines=2"]])
 def test_an_engine_fleet_that_fits_its_gpus_is_accepted(overrides):
     overrides = TP16_ENGINE + overrides + (["trainer.offload_actor_during_rollout=false"]
@@ -448,9 +455,9 @@ def test_one_step_off_needs_the_engine_off_the_actors_gpus():
     errors = errors_of(DSV3, "trainer.mode=one_step_off", check_files=False)
     assert any(e.startswith("trainer.mode one_step_off generates while the actor trains") and
                "set launch.placement: separate" in e for e in errors), errors
-    separate = ["trainer.mode=one_step_off", "launch.placement=separate", "sync.transport=broadcast",
-                "launch.num_nodes=20", "launch.rollout_gpus=32", "rollout.num_engines=2",
-                "rollout.tensor_parallel_size=16", "trainer.offload_actor_during_rollout=false"]
+    separate = ["trainer.mode=one_step_off", "launch.placement=separate", "launch.num_nodes=20",
+                "launch.rollout_gpus=32", "rollout.num_engines=2", "rollout.tensor_parallel_size=16",
+                "rollout.nodes_per_engine=2", "trainer.offload_actor_during_rollout=false"]
     assert load_config(DSV3, separate, check_files=False).trainer.mode == "one_step_off"
     assert load_config(TINY, ["trainer.mode=one_step_off"]).trainer.mode == "one_step_off"  # CPU: both run colocated
 

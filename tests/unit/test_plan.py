@@ -37,7 +37,7 @@ H100 = Gpu(3350 * GB, 989e12)
 # responses): the hand-derived cases below; test_the_671b_recipe_fits checks the recipe as shipped.
 AS_WRITTEN = ["model.recompute=none", "optim.offload_fraction=0.0", "trainer.offload_actor_during_rollout=false",
               "optim.max_tokens_per_micro_batch=16384", "rollout.tensor_parallel_size=16", "rollout.num_engines=1",
-              "rollout.max_model_len=34816", "rollout.max_new_tokens=32768"]
+              "rollout.nodes_per_engine=2", "rollout.max_model_len=34816", "rollout.max_new_tokens=32768"]
 
 
 @pytest.fixture(scope="module")
@@ -183,12 +183,17 @@ def test_cli(capsys, tmp_path):
     assert plan_main([RECIPE, f"model.path={FIXTURE}", *AS_WRITTEN, "--json", "--gpu-memory-gb", "1000",
                       "optim.max_tokens_per_micro_batch=34816", "rollout.quantization=fp8"]) == 2  # in_place: refused
     assert "rollout.quantization 'fp8' needs sync.apply: load_weights" in capsys.readouterr().err
-    # FP8 engines: the setting reaches the plan (half the bf16 weights at TP16)
+    # an FP8 engine over two nodes: routed, the only transport across nodes, needs in_place
     assert plan_main([RECIPE, f"model.path={FIXTURE}", *AS_WRITTEN, "--json", "--gpu-memory-gb", "1000",
                       "optim.max_tokens_per_micro_batch=34816", "rollout.quantization=fp8",
-                      "sync.apply=load_weights"]) == 0
+                      "sync.apply=load_weights"]) == 2
+    assert "it needs sync.apply: in_place" in capsys.readouterr().err
+    # FP8 engines within a node: the setting reaches the plan (half the bf16 weights at TP8)
+    assert plan_main([RECIPE, f"model.path={FIXTURE}", *AS_WRITTEN, "--json", "--gpu-memory-gb", "1000",
+                      "optim.max_tokens_per_micro_batch=34816", "rollout.quantization=fp8", "sync.apply=load_weights",
+                      "rollout.tensor_parallel_size=8", "rollout.nodes_per_engine=1", "sync.transport=colocated"]) == 0
     engine = json.loads(capsys.readouterr().out)["engine"]
-    assert engine["quantization"] == "fp8" and 0.66e12 / 16 < engine["weights"] < 0.7e12 / 16, engine
+    assert engine["quantization"] == "fp8" and 0.66e12 / 8 < engine["weights"] < 0.7e12 / 8, engine
     assert plan_main([RECIPE, f"model.path={FIXTURE}", *AS_WRITTEN, "--json", "--gpu-memory-gb", "1000",
                       "optim.max_tokens_per_micro_batch=34816"]) == 0
     result = json.loads(capsys.readouterr().out)
