@@ -130,8 +130,9 @@ def describe_ranks(places: Sequence[RankPlace]) -> list[str]:
 
 
 def shared_devices(places: Sequence[RankPlace]) -> str | None:
-    """A warning when ranks share an accelerator: Ray packs fractional-GPU bundles (a rank's share
-    when colocated with engines or a critic) onto as few GPUs as it can, two ranks to a GPU."""
+    """A warning when ranks of one group share an accelerator: Ray packs fractional-GPU bundles onto
+    as few GPUs as it can, two ranks to a GPU (a run sharing GPUs reserves whole-GPU bundles instead,
+    mrl.launch.cluster._shared_gpus; this catches a placement that still packs)."""
     holders: dict[tuple[str, str], list[int]] = {}
     for p in places:
         if p.devices:
@@ -145,15 +146,17 @@ def shared_devices(places: Sequence[RankPlace]) -> str | None:
             "each rank part of a GPU); the ranks do not each get a GPU of their own")
 
 
-def write_rank_map(out_dir: Path, roles: dict[str, Sequence[RankPlace]], engines: Sequence[Sequence[str]] = ()) -> Path:
-    """Print each role's map (rank → node, device) and the engines' nodes (Ray node ids, an engine
-    spanning nodes: each of them) once, and write them to <out_dir>/ranks.json ("engines")."""
+def write_rank_map(out_dir: Path, roles: dict[str, Sequence[RankPlace]],
+                   engines: Sequence[Sequence[dict]] = ()) -> Path:
+    """Print each role's map (rank → node, device) and where the engines run (per engine, each of its
+    nodes: Ray's node id and the GPUs its workers see) once, and write them to <out_dir>/ranks.json."""
     for role, places in roles.items():
         print(f"{role} ranks:\n  " + "\n  ".join(describe_ranks(places)), flush=True)
         if (warning := shared_devices(places)) is not None:
             print(f"{role} {warning}", flush=True)
-    for i, nodes in enumerate(engines):
-        print(f"rollout engine {i}: node{'s' * (len(nodes) > 1)} {', '.join(nodes)}", flush=True)
+    for i, parts in enumerate(engines):
+        where = ", ".join(f"{p['node_id'][:12]} (devices {p['devices'] or 'none'})" for p in parts)
+        print(f"rollout engine {i}: node{'s' * (len(parts) > 1)} {where}", flush=True)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / "ranks.json"
     layout = {role: [asdict(p) for p in places] for role, places in roles.items()}

@@ -377,7 +377,7 @@ def export_and_evaluate(run: Run, out: Path) -> dict:
     probe = run.cluster.sync.probe
     pushed = run.cluster.engines.score(probe)
     run.cluster.stop_engines()  # the merged model's engine takes their place (their nodes, their GPUs)
-    with one_off_engine(cfg, str(out)) as engine:
+    with one_off_engine(cfg, str(out), run.cluster.engine_parts) as engine:
         gap = logprob_gap(engine.score(probe), pushed)["rollout/logprob_abs_diff_max"]
         summary = {"hf_model": str(out), "merged_hf_logprob_gap": gap}
         if run.heldout:

@@ -40,10 +40,30 @@ def check_engine_nodes(cfg: RunConfig) -> list[str]:
                 f"{-(-tp // gpus)}."]
     if nodes == 1:
         return []
+    return _workers_per_node(tp, nodes, gpus, launch.placement) + _reach(cfg, nodes)
+
+
+def _workers_per_node(tp: int, nodes: int, gpus: int, placement: str) -> list[str]:
+    """How a spanning engine's workers split over its nodes: evenly; colocated on GPUs, a whole node's
+    GPUs each (an engine takes its ranks' GPUs in order); on vLLM-CPU, one each."""
     errors = []
+    if gpus and placement == "colocated" and tp != nodes * gpus:
+        errors.append(f"rollout.nodes_per_engine {nodes}: a colocated engine takes its ranks' GPUs a whole node at a "
+                      f"time, so spanning {nodes} nodes of launch.gpus_per_node {gpus} it is tensor_parallel_size "
+                      f"{nodes * gpus}, not {tp}: set rollout.nodes_per_engine: {-(-tp // gpus)}.")
+    if not gpus and tp != nodes:
+        errors.append(f"rollout.nodes_per_engine {nodes}: on vLLM-CPU an engine spanning nodes runs one worker a "
+                      f"node (vLLM 0.32's message queues count a CPU as one device), so tensor_parallel_size is "
+                      f"{nodes}, not {tp}: set rollout.nodes_per_engine: {tp}.")
     if tp % nodes:
         errors.append(f"rollout.tensor_parallel_size {tp} does not split evenly over rollout.nodes_per_engine "
                       f"{nodes}: choose a nodes_per_engine that divides it.")
+    return errors
+
+
+def _reach(cfg: RunConfig, nodes: int) -> list[str]:
+    """A spanning engine needs a cluster of enough nodes, and a transport that crosses them."""
+    errors, launch = [], cfg.launch
     if cfg.sync.transport != "routed":
         errors.append(f"rollout.nodes_per_engine {nodes}: an engine spanning nodes takes weights only over "
                       f"sync.transport routed (its workers on other nodes cannot map one node's /dev/shm or CUDA "

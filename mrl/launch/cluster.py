@@ -11,13 +11,16 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import ray
 
 from mrl.config import RunConfig
 from mrl.config.derived import actor_world_size, engine_options, has_critic, layout_of, optim_for, recompute_of
+from mrl.launch.colocation import bundle_gpus, engine_slots
+from mrl.launch.engine_nodes import EnginePart
 from mrl.launch.fleet import EngineFleet, FleetGeneration
+from mrl.launch.placement import RankPlacement, place_ranks
 from mrl.launch.proxies import ActorGroup, EngineHandle
 from mrl.launch.route_probe import routing_check
 from mrl.launch.worker_group import WorkerGroup
@@ -40,6 +43,8 @@ class Cluster:
     owns_ray: bool
     critic: ActorGroup | None = None
     sync: WeightSync | None = None
+    shared: RankPlacement | None = None  # on shared GPUs: the run's placement group (_shared_gpus)
+    engine_parts: Any = None  # colocated on GPUs: where engine i's parts run in it (EngineFleet.start's parts)
     offloaded: bool = field(default=False, init=False)  # the trainers' state is in host memory now
     _unreported: dict = field(default_factory=dict, init=False)  # an offload outside the push, for the next onload
     # trainer.offload_actor_during_rollout: move the ranks' host tensors too (tests on CPU only)
@@ -177,6 +182,8 @@ class Cluster:
                 self.engines.close()
             except Exception as err:  # noqa: BLE001 - Ray must stop too
                 errors.append(err)
+        if self.shared is not None:
+            self.shared.remove()
         if self.owns_ray:
             ray.shutdown()
         if errors:
@@ -199,15 +206,16 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
     owns_ray = init_ray(launch.address, max(launch.cpus_per_node, world * (1 + critic) + engines + 1),
                         launch.gpus_per_node or None)
     share = gpu_share(cfg)
-    fleet, groups = None, []
+    fleet, groups, shared = None, [], None
     try:
+        shared, parts = _shared_gpus(cfg, world, max(600.0, cfg.sync.timeout_s))
         if with_engine:
             fleet = EngineFleet.start(engine_checkpoint(cfg, hf_dir), engine_options(cfg), engines, num_cpus=1,
                                       num_gpus=engine_gpus(cfg),
                                       sync_timeout_s=cfg.sync.timeout_s, timeout_s=cfg.sync.timeout_s,
                                       start_timeout_s=cfg.rollout.start_timeout_s,
                                       restarts=cfg.rollout.engine_restarts,
-                                      nodes_per_engine=cfg.rollout.nodes_per_engine)
+                                      nodes_per_engine=cfg.rollout.nodes_per_engine, parts=parts)
         setup = ActorSetup(hf_dir=hf_dir, layout=layout_of(cfg), params_dtype=cfg.model.dtype,
                            transformer_impl=cfg.model.transformer_impl, recompute=recompute_of(cfg), fp8=cfg.model.fp8,
                            seed=cfg.trainer.seed,
@@ -218,10 +226,10 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
         for role_setup in setups:
             groups.append(ActorGroup(WorkerGroup(world, cpus_per_worker=1, gpus_per_worker=share,
                                                  timeout_s=max(600.0, cfg.sync.timeout_s), layout=setup.layout,
-                                                 allow_split=launch.allow_cross_node_tp)))
+                                                 allow_split=launch.allow_cross_node_tp, placement=shared)))
             groups[-1].setup(role_setup)
         write_rank_map(Path(cfg.trainer.output_dir), dict(zip(("actor", "critic"), (g.group.ranks for g in groups))),
-                       fleet.node_ids() if fleet is not None else ())
+                       fleet.places() if fleet is not None else ())
         probe = probe_sequences(vocab_size)
         sync = None if fleet is None else WeightSync(groups[0], fleet.handles, cfg.sync,
                                                      channel_count(cfg.sync.transport, cfg.parallel.pp), probe,
@@ -231,10 +239,36 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
             group.group.shutdown()
         if fleet is not None:
             fleet.close()
+        if shared is not None:
+            shared.remove()
         if owns_ray:
             ray.shutdown()
         raise
-    return Cluster(cfg, groups[0], fleet, owns_ray, critic=groups[1] if critic else None, sync=sync)
+    return Cluster(cfg, groups[0], fleet, owns_ray, critic=groups[1] if critic else None, sync=sync, shared=shared,
+                   engine_parts=parts)
+
+
+def _shared_gpus(cfg: RunConfig, world: int, timeout_s: float) -> tuple[RankPlacement | None, Any]:
+    """On GPUs that processes share (engines colocated, or a PPO critic beside the actor): the run's
+    placement group, a whole GPU a bundle and the ranks numbered by node, so that each rank of a group
+    gets a GPU of its own (Ray would pack two half-GPU bundles of one group onto a GPU); and, with
+    colocated engines, where each engine's parts run in it (mrl.launch.colocation). (None, None)
+    otherwise: the ranks and engines place themselves."""
+    launch, r, colocated = cfg.launch, cfg.rollout, cfg.launch.placement == "colocated"
+    if not launch.gpus_per_node or gpu_share(cfg) == 1:
+        return None, None
+    bundle = {"CPU": 1 + has_critic(cfg) + colocated, "GPU": 1}  # a rank, a critic's, an engine's part
+    shared = place_ranks(world, bundle, timeout_s, layout_of(cfg), launch.allow_cross_node_tp)
+    if not colocated:
+        return shared, None
+    try:
+        slots = engine_slots(shared, bundle_gpus(shared, timeout_s), r.num_engines, r.tensor_parallel_size,
+                             r.nodes_per_engine)
+    except BaseException:
+        shared.remove()
+        raise
+    share = gpu_share(cfg)
+    return shared, lambda i: [EnginePart(slot.strategy(shared), 1, share, slot.env()) for slot in slots[i]]
 
 
 def gpu_share(cfg: RunConfig) -> float:
@@ -243,10 +277,10 @@ def gpu_share(cfg: RunConfig) -> float:
     return 0.0 if cfg.launch.gpus_per_node == 0 else 1 / (1 + has_critic(cfg) + colocated)
 
 
-def engine_gpus(cfg: RunConfig) -> float:
-    """One engine's GPUs, as Ray counts them (colocated: its share of each)."""
-    share = gpu_share(cfg)
-    return 0 if not share else (share if cfg.launch.placement == "colocated" else 1) * cfg.rollout.tensor_parallel_size
+def engine_gpus(cfg: RunConfig) -> int:
+    """An engine's GPUs of its own (placement separate, or a one-off engine): whole ones. Colocated on
+    GPUs, an engine takes a share of the run's bundles instead (_shared_gpus)."""
+    return cfg.rollout.tensor_parallel_size if cfg.launch.gpus_per_node else 0
 
 
 def init_ray(address: str | None, num_cpus: int, num_gpus: int | None = None) -> bool:
@@ -315,14 +349,15 @@ def engine_checkpoint(cfg: RunConfig, hf_dir: str) -> str:
 
 
 @contextmanager
-def one_off_engine(cfg: RunConfig, hf_dir: str) -> Iterator[EngineHandle]:
-    """A one-off engine on `hf_dir`, laid out as the run's (over rollout.nodes_per_engine nodes, on as many
-    GPUs), stopped after the block. It evaluates: no sample of it is trained, so it records no MoE routes."""
+def one_off_engine(cfg: RunConfig, hf_dir: str, parts: Any = None) -> Iterator[EngineHandle]:
+    """A one-off engine on `hf_dir`, laid out as the run's (over rollout.nodes_per_engine nodes), stopped
+    after the block: on GPUs of its own, or given `parts`, in the run's engine 0's (Cluster.engine_parts,
+    once those engines have stopped). It evaluates: no sample of it is trained, so it records no MoE routes."""
     options = engine_options(cfg) | {"return_routes": False}
     fleet = EngineFleet.start(engine_checkpoint(cfg, hf_dir), options, 1, num_gpus=engine_gpus(cfg),
-                              sync_timeout_s=cfg.sync.timeout_s,
-                              timeout_s=cfg.sync.timeout_s, start_timeout_s=cfg.rollout.start_timeout_s,
-                              nodes_per_engine=cfg.rollout.nodes_per_engine)
+                              sync_timeout_s=cfg.sync.timeout_s, timeout_s=cfg.sync.timeout_s,
+                              start_timeout_s=cfg.rollout.start_timeout_s,
+                              nodes_per_engine=cfg.rollout.nodes_per_engine, parts=parts)
     try:
         yield fleet.handles[0]
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -17,7 +18,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mrl.launch.proxies import EngineHandle
-from mrl.launch.rollout_actor import ENGINE_ENV, launch_rollout_actor
+from mrl.launch.rollout_actor import ENGINE_ENV, engine_place, launch_rollout_actor
 from mrl.rollout.vllm_args import EngineSpan
 
 
@@ -32,8 +33,8 @@ class EngineNode:
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
+    def place(self) -> dict:
+        return engine_place()
 
     @ray.method(concurrency_group="watch")
     def watch(self) -> None:
@@ -73,20 +74,45 @@ def launch_spanning_engine(model: str, engine_options: dict[str, Any], nodes: in
         ray.util.remove_placement_group(group)
         raise TimeoutError(
             f"Ray could not place an engine over {nodes} nodes ({bundle} on each) within {timeout_s:.0f}s: the "
-            f"cluster has {ray.cluster_resources()}; rollout.nodes_per_engine needs that many nodes with room") from None
+            f"cluster has {ray.cluster_resources()}; rollout.nodes_per_engine needs that many nodes with "
+            "room") from None
+    on = [PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=k) for k in range(nodes)]
+    parts = [EnginePart(strategy, num_cpus, bundle.get("GPU", 0)) for strategy in on]
+    return start_engine_parts(model, engine_options, parts, group=group, sync_timeout_s=sync_timeout_s,
+                              call_timeout_s=call_timeout_s, timeout_s=timeout_s)
 
-    def on(node: int) -> PlacementGroupSchedulingStrategy:
-        return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=node)
 
-    address, port = ray.get(ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=on(0)).remote(),
+@dataclass(frozen=True)
+class EnginePart:
+    """Where one node's part of an engine runs (its actor's scheduling and resources), and the
+    environment it adds (colocated on GPUs: the GPUs its workers see, mrl.launch.colocation)."""
+
+    strategy: Any
+    num_cpus: float
+    num_gpus: float
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def start_engine_parts(model: str, engine_options: dict[str, Any], parts: list[EnginePart], *, group: Any = None,
+                       sync_timeout_s: float = 300.0, call_timeout_s: float = 300.0,
+                       timeout_s: float = 600.0) -> EngineHandle:
+    """Start an engine's leader in parts[0] and, when it spans nodes, an EngineNode in each other
+    part, all joined at a port free on the leader's node; nothing waits for the engine. `group`:
+    the engine's own placement group, freed when it is killed."""
+    if len(parts) == 1:
+        leader = launch_rollout_actor(model, engine_options, num_cpus=parts[0].num_cpus, num_gpus=parts[0].num_gpus,
+                                      sync_timeout_s=sync_timeout_s, strategy=parts[0].strategy, env=parts[0].env)
+        return EngineHandle(leader, call_timeout_s, placement=group)
+    address, port = ray.get(ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=parts[0].strategy).remote(),
                             timeout=timeout_s)
-    span = EngineSpan(nodes, address, port)
-    leader = launch_rollout_actor(model, engine_options | {"span": span}, num_cpus=num_cpus,
-                                  num_gpus=bundle.get("GPU", 0), sync_timeout_s=sync_timeout_s, strategy=on(0))
+    span = EngineSpan(len(parts), address, port)
+    leader = launch_rollout_actor(model, engine_options | {"span": span}, num_cpus=parts[0].num_cpus,
+                                  num_gpus=parts[0].num_gpus, sync_timeout_s=sync_timeout_s,
+                                  strategy=parts[0].strategy, env=parts[0].env)
     node_actor = ray.remote(concurrency_groups={"watch": 1})(EngineNode)
-    others = [node_actor.options(num_cpus=num_cpus, num_gpus=bundle.get("GPU", 0), scheduling_strategy=on(k),
-                                 runtime_env={"env_vars": ENGINE_ENV}).remote(
-        model, engine_options | {"span": EngineSpan(nodes, address, port, node_rank=k)})
-        for k in range(1, nodes)]
+    others = [node_actor.options(num_cpus=part.num_cpus, num_gpus=part.num_gpus, scheduling_strategy=part.strategy,
+                                 runtime_env={"env_vars": ENGINE_ENV | part.env}).remote(
+        model, engine_options | {"span": EngineSpan(len(parts), address, port, node_rank=k)})
+        for k, part in enumerate(parts[1:], start=1)]
     return EngineHandle(leader, call_timeout_s, node_actors=others, placement=group,
                         watchers=[node.watch.remote() for node in others])

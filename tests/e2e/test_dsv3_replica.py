@@ -56,12 +56,30 @@ def _assert_parity_each_step(run: Path, steps: int) -> list[dict]:
     return rows
 
 
-def _assert_placement(layout: dict) -> None:
-    """Ranks 0-1 (TP group, pipeline stage 0) on one node, 2-3 (stage 1) on the other; the engine on both."""
+@pytest.mark.matrix  # ~1.5 min: the replica colocated on 2 logical GPUs a node (Ray hands them out, all runs on CPU)
+def test_the_replica_on_gpus_gives_each_rank_a_gpu_and_the_engine_its_ranks_gpus():
+    """Colocated on GPUs: each rank its own GPU (not two half-GPU ranks on one), the TP2 engine
+    (within a node here) at a share of ranks 0-1's bundles, its workers seeing both their GPUs."""
+    report = _replica(2, kill_at_step=None, timeout_s=600, extra=["launch.gpus_per_node=2",
+                                                                  "rollout.nodes_per_engine=1"])
+    run = Path(report["run_dir"])
+    layout = json.loads((run / "ranks.json").read_text())
+    _assert_placement(layout, engine_nodes=1)
+    assert [p["devices"] for p in layout["actor"]] == ["0", "1", "0", "1"], layout
+    assert [p["devices"] for p in layout["engines"][0]] == ["0,1"], layout
+    _assert_parity_each_step(run, steps=2)
+    assert json.loads((run / "summary.json").read_text())["merged_hf_logprob_gap"] < 1e-5
+
+
+def _assert_placement(layout: dict, engine_nodes: int = 2) -> None:
+    """Ranks 0-1 (TP group, pipeline stage 0) on one node, 2-3 (stage 1) on the other; the engine on
+    both (or, within a node, on the first)."""
     nodes = [p["node_id"] for p in layout["actor"]]
     assert nodes[0] == nodes[1] != nodes[2] == nodes[3], layout
     assert [p["local_rank"] for p in layout["actor"]] == [0, 1, 0, 1]
-    assert len(layout["engines"]) == 1 and sorted(layout["engines"][0]) == sorted({nodes[0], nodes[2]}), layout
+    engine = [p["node_id"] for p in layout["engines"][0]]
+    expected = [nodes[0]] if engine_nodes == 1 else [nodes[0], nodes[2]]
+    assert len(layout["engines"]) == 1 and sorted(engine) == sorted(expected), layout
 
 
 def _replica(steps: int, kill_at_step: int | None, timeout_s: float, extra: tuple = ()) -> dict:
@@ -82,7 +100,9 @@ def _replica(steps: int, kill_at_step: int | None, timeout_s: float, extra: tupl
 
 
 def _launch(work: Path, steps: int, kill_at_step: int | None, extra: list[str]) -> dict:
-    """Start the two-node cluster, write the tiny model and prompts, run the script, report."""
+    """Start the two-node cluster, write the tiny model and prompts, run the script, report. With
+    launch.gpus_per_node=2 among `extra` each node declares 2 logical GPUs (Ray hands them out, the
+    processes run on CPU): the colocated placement of ranks and engines on GPUs."""
     from ray.cluster_utils import Cluster
 
     from mrl.models.tiny import write_tiny_model
@@ -96,9 +116,10 @@ def _launch(work: Path, steps: int, kill_at_step: int | None, extra: list[str]) 
     reward = work / "reward.py"
     reward.write_text("def odd_length(prompt, response, ground_truth, metadata=None):\n"
                       "    return float(len(response) % 2), {}\n")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
+    node = {"num_cpus": 4, "num_gpus": 2} if "launch.gpus_per_node=2" in extra else {"num_cpus": 3}
+    cluster = Cluster(initialize_head=True, head_node_args=node | {"include_dashboard": False})
     try:
-        cluster.add_node(num_cpus=3)
+        cluster.add_node(**node)
         cluster.wait_for_nodes()
         env = {**os.environ, "RECIPE": str(ROOT / "configs/dsv3_replica_cpu.yaml"), "MODEL_PATH": str(model),
                "DATA_PATH": str(data), "RUN_DIR": str(work / "run"),

@@ -139,7 +139,7 @@ def fake_ray(monkeypatch):
 
 def _fleet(count: int, allowed: int, log: list, logprob: float = -1.0) -> EngineFleet:
     engines = [FakeEngine(log) for _ in range(count)]
-    restarts = EngineRestarts(allowed, lambda: FakeEngine(log, logprob)) if allowed else None
+    restarts = EngineRestarts(allowed, lambda i: FakeEngine(log, logprob)) if allowed else None
     return EngineFleet(engines, [e.node_ip() for e in engines], restarts=restarts)
 
 

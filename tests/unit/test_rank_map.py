@@ -82,7 +82,8 @@ def test_a_split_is_refused_in_one_line_or_only_warned_when_allowed(capsys):
 def test_validation_refuses_a_tp_group_larger_than_a_node():
     assert planned_split(ParallelLayout(tp=8, pp=4, ep=32, etp=1), 128, 8) == []  # the recipe as it is
     assert planned_split(ParallelLayout(tp=4), 12, 6)[0].startswith("TP group of ranks 4-7 is split over nodes 0, 1")
-    files = ["launch.num_nodes=32", "rollout.tensor_parallel_size=16", "rollout.num_engines=1"]
+    files = ["launch.num_nodes=32", "rollout.tensor_parallel_size=16", "rollout.num_engines=1",
+             "rollout.nodes_per_engine=2"]
     with pytest.raises(ConfigError) as refused:
         load_config(DSV3, [*files, "parallel.tp=16"], check_files=False)
     errors = refused.value.errors
