@@ -4,7 +4,8 @@ EngineNode in every other: vLLM's own multi-node mode, each node's workers spawn
 joined into one torch.distributed world at the leader's address. The leader's collective_rpc
 reaches every worker (vLLM's message queues over TCP), so the sync's routed transport, whose
 workers receive over TCP, reaches them all; /dev/shm and CUDA IPC do not cross nodes
-(validation refuses other transports). docs/scale.md#engines-that-span-nodes."""
+(validation refuses other transports). Colocated on GPUs the parts go in the run's bundles instead
+(mrl.launch.colocation). docs/scale.md#engines-that-span-nodes."""
 
 from __future__ import annotations
 
@@ -78,8 +79,12 @@ def launch_spanning_engine(model: str, engine_options: dict[str, Any], nodes: in
             "room") from None
     on = [PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=k) for k in range(nodes)]
     parts = [EnginePart(strategy, num_cpus, bundle.get("GPU", 0)) for strategy in on]
-    return start_engine_parts(model, engine_options, parts, group=group, sync_timeout_s=sync_timeout_s,
-                              call_timeout_s=call_timeout_s, timeout_s=timeout_s)
+    try:
+        return start_engine_parts(model, engine_options, parts, group=group, sync_timeout_s=sync_timeout_s,
+                                  call_timeout_s=call_timeout_s, timeout_s=timeout_s)
+    except BaseException:
+        ray.util.remove_placement_group(group)
+        raise
 
 
 @dataclass(frozen=True)
