@@ -208,7 +208,7 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
     share = gpu_share(cfg)
     fleet, groups, shared = None, [], None
     try:
-        shared, parts = _shared_gpus(cfg, world, max(600.0, cfg.sync.timeout_s))
+        shared, parts = _shared_gpus(cfg, world, max(600.0, cfg.sync.timeout_s), with_engine)
         if with_engine:
             fleet = EngineFleet.start(engine_checkpoint(cfg, hf_dir), engine_options(cfg), engines, num_cpus=1,
                                       num_gpus=engine_gpus(cfg),
@@ -248,7 +248,8 @@ def start_cluster(cfg: RunConfig, hf_dir: str, vocab_size: int, with_engine: boo
                    engine_parts=parts)
 
 
-def _shared_gpus(cfg: RunConfig, world: int, timeout_s: float) -> tuple[RankPlacement | None, Any]:
+def _shared_gpus(cfg: RunConfig, world: int, timeout_s: float,
+                 with_engine: bool = True) -> tuple[RankPlacement | None, Any]:
     """On GPUs that processes share (engines colocated, or a PPO critic beside the actor): the run's
     placement group, a whole GPU a bundle and the ranks numbered by node, so that each rank of a group
     gets a GPU of its own (Ray would pack two half-GPU bundles of one group onto a GPU); and, with
@@ -259,7 +260,7 @@ def _shared_gpus(cfg: RunConfig, world: int, timeout_s: float) -> tuple[RankPlac
         return None, None
     bundle = {"CPU": 1 + has_critic(cfg) + colocated, "GPU": 1}  # a rank, a critic's, an engine's part
     shared = place_ranks(world, bundle, timeout_s, layout_of(cfg), launch.allow_cross_node_tp)
-    if not colocated:
+    if not (colocated and with_engine):
         return shared, None
     try:
         slots = engine_slots(shared, bundle_gpus(shared, timeout_s), r.num_engines, r.tensor_parallel_size,

@@ -219,11 +219,12 @@ class EngineHandle:
 
     def kill(self) -> None:
         """Kill the engine's actors at once (no shutdown: for one that is dead, hung or still
-        starting) and free its placement group."""
+        starting) and free its placement group (once: a second kill frees nothing)."""
         for actor in [self.actor, *self.node_actors]:
             ray.kill(actor)
-        if self.placement is not None:
-            ray.util.remove_placement_group(self.placement)
+        placement, self.placement = self.placement, None
+        if placement is not None:
+            ray.util.remove_placement_group(placement)
 
     def submit(self, method: Callable, *args: Any) -> Any:
         """Start RolloutServer.`method` without waiting: its Ray reference (a fleet waits for all
