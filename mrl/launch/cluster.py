@@ -17,7 +17,7 @@ import ray
 
 from mrl.config import RunConfig
 from mrl.config.derived import actor_world_size, engine_options, has_critic, layout_of, optim_for, recompute_of
-from mrl.launch.colocation import bundle_gpus, engine_slots
+from mrl.launch.colocation import engine_slots, rank_gpus
 from mrl.launch.engine_nodes import EnginePart
 from mrl.launch.fleet import EngineFleet, FleetGeneration
 from mrl.launch.placement import RankPlacement, place_ranks
@@ -263,7 +263,7 @@ def _shared_gpus(cfg: RunConfig, world: int, timeout_s: float,
     if not (colocated and with_engine):
         return shared, None
     try:
-        slots = engine_slots(shared, bundle_gpus(shared, timeout_s), r.num_engines, r.tensor_parallel_size,
+        slots = engine_slots(shared, rank_gpus(shared, timeout_s), r.num_engines, r.tensor_parallel_size,
                              r.nodes_per_engine)
     except BaseException:
         shared.remove()

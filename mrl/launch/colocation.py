@@ -20,35 +20,35 @@ from mrl.rank_map import PlacementError
 
 @dataclass(frozen=True)
 class EngineSlot:
-    """Where one node's part of a colocated engine runs: a bundle of the run's placement group, and
-    the GPUs (CUDA_VISIBLE_DEVICES) its workers see, that bundle's first."""
+    """Where one node's part of a colocated engine runs: beside its first rank, in that rank's bundle
+    of the run's placement group, and the GPUs (CUDA_VISIBLE_DEVICES) its workers see, that rank's first."""
 
-    bundle: int
+    rank: int
     devices: str
 
     def strategy(self, placement: RankPlacement) -> PlacementGroupSchedulingStrategy:
-        return PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=self.bundle)
+        return placement.strategy(self.rank)
 
     def env(self) -> dict[str, str]:
         """The part's environment: its GPUs, which Ray must leave as they are."""
         return {"CUDA_VISIBLE_DEVICES": self.devices, "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
 
-def bundle_gpus(placement: RankPlacement, timeout_s: float) -> list[str]:
-    """The GPU id Ray gave each bundle (by bundle index), asked of a sliver of each."""
+def rank_gpus(placement: RankPlacement, timeout_s: float) -> list[str]:
+    """The GPU id Ray gave each rank's bundle (by rank), asked of a sliver of each."""
 
     def gpu() -> str:
         return ",".join(str(g) for g in ray.get_gpu_ids())
 
     probe = ray.remote(gpu)
-    refs = [probe.options(num_cpus=0, num_gpus=0.001, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        placement.group, placement_group_bundle_index=b)).remote() for b in range(len(placement.places))]
+    refs = [probe.options(num_cpus=0, num_gpus=0.001, scheduling_strategy=placement.strategy(rank)).remote()
+            for rank in range(len(placement.places))]
     return ray.get(refs, timeout=timeout_s)
 
 
 def engine_slots(placement: RankPlacement, gpus: list[str], engines: int, tp: int,
                  nodes: int) -> list[list[EngineSlot]]:
-    """Per engine, per node it spans, its slot: the GPUs of ranks e·tp + k·(tp/nodes) onwards.
+    """Per engine, per node it spans, its slot: the GPUs (`gpus`, by rank) of ranks e·tp + k·(tp/nodes) onwards.
     PlacementError when one part's GPUs are not on one node (the fix: rollout.nodes_per_engine)."""
     width, slots = tp // nodes, []
     if engines * tp > len(placement.places):
@@ -64,6 +64,6 @@ def engine_slots(placement: RankPlacement, gpus: list[str], engines: int, tp: in
                     f"rollout engine {e}'s GPUs for node {k} of its {nodes} (ranks {places[0].rank}-{places[-1].rank}) "
                     f"lie on {len({p.node_id for p in places})} nodes: set rollout.nodes_per_engine so that "
                     "tensor_parallel_size / nodes_per_engine GPUs fit on one node")
-            parts.append(EngineSlot(places[0].bundle, ",".join(gpus[p.bundle] for p in places)))
+            parts.append(EngineSlot(places[0].rank, ",".join(gpus[p.rank] for p in places)))
         slots.append(parts)
     return slots

@@ -104,20 +104,17 @@ def start_engine_parts(model: str, engine_options: dict[str, Any], parts: list[E
     """Start an engine's leader in parts[0] and, when it spans nodes, an EngineNode in each other
     part, all joined at a port free on the leader's node; nothing waits for the engine. `group`:
     the engine's own placement group, freed when it is killed."""
-    if len(parts) == 1:
-        leader = launch_rollout_actor(model, engine_options, num_cpus=parts[0].num_cpus, num_gpus=parts[0].num_gpus,
-                                      sync_timeout_s=sync_timeout_s, strategy=parts[0].strategy, env=parts[0].env)
-        return EngineHandle(leader, call_timeout_s, placement=group)
-    address, port = ray.get(ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=parts[0].strategy).remote(),
-                            timeout=timeout_s)
-    span = EngineSpan(len(parts), address, port)
-    leader = launch_rollout_actor(model, engine_options | {"span": span}, num_cpus=parts[0].num_cpus,
+    spans = [{}] * len(parts)  # one part: a plain engine
+    if len(parts) > 1:
+        address, port = ray.get(ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=parts[0].strategy)
+                                .remote(), timeout=timeout_s)
+        spans = [{"span": EngineSpan(len(parts), address, port, node_rank=k)} for k in range(len(parts))]
+    leader = launch_rollout_actor(model, engine_options | spans[0], num_cpus=parts[0].num_cpus,
                                   num_gpus=parts[0].num_gpus, sync_timeout_s=sync_timeout_s,
                                   strategy=parts[0].strategy, env=parts[0].env)
     node_actor = ray.remote(concurrency_groups={"watch": 1})(EngineNode)
     others = [node_actor.options(num_cpus=part.num_cpus, num_gpus=part.num_gpus, scheduling_strategy=part.strategy,
-                                 runtime_env={"env_vars": ENGINE_ENV | part.env}).remote(
-        model, engine_options | {"span": EngineSpan(len(parts), address, port, node_rank=k)})
-        for k, part in enumerate(parts[1:], start=1)]
+                                 runtime_env={"env_vars": ENGINE_ENV | part.env}).remote(model, engine_options | span)
+              for part, span in zip(parts[1:], spans[1:])]
     return EngineHandle(leader, call_timeout_s, node_actors=others, placement=group,
                         watchers=[node.watch.remote() for node in others])

@@ -25,7 +25,7 @@ import ray
 from mrl.launch.engine_nodes import EnginePart, launch_spanning_engine, start_engine_parts
 from mrl.launch.proxies import EngineError, EngineHandle, close_engines, engine_died, engine_silent
 from mrl.launch.restarts import EngineRestarts, Piece
-from mrl.launch.rollout_actor import RolloutServer, launch_rollout_actor
+from mrl.launch.rollout_actor import RolloutServer
 from mrl.rollout.engine import Generation, SamplingSettings, Task, per_prompt
 
 
@@ -90,15 +90,13 @@ class EngineFleet:
         `parts(i)`: where engine i's parts run, in the run's bundles (colocated on GPUs, mrl.launch.colocation)."""
 
         def launch(i: int) -> EngineHandle:  # a restart starts engine i again with the same options, in its place
-            if parts is not None:
-                return start_engine_parts(model, engine_options, parts(i), sync_timeout_s=sync_timeout_s,
-                                          call_timeout_s=timeout_s, timeout_s=start_timeout_s)
-            if nodes_per_engine == 1:
-                return EngineHandle(launch_rollout_actor(model, engine_options, num_cpus=num_cpus, num_gpus=num_gpus,
-                                                         sync_timeout_s=sync_timeout_s), timeout_s)
-            return launch_spanning_engine(model, engine_options, nodes_per_engine, num_cpus=num_cpus,
-                                          num_gpus=num_gpus, sync_timeout_s=sync_timeout_s, call_timeout_s=timeout_s,
-                                          timeout_s=start_timeout_s)
+            if parts is None and nodes_per_engine > 1:
+                return launch_spanning_engine(model, engine_options, nodes_per_engine, num_cpus=num_cpus,
+                                              num_gpus=num_gpus, sync_timeout_s=sync_timeout_s,
+                                              call_timeout_s=timeout_s, timeout_s=start_timeout_s)
+            where = parts(i) if parts is not None else [EnginePart(None, num_cpus, num_gpus)]  # None: Ray places it
+            return start_engine_parts(model, engine_options, where, sync_timeout_s=sync_timeout_s,
+                                      call_timeout_s=timeout_s, timeout_s=start_timeout_s)
 
         handles: list[EngineHandle] = []
         try:

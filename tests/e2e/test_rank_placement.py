@@ -99,12 +99,12 @@ def _colocated(probe_class) -> dict:
     GPU with the GPUs mrl gives them: where each runs and what it sees."""
     import ray
 
-    from mrl.launch.colocation import bundle_gpus, engine_slots
+    from mrl.launch.colocation import engine_slots, rank_gpus
     from mrl.launch.placement import place_ranks
     from mrl.layout import ParallelLayout
 
     shared = place_ranks(4, {"CPU": 2, "GPU": 1}, 60.0, ParallelLayout(tp=2))
-    gpus = bundle_gpus(shared, 60.0)
+    gpus = rank_gpus(shared, 60.0)
 
     def run(strategies_and_envs) -> list:
         probes = [probe_class.options(num_cpus=1, num_gpus=0.5, scheduling_strategy=strategy,
